@@ -1,0 +1,1 @@
+"""Autotuning of kernel tiles: arrives with the GPU targets. Imports `dsl` and `kernels`."""

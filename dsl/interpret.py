@@ -1,0 +1,27 @@
+"""Runs a graph with every op's torch reference: the semantics of the DSL, and the cpu target."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dsl.context import ForwardContext
+from dsl.graph import Graph
+from dsl.ops import OPS
+
+
+def interpret(graph: Graph, inputs: dict[str, Any], params: dict[str, Any], ctx: ForwardContext) -> dict[str, Any]:
+    env: dict = {}
+    for name, value in graph.inputs.items():
+        env[value] = inputs[name]
+    for name, value in graph.params.items():
+        env[value] = params[name]
+    for node in graph.nodes:
+        opdef = OPS[node.op]
+        args = [None if v is None else env[v] for v in node.inputs]
+        kwargs = dict(node.attrs, ctx=ctx) if opdef.uses_context else node.attrs
+        result = opdef.reference(*args, **kwargs)
+        if opdef.num_outputs == 1:
+            result = (result,)
+        for value, r in zip(node.outputs, result, strict=True):
+            env[value] = r
+    return {name: env[v] for name, v in graph.outputs.items()}

@@ -1,0 +1,86 @@
+"""Sliding-window caches and sparse attention with a sink over window plus selected compressed entries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsl.ops.registry import op
+from dsl.tensor import TensorType, context
+
+
+@dataclass
+class CacheView:
+    """A per-chunk view of a cache after this forward's writes: keys [L_i, D] and, for windows, positions [L_i]."""
+
+    keys: list[torch.Tensor]
+    positions: list[torch.Tensor] | None = None
+
+
+def _cache_type(x: TensorType, **attrs) -> tuple[TensorType]:
+    return (TensorType((context, x.shape[-1]), "cache"),)
+
+
+@op("kv_window_append", _cache_type, uses_context=True)
+def kv_window_append(kv: torch.Tensor, *, layer: int, window: int, ctx) -> CacheView:
+    """Append each chunk's kv [N, D] to its sequence's window; keep the last `window - 1` entries for later.
+
+    The returned view holds the kept entries followed by the whole chunk, with their positions.
+    """
+    keys, positions = [], []
+    for c in ctx.chunks:
+        name = f"window.{layer}"
+        prev = c.state.caches.get(name)
+        new = kv[c.rows]
+        full = new if prev is None else torch.cat([prev, new])
+        keys.append(full)
+        positions.append(torch.arange(c.start_pos + c.length - full.shape[0], c.start_pos + c.length))
+        c.state.caches[name] = full[max(0, full.shape[0] - (window - 1)):].clone()
+    return CacheView(keys, positions)
+
+
+@op("cache_append", _cache_type, uses_context=True)
+def cache_append(entries, *, layer: int, name: str, ctx) -> CacheView:
+    """Append new compressed entries (Ragged) to each sequence's `name` cache of `layer`; view the whole cache."""
+    keys = []
+    for c, new in zip(ctx.chunks, entries.split(), strict=True):
+        key = f"{name}.{layer}"
+        prev = c.state.caches.get(key)
+        full = new if prev is None else torch.cat([prev, new])
+        c.state.caches[key] = full
+        keys.append(full)
+    return CacheView(keys)
+
+
+def _attention_type(q: TensorType, *rest, **attrs) -> tuple[TensorType]:
+    return (TensorType(q.shape, "float32"),)
+
+
+@op("sparse_attention", _attention_type, uses_context=True)
+def sparse_attention(q: torch.Tensor, window: CacheView, sink: torch.Tensor, compressed: CacheView | None = None,
+                     topk: torch.Tensor | None = None, *, window_size: int, scale: float, ctx) -> torch.Tensor:
+    """Attention of q [N, H, D] over one shared K=V head: the window (0 <= i - j < window_size) plus the
+    compressed entries picked by `topk` [N, K] (-1 = none). The per-head sink logit `sink` [H] joins the
+    softmax denominator only. Returns fp32 [N, H, D]."""
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for i, c in enumerate(ctx.chunks):
+        qc = q[c.rows].float()  # [T, H, D]
+        qpos = ctx.positions[c.rows]
+        kv = window.keys[i].float()  # [P + T, D]
+        delta = qpos[:, None] - window.positions[i].to(qpos.device)[None, :]
+        mask = (delta >= 0) & (delta < window_size)  # [T, P + T]
+        if compressed is not None and topk is not None and compressed.keys[i].shape[0]:
+            entries = compressed.keys[i].float()  # [L, D]
+            picks = topk[c.rows]  # [T, K]
+            chosen = torch.zeros(c.length, entries.shape[0] + 1, dtype=torch.bool, device=q.device)
+            chosen.scatter_(1, torch.where(picks >= 0, picks, entries.shape[0]), True)
+            kv = torch.cat([kv, entries])
+            mask = torch.cat([mask, chosen[:, :-1]], dim=1)
+        logits = torch.einsum("thd,sd->hts", qc, kv) * scale  # [H, T, S]
+        logits = logits.masked_fill(~mask[None], float("-inf"))
+        sinks = sink.float()[:, None, None].expand(-1, c.length, 1)
+        full = torch.cat([logits, sinks], dim=-1)
+        probs = torch.softmax(full - full.amax(-1, keepdim=True), dim=-1)[..., :-1]
+        out[c.rows] = torch.einsum("hts,sd->thd", probs, kv)
+    return out

@@ -1,0 +1,48 @@
+"""The compressor of a KV-source layer: pools `ratio` consecutive tokens into one entry.
+
+Partial groups wait in the sequence's state across forwards; a group becomes an entry once complete.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsl.ops.registry import op
+from dsl.ragged import Ragged
+from dsl.tensor import TensorType, num_entries
+
+
+def _entries_type(kv: TensorType, *rest, **attrs) -> tuple[TensorType]:
+    return (TensorType((num_entries, kv.shape[-1]), "entries"),)
+
+
+@op("compress_pool", _entries_type, uses_context=True)
+def compress_pool(kv: torch.Tensor, gate: torch.Tensor | None = None, *, layer: int, ratio: int, ctx) -> Ragged:
+    """Pool kv [N, D] in groups of `ratio` tokens, weighted by the softmax over the group of gate [N, D].
+
+    Ratio 1 passes every token through (no gate). Returns the completed entries (fp32, pre-norm and pre-rope)
+    of each sequence, with their absolute entry indices.
+    """
+    values, counts, first = [], [], []
+    for c in ctx.chunks:
+        count_key, kv_key, gate_key = f"entries.{layer}", f"pool_kv.{layer}", f"pool_gate.{layer}"
+        done = c.state.caches.get(count_key, 0)
+        ckv = kv[c.rows].float()
+        if ratio == 1:
+            pooled = ckv
+        else:
+            cgate = gate[c.rows].float()
+            if kv_key in c.state.caches:
+                ckv = torch.cat([c.state.caches[kv_key], ckv])
+                cgate = torch.cat([c.state.caches[gate_key], cgate])
+            usable = ckv.shape[0] // ratio * ratio
+            c.state.caches[kv_key], c.state.caches[gate_key] = ckv[usable:].clone(), cgate[usable:].clone()
+            groups = ckv[:usable].reshape(-1, ratio, ckv.shape[-1])
+            weights = cgate[:usable].reshape(-1, ratio, ckv.shape[-1]).softmax(dim=1)
+            pooled = (groups * weights).sum(dim=1)
+        values.append(pooled)
+        counts.append(pooled.shape[0])
+        first.append(done)
+        c.state.caches[count_key] = done + pooled.shape[0]
+    flat = torch.cat(values) if values else kv.new_zeros(0, kv.shape[-1], dtype=torch.float32)
+    return Ragged(flat, counts, first)

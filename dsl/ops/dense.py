@@ -1,0 +1,93 @@
+"""Per-token dense ops: embedding, linear over plain and block-quantised weights, grouped linear, RMSNorm."""
+
+from __future__ import annotations
+
+import torch
+
+from dsl.ops.registry import op, same_as_first
+from dsl.ragged import ragged_map
+from dsl.tensor import TensorType
+
+
+def weight_values(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """The fp32 values of a stored weight: plain float, fp8 32x32 blocks or packed fp4 with per-32 scales."""
+    if scale is None:
+        return w.float()
+    from dsl.quant import dequantize
+
+    return dequantize(w, scale)
+
+
+def _embedding_type(ids: TensorType, table: TensorType) -> tuple[TensorType]:
+    return (TensorType((*ids.shape, table.shape[-1]), "float32"),)
+
+
+@op("embedding", _embedding_type)
+def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rows of `table` [V, D] for integer `ids` [...] -> fp32 [..., D]."""
+    return table[ids.long()].float()
+
+
+def _linear_type(x: TensorType, w: TensorType, scale: TensorType | None = None) -> tuple[TensorType]:
+    return (TensorType((*x.shape[:-1], w.shape[0]), "float32"),)
+
+
+@op("linear", _linear_type)
+@ragged_map
+def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., I] @ W.T with W [O, I] (plain, or fp8/fp4 with `scale`) -> fp32 [..., O]."""
+    return torch.nn.functional.linear(x.float(), weight_values(w, scale))
+
+
+def _grouped_type(x: TensorType, w: TensorType, scale: TensorType | None = None, *, groups: int) -> tuple[TensorType]:
+    return (TensorType((*x.shape[:-1], w.shape[0]), "float32"),)
+
+
+@op("grouped_linear", _grouped_type)
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *, groups: int) -> torch.Tensor:
+    """Block-diagonal linear: x [N, G*K] split in G groups, group g through rows g*R..(g+1)*R-1 of W [G*R, K].
+
+    Returns fp32 [N, G*R]: the groups' outputs concatenated.
+    """
+    wv = weight_values(w, scale).reshape(groups, -1, w.shape[-1])  # [G, R, K]
+    xg = x.float().reshape(x.shape[0], groups, -1)  # [N, G, K]
+    return torch.einsum("ngk,grk->ngr", xg, wv).reshape(x.shape[0], -1)
+
+
+def _norm_type(x: TensorType, w: TensorType | None = None, **attrs) -> tuple[TensorType]:
+    return (TensorType(x.shape, "float32"),)
+
+
+@op("rms_norm", _norm_type)
+@ragged_map
+def rms_norm(x: torch.Tensor, w: torch.Tensor | None = None, *, eps: float) -> torch.Tensor:
+    """w * x * rsqrt(mean(x^2) + eps) over the last dim, in fp32; no weight when `w` is None."""
+    x = x.float()
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    return y if w is None else w.float() * y
+
+
+@op("reshape", lambda x, *, shape: (TensorType(tuple(x.shape[:1]) + tuple(shape), x.dtype),))
+def reshape(x: torch.Tensor, *, shape: tuple[int, ...]) -> torch.Tensor:
+    """Reshape every token's trailing dims: x [N, ...] -> [N, *shape]."""
+    return x.reshape(x.shape[0], *shape)
+
+
+@op("add", same_as_first)
+def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x + y
+
+
+@op("broadcast_streams", lambda x, *, copies: (TensorType((x.shape[0], copies, *x.shape[1:]), x.dtype),))
+def broadcast_streams(x: torch.Tensor, *, copies: int) -> torch.Tensor:
+    """Copy each token's vector into `copies` residual streams: [N, D] -> [N, copies, D]."""
+    return x.unsqueeze(1).expand(-1, copies, *x.shape[1:]).contiguous()
+
+
+@op("select_rows", lambda x: (x.with_shape(*x.shape),), uses_context=True)
+def select_rows(x: torch.Tensor, *, ctx) -> torch.Tensor:
+    """Keep the token rows the forward wants logits for (`ctx.logit_rows`; all when None)."""
+    return x if ctx.logit_rows is None else x[ctx.logit_rows]
+
+
+__all__ = ["embedding", "linear", "grouped_linear", "rms_norm", "reshape", "add", "broadcast_streams", "same_as_first"]

@@ -1,0 +1,71 @@
+"""Engram: n-gram hashes of the compressed token ids, table rows, and the gate that adds them to the streams."""
+
+from __future__ import annotations
+
+import torch
+
+from dsl.ops.registry import op
+from dsl.tensor import TensorType
+
+
+def _ngrams_type(ids: TensorType, token_map: TensorType, *, n: int, **attrs) -> tuple[TensorType]:
+    return (TensorType((ids.shape[0], n), "int64"),)
+
+
+@op("engram_ngrams", _ngrams_type, uses_context=True)
+def engram_ngrams(ids: torch.Tensor, token_map: torch.Tensor, *, n: int, pad_id: int, ctx) -> torch.Tensor:
+    """For each token, the compressed ids of tokens p, p - 1, ..., p - n + 1 ([N, n] int64); positions before
+    the sequence start get `pad_id`. Keeps each sequence's last n - 1 compressed ids for later forwards."""
+    out = torch.empty(ids.shape[0], n, dtype=torch.long, device=ids.device)
+    for c in ctx.chunks:
+        history = c.state.caches.get("engram.history")
+        if history is None:
+            history = torch.full((n - 1,), pad_id, dtype=torch.long, device=ids.device)
+        seq = torch.cat([history, token_map[ids[c.rows].long()]])  # [n - 1 + T]
+        for shift in range(n):
+            out[c.rows, shift] = seq[n - 1 - shift : n - 1 - shift + c.length]
+        c.state.caches["engram.history"] = seq[seq.shape[0] - (n - 1):].clone()
+    return out
+
+
+def _hash_type(ngrams: TensorType, *, primes: tuple, **attrs) -> tuple[TensorType]:
+    return (TensorType((ngrams.shape[0], sum(len(p) for p in primes)), "int64"),)
+
+
+@op("engram_hash", _hash_type)
+def engram_hash(ngrams: torch.Tensor, *, multipliers: tuple[int, ...], primes: tuple[tuple[int, ...], ...],
+                offsets: tuple[int, ...]) -> torch.Tensor:
+    """Row ids [N, (n - 1) * heads] of one Engram layer: the k-gram hash XOR_{i<k}(tok_i * m_i) modulo each
+    head's prime, plus the head's table offset, for k = 2..n."""
+    mult = torch.tensor(multipliers, dtype=torch.long, device=ngrams.device)
+    products = ngrams * mult  # [N, n]; the multipliers are bounded so this cannot overflow
+    rolling, cols = products[:, 0], []
+    for k in range(1, ngrams.shape[1]):
+        rolling = torch.bitwise_xor(rolling, products[:, k])
+        cols.append(rolling.unsqueeze(-1) % torch.tensor(primes[k - 1], dtype=torch.long, device=ngrams.device))
+    return torch.cat(cols, dim=-1) + torch.tensor(offsets, dtype=torch.long, device=ngrams.device)
+
+
+@op("engram_rows", lambda ids, table, scale=None: (TensorType((*ids.shape, table.shape[-1])),))
+def engram_rows(ids: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Table rows [N, cols, d] (fp32); fp8 tables are dequantised with their per-32 scales."""
+    rows = table[ids].float()
+    if table.dtype == torch.float8_e4m3fn and scale is not None:
+        s = scale[ids].float()  # [N, cols, d / 32]
+        rows = (rows.unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
+    return rows
+
+
+@op("engram_gate", lambda h, *rest, **a: (TensorType(h.shape),))
+def engram_gate(h: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, *,
+                eps: float) -> torch.Tensor:
+    """Streams h [N, hc, D] each gain gate_k * value, with kv [N, (hc + 1) * D] split into a key per stream and
+    one value; gate = sigmoid(signed sqrt of the normalised dot of stream and key under q_weight * k_weight)."""
+    n, hc, d = h.shape
+    key, value = kv.float().split([hc * d, d], dim=-1)
+    key = key.reshape(n, hc, d)
+    h = h.float()
+    rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    dot = (h * (q_weight.float() * k_weight.float()) * key).sum(-1) * rstd * d**-0.5
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    return h + gate.unsqueeze(-1) * value.unsqueeze(1)

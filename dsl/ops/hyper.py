@@ -1,0 +1,56 @@
+"""Hyper-connections: `hc` residual streams mixed by weights computed from the streams themselves."""
+
+from __future__ import annotations
+
+import torch
+
+from dsl.ops.registry import op
+from dsl.tensor import TensorType
+
+
+def _mixes_type(h: TensorType, *rest, **attrs) -> tuple[TensorType, TensorType, TensorType]:
+    n, hc = h.shape[0], h.shape[1]
+    return TensorType((n, hc)), TensorType((n, hc)), TensorType((n, hc, hc))
+
+
+@op("hc_mixes", _mixes_type, num_outputs=3)
+def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, iters: int, eps: float,
+             norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From streams h [N, hc, D]: pre [N, hc], post [N, hc] and the doubly-stochastic comb [N, hc, hc].
+
+    The flattened streams are RMS-normalised without a weight and projected by fn [(2 + hc) * hc, hc * D].
+    """
+    hc = h.shape[1]
+    flat = h.reshape(h.shape[0], -1).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    m = torch.nn.functional.linear(flat, fn.float())
+    scale, base = scale.float(), base.float()
+    pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = (m[:, 2 * hc :] * scale[2] + base[2 * hc :]).reshape(-1, hc, hc)
+    comb = torch.softmax(comb, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+@op("hc_collapse", lambda h, pre: (TensorType((h.shape[0], h.shape[2])),))
+def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_k pre[:, k] * h[:, k]: streams [N, hc, D] -> [N, D]."""
+    return (pre.unsqueeze(-1) * h.float()).sum(dim=1)
+
+
+@op("hc_expand", lambda y, h, post, comb: (TensorType(h.shape),))
+def hc_expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams: out[:, k] = post[:, k] * y + sum_j comb[:, j, k] * h[:, j]. y [N, D], h [N, hc, D]."""
+    mixed = torch.einsum("njk,njd->nkd", comb.float(), h.float())
+    return post.unsqueeze(-1) * y.float().unsqueeze(1) + mixed
+
+
+@op("hc_collapse_rms_norm", lambda h, pre, w, **a: (TensorType((h.shape[0], h.shape[2])),))
+def hc_collapse_rms_norm(h: torch.Tensor, pre: torch.Tensor, w: torch.Tensor, *, eps: float) -> torch.Tensor:
+    """hc_collapse followed by rms_norm, one pass over the streams (made by the fusion pass)."""
+    x = hc_collapse(h, pre)
+    return w.float() * (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps))

@@ -1,0 +1,79 @@
+"""Interleaved rotary embedding on the trailing dims, plain or with YaRN, and its inverse.
+
+Pairs are adjacent channels (v[2i], v[2i+1]) of the last `rope_dim` dims, rotated as complex numbers. The
+frequencies follow the reference's `default` and `yarn` rope types; YaRN's magnitude scale is not applied
+when `attention_factor` is 1 (V4.1's setting).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from dsl.ops.registry import op, same_as_first
+from dsl.ragged import Ragged
+
+RopeParams = tuple[tuple[str, object], ...]  # sorted (key, value) items of a rope parameter dict: hashable
+
+
+def rope_params(params: dict) -> RopeParams:
+    return tuple(sorted(params.items()))
+
+
+@functools.lru_cache(maxsize=64)
+def inv_freq(params: RopeParams, rope_dim: int) -> tuple[torch.Tensor, float]:
+    """The rotation frequencies [rope_dim / 2] (fp32) and the cos/sin magnitude factor."""
+    p = dict(params)
+    base = float(p["rope_theta"])
+    exponents = torch.arange(0, rope_dim, 2, dtype=torch.int64).float() / rope_dim
+    if p.get("rope_type", "default") == "default":
+        return 1.0 / (base**exponents), 1.0
+    factor = float(p["factor"])
+    original = p["original_max_position_embeddings"]
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
+
+    def correction_dim(rotations: float) -> float:
+        return rope_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low = max(math.floor(correction_dim(beta_fast)), 0)
+    high = min(math.ceil(correction_dim(beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, rope_dim, 2).float() / rope_dim)
+    extrapolate = 1 - ramp  # share of each frequency kept unscaled
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv, float(attention_factor)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, params: RopeParams, rope_dim: int, inverse: bool) -> torch.Tensor:
+    """Rotate the last `rope_dim` dims of x [T, ..., D] at `positions` [T]."""
+    freqs, magnitude = inv_freq(params, rope_dim)
+    angles = positions.float()[:, None] * freqs.to(x.device)[None, :]  # [T, rope_dim / 2]
+    cos, sin = angles.cos() * magnitude, angles.sin() * magnitude
+    if inverse:
+        sin = -sin
+    for _ in range(x.dim() - 2):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    nope, pe = x[..., :-rope_dim], x[..., -rope_dim:]
+    even, odd = pe[..., 0::2].float(), pe[..., 1::2].float()
+    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+@op("rope", same_as_first, uses_context=True)
+def rope(x: torch.Tensor, *, params: RopeParams, rope_dim: int, inverse: bool = False, ctx) -> torch.Tensor:
+    """Rotate each token's trailing `rope_dim` dims at its absolute position: x [N, ..., D] -> same."""
+    return rotate(x, ctx.positions, params, rope_dim, inverse)
+
+
+@op("rope_entries", same_as_first)
+def rope_entries(x: Ragged, *, params: RopeParams, rope_dim: int, ratio: int) -> Ragged:
+    """Rotate compressed entries at their group's first position: entry j of ratio r sits at j * r."""
+    positions = torch.cat([torch.arange(f, f + n, dtype=torch.long) for f, n in zip(x.first, x.counts, strict=True)])
+    return x.replace(rotate(x.values, positions.to(x.values.device) * ratio, params, rope_dim, inverse=False))

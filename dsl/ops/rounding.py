@@ -1,0 +1,83 @@
+"""fp8 and fp4 rounding of cache entries: quantise onto the format's grid and back, as the model was trained.
+
+The formulas are V41_SPEC.md's "Exact numerics": power-of-two (ue8m0) scales from the fp32 bits, e4m3
+round-to-nearest-even, and the e2m1 grid with ties to even codes. Blocks run along the last dim and are
+skipped when it is not a multiple of the block (small test configs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsl.ops.registry import op, same_as_first
+from dsl.ragged import ragged_map
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+FP4_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Midpoints between grid values, and whether a value exactly on one rounds up (the code above is even).
+_FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+_FP4_TIE_UP = (False, True, False, True, False, True, False)
+
+
+def pow2_ceil(t: torch.Tensor) -> torch.Tensor:
+    """2^ceil(log2(t)) for positive fp32 `t`, from the bits: exponent - 127, plus one if the mantissa is non-zero."""
+    bits = t.float().contiguous().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    k = exponent - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return torch.exp2(k.float())
+
+
+def fp4_codes(q: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes (uint8, sign in bit 3) of fp32 values already clamped to [-6, 6]."""
+    mids = torch.tensor(_FP4_MIDPOINTS, dtype=torch.float32, device=q.device)
+    tie_up = torch.tensor(_FP4_TIE_UP, device=q.device)
+    # A value on a midpoint belongs to the upper code only when that keeps the code even.
+    thresholds = torch.where(tie_up, mids, torch.nextafter(mids, torch.full_like(mids, float("inf"))))
+    codes = (q.abs().unsqueeze(-1) >= thresholds).sum(-1).to(torch.uint8)
+    return codes | (torch.signbit(q).to(torch.uint8) << 3)
+
+
+def fp4_values(codes: torch.Tensor) -> torch.Tensor:
+    grid = torch.tensor(FP4_GRID + tuple(-v for v in FP4_GRID), dtype=torch.float32, device=codes.device)
+    return grid[codes.long()]
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor | None:
+    n = x.shape[-1]
+    if n % block:
+        return None
+    return x.float().reshape(*x.shape[:-1], n // block, block)
+
+
+@op("fp8_round", same_as_first)
+@ragged_map
+def fp8_round(x: torch.Tensor, *, block: int = 32) -> torch.Tensor:
+    """Round to e4m3 with one power-of-two scale per `block` values: x [..., D] -> [..., D] (same dtype)."""
+    blocks = _blocks(x, block)
+    if blocks is None:
+        return x
+    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-4)
+    scale = pow2_ceil(amax * (1.0 / FP8_MAX))  # a product, as the reference: not always amax / 448
+    q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+    return (q * scale).reshape(x.shape).to(x.dtype)
+
+
+@op("fp4_round", same_as_first)
+@ragged_map
+def fp4_round(x: torch.Tensor, *, block: int, e4m3_scale: bool) -> torch.Tensor:
+    """Round to e2m1 with one scale per `block` values: x [..., D] -> [..., D] (same dtype).
+
+    `e4m3_scale` picks the compressed-KV scale (amax / 6 rounded to e4m3, amax floored at 6 * 2^-9);
+    otherwise the indexer's power-of-two scale (amax floored at 6 * 2^-126).
+    """
+    blocks = _blocks(x, block)
+    if blocks is None:
+        return x
+    amax = blocks.abs().amax(-1, keepdim=True)
+    if e4m3_scale:
+        scale = (amax.clamp_min(FP4_MAX * 2.0**-9) / FP4_MAX).to(torch.float8_e4m3fn).float()
+    else:
+        scale = pow2_ceil(amax.clamp_min(FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))
+    q = fp4_values(fp4_codes((blocks / scale).clamp(-FP4_MAX, FP4_MAX)))
+    return (q * scale).reshape(x.shape).to(x.dtype)

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+FIXTURES = Path(__file__).parent / "fixtures"
+SMOOTH = ["v41-smooth", "v41-smooth-engram"]
+DISCRETE = ["v41-tiny", "v41-tiny-engram"]
+
+
+def fixture_dir(name: str) -> Path:
+    return FIXTURES / name
+
+
+def oracle(name: str) -> dict[str, np.ndarray]:
+    with np.load(FIXTURES / name / "oracle.npz") as data:
+        return {k: data[k] for k in data.files}
+
+
+def spread(name: str) -> dict:
+    return json.loads((FIXTURES / name / "spread.json").read_text())
+
+
+def rel_l2(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+_COMPILED: dict = {}
+
+
+@pytest.fixture(scope="session")
+def compiled_fixture():
+    """compiled_fixture(name) -> the fixture compiled for the cpu target, built once per session."""
+    import deepinfer
+    from deepinfer.models import DeepseekV41Flash
+
+    def get(name: str):
+        if name not in _COMPILED:
+            _COMPILED[name] = deepinfer.compile(DeepseekV41Flash.from_pretrained(fixture_dir(name)), target="cpu")
+        return _COMPILED[name]
+
+    return get
