@@ -19,6 +19,10 @@ _DEFAULT_KV_SOURCES = (2, 8, 14, 20)
 _DEFAULT_INDEX_SOURCES = (2, 8, 14, 20, 24, 28, 32, 36)
 
 
+_SCHEDULE_FIELDS = ("compress_ratios", "kv_source_layer_ids", "index_source_layer_ids", "candidate_source_layer_id",
+                    "dspark_target_layer_ids")
+
+
 class ConfigError(ValueError):
     """A config.json that is missing a field, has a wrong type, or is inconsistent."""
 
@@ -130,6 +134,8 @@ class DeepseekV41Config:
         if self.dspark_target_layer_ids is None:
             set_(self, "dspark_target_layer_ids", tuple(sorted([i for i in range(n) if i not in kv_sources][-3:])))
         self._check_schedule(backbone)
+        if any(not 0 <= i < n for i in self.dspark_target_layer_ids):
+            raise ConfigError(f"`dspark_target_layer_ids` {list(self.dspark_target_layer_ids)} out of range [0, {n})")
         if self.candidate_source_layer_id is None:
             set_(self, "candidate_source_layer_id", kv_sources[-1] if kv_sources else -1)
         c = self.candidate_source_layer_id
@@ -152,6 +158,12 @@ class DeepseekV41Config:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"config field `{name}` must be a positive integer, got {value!r}")
+        if not isinstance(self.num_nextn_predict_layers, int) or self.num_nextn_predict_layers < 0:
+            raise ConfigError(f"config field `num_nextn_predict_layers` must be a non-negative integer, got "
+                              f"{self.num_nextn_predict_layers!r}")
+        for name in ("norm_topk_prob", "tie_word_embeddings"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"config field `{name}` must be true or false, got {getattr(self, name)!r}")
         if self.num_experts_per_tok > self.n_routed_experts:
             raise ConfigError(f"`num_experts_per_tok` ({self.num_experts_per_tok}) exceeds `n_routed_experts` "
                               f"({self.n_routed_experts})")
@@ -280,6 +292,10 @@ class DeepseekV41Config:
         return out
 
     def replace(self, **changes: Any) -> DeepseekV41Config:
+        """A copy with `changes`. Changing the layer counts derives the schedule afresh unless it is changed too."""
+        if {"num_hidden_layers", "num_nextn_predict_layers"} & changes.keys():
+            for name in _SCHEDULE_FIELDS:
+                changes.setdefault(name, None)
         return dataclasses.replace(self, **changes)
 
 

@@ -16,6 +16,7 @@ from deepinfer.models.engram_layout import compressed_token_map, engram_layers
 from dsl.builder import GraphBuilder
 from dsl.graph import Graph, Value
 from dsl.ops.rope import rope_params
+from dsl.quant import scale_to_float
 from dsl.tensor import num_tokens
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
@@ -59,7 +60,7 @@ class DeepseekV41Flash:
                 for kind in ("weight", "scale"):
                     names = [f"{prefix}.{j}.{w}.{kind}" for j in range(cfg.n_routed_experts)]
                     if names[0] in params:
-                        params[f"{prefix}.{w}.{kind}"] = torch.stack([params.pop(n) for n in names])
+                        params[f"{prefix}.{w}.{kind}"] = torch.stack([_uniform(params.pop(n)) for n in names])
         if cfg.engram_layer_ids:
             params["engram.token_map"] = self.engram_token_map()
         self._params = params
@@ -77,6 +78,13 @@ class DeepseekV41Flash:
                              f"engram_compressed_vocab_size is {self.config.engram_compressed_vocab_size}: the "
                              "Engram hashes would not match the tables")
         return token_map
+
+
+def _uniform(t: torch.Tensor) -> torch.Tensor:
+    """One storage per role, so experts stack: scales as fp32 (ue8m0 bytes decoded), packed fp4 as uint8."""
+    if t.dtype == torch.float8_e8m0fnu:
+        return scale_to_float(t)
+    return t.view(torch.uint8) if t.dtype == torch.int8 else t
 
 
 class _Declaration:
@@ -208,6 +216,6 @@ class _Declaration:
         b, cfg, name = self.b, self.cfg, f"layers.{layer}.engram"
         ids = b.engram_hash(ngrams, multipliers=constants.multipliers, primes=constants.primes,
                             offsets=constants.offsets)
-        rows = b.engram_rows(ids, self.p(f"{name}.embed.weight"), self.p(f"{name}.embed.scale"))
+        rows = b.engram_rows(ids, self.p(f"{name}.embed.weight"), self.scale(f"{name}.embed"))
         kv = self.linear(b.reshape(rows, shape=(cfg.engram_n_hash_cols * cfg.engram_head_dim,)), f"{name}.wkv")
         return b.engram_gate(h, kv, self.p(f"{name}.q_weight"), self.p(f"{name}.k_weight"), eps=cfg.rms_norm_eps)

@@ -49,11 +49,12 @@ def engram_hash(ngrams: torch.Tensor, *, multipliers: tuple[int, ...], primes: t
 @op("engram_rows", lambda ids, table, scale=None: (TensorType((*ids.shape, table.shape[-1])),))
 def engram_rows(ids: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Table rows [N, cols, d] (fp32); fp8 tables are dequantised with their per-32 scales."""
-    rows = table[ids].float()
-    if table.dtype == torch.float8_e4m3fn and scale is not None:
-        s = scale[ids].float()  # [N, cols, d / 32]
-        rows = (rows.unflatten(-1, (s.shape[-1], -1)) * s.unsqueeze(-1)).flatten(-2)
-    return rows
+    if table.dtype != torch.float8_e4m3fn or scale is None:
+        return table[ids].float()
+    from dsl.quant import dequantize_fp8_group
+
+    flat = ids.reshape(-1)
+    return dequantize_fp8_group(table[flat], scale[flat]).reshape(*ids.shape, table.shape[-1])
 
 
 @op("engram_gate", lambda h, *rest, **a: (TensorType(h.shape),))
