@@ -292,10 +292,12 @@ class DeepseekV41Config:
         return out
 
     def replace(self, **changes: Any) -> DeepseekV41Config:
-        """A copy with `changes`. Changing the layer counts derives the schedule afresh unless it is changed too."""
-        if {"num_hidden_layers", "num_nextn_predict_layers"} & changes.keys():
+        """A copy with `changes`. A new layer count derives the schedule afresh unless the change gives it."""
+        if "num_hidden_layers" in changes:
             for name in _SCHEDULE_FIELDS:
                 changes.setdefault(name, None)
+        elif "num_nextn_predict_layers" in changes:  # the draft layers' entries (always 0) follow the new count
+            changes.setdefault("compress_ratios", self.compress_ratios[: self.num_hidden_layers])
         return dataclasses.replace(self, **changes)
 
 

@@ -1,0 +1,87 @@
+"""What `LLM.generate` returns, shaped like vLLM's `RequestOutput` and `CompletionOutput`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Logprob:
+    """The log-probability of one candidate token at one step, its rank (1 = most likely) and its text."""
+
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One sample of a request.
+
+    `finish_reason` is "stop" (eos, a stop string or a stop token), "length" (max_tokens or the model length),
+    "error" (the request could not run), or None while unfinished. `stop_reason` is the stop string or stop token id
+    that ended it (None for eos or length). `logprobs` holds, per generated token, the requested top tokens and the
+    sampled one; `cumulative_logprob` sums the sampled tokens' log-probabilities (both None unless asked for).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Wall-clock times (time.time() seconds) of one request, and the rates derived from them."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_generated_tokens: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first generated token, queueing included."""
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def total_time(self) -> float | None:
+        """Seconds from arrival to the end of the request."""
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Generated tokens (all samples) per second of the request's own running time, queueing excluded."""
+        if self.finished_time is None or self.first_scheduled_time is None:
+            return None
+        elapsed = self.finished_time - self.first_scheduled_time
+        return self.num_generated_tokens / elapsed if elapsed > 0 else None
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request: its prompt, its `n` completions, and its metrics.
+
+    `error` holds why the request could not run (then every completion's finish_reason is "error"); `seed` is the
+    seed it was sampled with, drawn by the engine when the request gave none, so any run can be reproduced.
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    error: str | None = None
+    seed: int | None = None

@@ -1,0 +1,155 @@
+"""Sampling one token from a row of logits: penalties, temperature, min_p / top_k / top_p, greedy or seeded.
+
+Seeded sampling is stateless: the noise for token id v at sequence position p of a request with seed s is
+Gumbel(u) with u = uniform(hash(s, p, v)), a counter-based hash (splitmix64's mixer, exact in wrapping int64
+arithmetic). Picking argmax(logits / T + Gumbel) over the allowed tokens samples from softmax(logits / T) restricted
+to them, and the choice depends only on (seed, position, logits): not on the batch, the step, or drafting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from deepinfer.outputs import Logprob
+from deepinfer.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _int64(value: int) -> int:
+    """The int64 with the same low 64 bits as `value` (two's complement), so any Python int can seed."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN = _int64(0x9E3779B97F4A7C15)
+_MUL1 = _int64(0xBF58476D1CE4E5B9)
+_MUL2 = _int64(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    # torch's >> on int64 is arithmetic; masking off the copied sign bits makes it the logical shift of uint64.
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64's step on int64 tensors viewed as uint64: add the golden gamma, then the avalanche mixer."""
+    z = x + _GOLDEN  # int64 arithmetic wraps, which is exactly uint64 arithmetic mod 2^64
+    z = (z ^ _shr(z, 30)) * _MUL1
+    z = (z ^ _shr(z, 27)) * _MUL2
+    return z ^ _shr(z, 31)
+
+
+def hash_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """u[b, v] = uniform in (0, 1) from hash(seeds[b], positions[b], v); float64 [B, vocab_size].
+
+    seeds, positions: int64 [B]. Row b depends only on (seeds[b], positions[b]).
+    """
+    key = mix64(mix64(seeds.to(torch.int64)) + positions.to(torch.int64))  # [B]
+    tokens = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)  # [V]
+    h = mix64(key[:, None] + tokens[None, :])  # [B, V]
+    # The top 53 bits, centred in their bucket: exactly representable and never 0 or 1.
+    return (_shr(h, 11).to(torch.float64) + 0.5) * 2.0**-53
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Gumbel(0, 1) noise [B, vocab_size] (float64) from the hashed uniforms of `hash_uniform`."""
+    return -torch.log(-torch.log(hash_uniform(seeds, positions, vocab_size)))
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded `seed`: sample 0 keeps it, so n=1 and n>1 agree on it."""
+    if index == 0:
+        return seed
+    mixed = mix64(torch.tensor([_int64(seed)]) + mix64(torch.tensor([index])))
+    return int(mixed.item()) & ((1 << 63) - 1)
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_token_ids: Sequence[int],
+                    prompt_token_ids: Sequence[int]) -> torch.Tensor:
+    """vLLM's penalties on logits [V]: repetition over prompt and output, presence and frequency over output."""
+    vocab_size, device = logits.shape[-1], logits.device
+    out = torch.as_tensor(list(output_token_ids), dtype=torch.int64, device=device)
+    if params.repetition_penalty != 1.0:
+        seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        seen[out] = True
+        seen[torch.as_tensor(list(prompt_token_ids), dtype=torch.int64, device=device)] = True
+        scaled = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = torch.where(seen, scaled, logits)
+    if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+        counts = torch.bincount(out, minlength=vocab_size).to(logits.dtype)  # [V]
+        logits = logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def allowed_mask(scaled_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The tokens min_p, then top_k, then top_p (vLLM's order) leave allowed: bool [V]. Never empty.
+
+    scaled_logits: [V], already divided by the temperature. Ties at a top_k threshold are all kept; top_p keeps
+    the most likely tokens (lowest id first among equals) until the mass before the next one reaches top_p.
+    """
+    vocab_size = scaled_logits.shape[-1]
+    keep = scaled_logits > float("-inf")  # also drops NaN
+    logits = scaled_logits.masked_fill(~keep, float("-inf"))
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        keep &= probs >= params.min_p * probs.max()
+    if 0 < params.top_k < vocab_size:
+        threshold = torch.topk(logits.masked_fill(~keep, float("-inf")), params.top_k).values[-1]
+        keep &= logits >= threshold
+    if params.top_p < 1.0:
+        probs = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=-1)
+        order = torch.sort(probs, descending=True, stable=True).indices
+        mass_before = torch.cumsum(probs[order], dim=-1) - probs[order]
+        in_nucleus = torch.zeros(vocab_size, dtype=torch.bool, device=logits.device)
+        in_nucleus[order] = mass_before < params.top_p
+        keep &= in_nucleus
+    if not keep.any():  # every logit -inf: fall back to the argmax so sampling still returns a token
+        keep[torch.argmax(scaled_logits)] = True
+    return keep
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: int,
+           output_token_ids: Sequence[int] = (), prompt_token_ids: Sequence[int] = (),
+           eos_token_ids: Sequence[int] = ()) -> int:
+    """The next token of one sequence from its logits [vocab] (any float dtype).
+
+    `position` is the index in the whole sequence (prompt included) of the token being sampled; together with
+    `seed` it keys the noise. `output_token_ids` are the tokens generated so far (penalties, min_tokens),
+    `prompt_token_ids` the prompt (repetition penalty). Until `min_tokens` tokens exist, eos (unless ignore_eos)
+    and the stop token ids are banned. Greedy (temperature 0) picks the argmax, ties to the lowest id.
+    """
+    logits = apply_penalties(logits.to(torch.float64), params, output_token_ids, prompt_token_ids)
+    if len(output_token_ids) < params.min_tokens:
+        banned = [*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]
+        banned = [t for t in banned if t < logits.shape[-1]]
+        if banned:
+            logits[torch.as_tensor(banned, dtype=torch.int64, device=logits.device)] = float("-inf")
+    if params.is_greedy:
+        return int(torch.argmax(logits))  # torch.argmax returns the first of equal maxima: the lowest id
+    scaled = logits / params.temperature
+    allowed = allowed_mask(scaled, params)
+    device = logits.device
+    noise = gumbel_noise(torch.tensor([_int64(seed)], device=device), torch.tensor([position], device=device),
+                         logits.shape[-1])[0]
+    return int(torch.argmax(scaled.masked_fill(~allowed, float("-inf")) + noise))
+
+
+def top_logprobs(logits: torch.Tensor, token_id: int, num_logprobs: int) -> dict[int, Logprob]:
+    """The `num_logprobs` most likely tokens and `token_id` with their log-probabilities and ranks (1 = best).
+
+    As vLLM by default, these are of the model's raw distribution (log_softmax of the logits), before penalties,
+    temperature and truncation.
+    """
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [V]
+    out: dict[int, Logprob] = {}
+    if num_logprobs > 0:
+        values, ids = torch.topk(logprobs, min(num_logprobs, logprobs.shape[-1]))
+        for rank, (value, tid) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
+            out[tid] = Logprob(logprob=value, rank=rank)
+    if token_id not in out:
+        value = logprobs[token_id]
+        out[token_id] = Logprob(logprob=float(value), rank=int((logprobs > value).sum()) + 1)
+    return out
