@@ -14,16 +14,25 @@ TARGETS = {
     "sm100": "Blackwell: sm_100a cubins, built anywhere",
     "ascend950": "reserved",
 }
-BUILT_TARGETS = ("cpu",)
+BUILT_TARGETS = ("cpu", "sm90", "sm100")
 
 
-def compile(model: DeepseekV41Flash, target: str = "cpu") -> CompiledModel:  # noqa: A001 - the public name
-    """Lower `model` for `target` and return a `CompiledModel` ready to run."""
+def compile(model: DeepseekV41Flash, target: str = "cpu", *, dot_fp32: bool = False,  # noqa: A001 - public name
+            buckets: tuple[int, ...] | None = None):
+    """Lower `model` for `target` and return a `CompiledModel` ready to run.
+
+    GPU targets ("sm90", "sm100") build cubins ahead of time, on any machine (no GPU needed) and return a
+    `GpuCompiledModel`: `.save(dir)` writes the artifact, `deepinfer.load(dir)` runs it. `dot_fp32` makes the
+    kernels multiply in fp32 (exactness checks) instead of bf16; `buckets` are the token-count buckets that get
+    a config and cubins each (default `graphs.plan.BUCKETS`).
+    """
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; targets are {', '.join(TARGETS)}")
     if target not in BUILT_TARGETS:
         raise NotImplementedError(f"target {target!r} ({TARGETS[target]}) has no kernels in this build yet; "
                                   f"built targets: {', '.join(BUILT_TARGETS)}")
+    if target in ("sm90", "sm100"):
+        return _compile_gpu(model, target, dot_fp32, buckets)
     graph = run_passes(model.graph())
     params = {name: _for_cpu(t) for name, t in model.params().items()}
     return CompiledModel(model.config, graph, params, target)
@@ -34,3 +43,24 @@ def _for_cpu(t: torch.Tensor) -> torch.Tensor:
     if t.is_floating_point() and t.dtype != torch.float8_e4m3fn and t.dtype != torch.float32:
         return t.float()
     return t
+
+
+def _compile_gpu(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets: tuple[int, ...] | None):
+    from deepinfer.compiled_gpu import GpuCompiledModel
+    from graphs.aot import build, record_launches
+    from graphs.plan import BUCKETS, make_plan
+
+    graph = run_passes(model.graph())
+    params = model.params()
+    plan = make_plan(graph, params, target, tuple(buckets or BUCKETS), dot_fp32)
+    built = build(record_launches(plan, {i: node.attrs for i, node in enumerate(graph.nodes)}), target)
+    specs = {key: b.spec for key, b in built.items()}
+    cubins = {key: b.cubin for key, b in built.items()}
+    return GpuCompiledModel(model.config, graph, plan, specs, cubins, params, model.model_dir, built)
+
+
+def load(path, model: DeepseekV41Flash | None = None):
+    """Run a saved GPU artifact (see `deepinfer.compiled_gpu.load`)."""
+    from deepinfer.compiled_gpu import load as load_artifact
+
+    return load_artifact(path, model)

@@ -1,1 +1,9 @@
-"""Plans, captured graphs, the artifact and its launcher: arrive with the GPU targets."""
+"""From a model graph and a target to something that runs: the plan (kernel and config per node), the
+ahead-of-time cubin build, the artifact on disk, the CUDA-driver launcher and the executor.
+
+Imports `dsl`, `kernels` and `autotune`.
+"""
+
+from graphs.plan import BUCKETS, NodePlan, Plan, bucket_of, make_plan
+
+__all__ = ["Plan", "NodePlan", "make_plan", "bucket_of", "BUCKETS"]

@@ -1,10 +1,16 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels run under Triton's interpreter on CPU tensors; it must be chosen before Triton is imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 FIXTURES = Path(__file__).parent / "fixtures"
 SMOOTH = ["v41-smooth", "v41-smooth-engram"]
@@ -43,3 +49,13 @@ def compiled_fixture():
         return _COMPILED[name]
 
     return get
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked `gpu` need CUDA: skipped where there is none (CI)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

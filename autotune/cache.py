@@ -1,0 +1,59 @@
+"""The persistent tuning cache: a JSON file of the best config per (template, static shapes, token bucket, target,
+device name, kernel-source hash). A source change or another device misses the cache and falls back to the
+kernel's heuristic."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+from pathlib import Path
+
+DEFAULT_DEVICES = {"sm90": "NVIDIA H200", "sm100": "NVIDIA B200"}  # whose tuning a GPU-less compile uses
+TUNED_DIR = Path(__file__).parent / "tuned"
+
+
+def source_hash(module) -> str:
+    """sha256 (16 hex) of the Triton kernels a module defines (their source, not the wrappers or heuristics):
+    an edit to a kernel invalidates its tuned configs; an edit to a heuristic does not."""
+    kernels = sorted((name, getattr(obj, "fn", None)) for name, obj in vars(module).items()
+                     if callable(getattr(obj, "fn", None)) and hasattr(obj, "arg_names"))
+    text = "".join(inspect.getsource(fn) for _, fn in kernels) if kernels else inspect.getsource(module)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def cache_key(template: str, static: dict, bucket: int, target: str, device: str, src_hash: str) -> str:
+    shapes = ",".join(f"{k}={static[k]}" for k in sorted(static))
+    return f"{template}|{shapes}|m<={bucket}|{target}|{device}|{src_hash}"
+
+
+class TuningCache:
+    """Configs by `cache_key`, loaded from and saved to one JSON file."""
+
+    def __init__(self, path: str | os.PathLike | None = None) -> None:
+        self.path = Path(path) if path is not None else None
+        self.entries: dict[str, dict] = {}
+        if self.path is not None and self.path.exists():
+            self.entries = json.loads(self.path.read_text())["configs"]
+
+    def get(self, key: str) -> dict | None:
+        entry = self.entries.get(key)
+        return None if entry is None else dict(entry["config"])
+
+    def put(self, key: str, config: dict, us: float | None = None) -> None:
+        self.entries[key] = {"config": dict(config), "us": us}
+
+    def save(self) -> None:
+        if self.path is None:
+            raise ValueError("this cache has no file")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({"configs": self.entries}, indent=1, sort_keys=True) + "\n")
+
+
+def default_cache(target: str) -> TuningCache:
+    """The committed tuning file of a target (autotune/tuned/<target>.json), or $DEEPINFER_TUNING."""
+    return TuningCache(os.environ.get("DEEPINFER_TUNING") or TUNED_DIR / f"{target}.json")
+
+
+__all__ = ["TuningCache", "cache_key", "source_hash", "default_cache", "DEFAULT_DEVICES"]

@@ -1,0 +1,200 @@
+"""Tune the kernel nodes of a DeepSeek-V4.1 config on the current GPU and write the tuning cache.
+
+    python -m autotune.run --config config.json --target sm90 [--templates linear,moe_experts] [--out file]
+
+The static shapes come from the config's Hugging Face fields (hidden_size, q_lora_rank, ...); inputs are fresh
+random values; each candidate's output must match the DSL reference (on bf16-rounded operands) before it is
+timed (CUDA-graph replays, median). Prints a summary table; the cache file is what `make_plan` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+
+import torch
+
+import kernels.triton.attention as attention
+import kernels.triton.hyper as hyper
+import kernels.triton.linear as linear
+import kernels.triton.moe as moe
+from autotune.cache import TuningCache, cache_key, default_cache, source_hash
+from autotune.space import get_configs
+from autotune.tune import tune
+from dsl.ops import dense
+from dsl.ops import hyper as hyper_ref
+from dsl.quant import quantize_fp8_block
+
+V41 = {"hidden_size": 5120, "q_lora_rank": 1280, "num_attention_heads": 64, "head_dim": 512, "o_groups": 8,
+       "o_lora_rank": 1024, "n_routed_experts": 384, "num_experts_per_tok": 6, "moe_intermediate_size": 2304,
+       "hc_mult": 4, "sliding_window": 128, "index_topk": 512}
+MODULES = {"linear": linear, "moe_experts": moe, "sparse_attention": attention, "hc_mixes": hyper}
+
+
+def statics(cfg: dict) -> list[tuple[str, dict]]:
+    """(template, static shapes) of every tunable kernel node kind of a config, as `make_plan` keys them."""
+    h, heads, d = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
+    g, r = cfg["o_groups"], cfg["o_lora_rank"]
+    out = []
+    for n, k, groups in [(cfg["q_lora_rank"], h, 1), (heads * d, cfg["q_lora_rank"], 1), (d, h, 1),
+                         (r, heads // g * d, g), (h, g * r, 1)]:
+        for fmt in ("plain", "fp8"):
+            out.append(("linear", {"n": n, "k": k, "groups": groups, "fmt": fmt}))
+    out.append(("moe_experts", {"e": cfg["n_routed_experts"], "inter": cfg["moe_intermediate_size"], "d": h,
+                                "topk": cfg["num_experts_per_tok"], "fmt": "fp4"}))
+    out.append(("sparse_attention", {"h": heads, "d": d}))
+    out.append(("hc_mixes", {"hc": cfg["hc_mult"], "d": h}))
+    return out
+
+
+def rotation(w: torch.Tensor, total_bytes: int = 256 << 20) -> list[torch.Tensor]:
+    """Copies of `w` (same values, separate memory) adding up to more than the L2, cycled through by timing."""
+    count = max(2, -(-total_bytes // (w.numel() * w.element_size())))
+    return [w] + [w.clone() for _ in range(count - 1)]
+
+
+def job(template: str, st: dict, m: int, cfg: dict) -> tuple[Callable[[dict], torch.Tensor], torch.Tensor, float]:
+    """(run(config) -> output, reference output, tolerance) on fresh random inputs of `m` tokens."""
+    dev = "cuda"
+    if template == "linear":
+        n, k, groups = st["n"], st["k"], st["groups"]
+        w = torch.randn(groups * n, k, device=dev) * k**-0.5
+        if st["fmt"] == "fp8":
+            w, s = quantize_fp8_block(w)
+        else:
+            w, s = w.bfloat16(), None
+        x = torch.randn(m, groups * k, device=dev)
+        xr = x.bfloat16().float()
+        ref = dense.linear(xr, w, s) if groups == 1 else dense.grouped_linear(xr, w, s, groups=groups)
+        copies = rotation(w)  # equal copies past the L2: each call streams its weight from HBM, as in a model
+        step = iter(range(1 << 62))
+        return (lambda c: linear.linear(x, copies[next(step) % len(copies)], s, groups=groups, config=c)), ref, 1e-4
+    if template == "moe_experts":
+        e, inter, d, topk = st["e"], st["inter"], st["d"], st["topk"]
+        ws = [torch.randint(0, 256, (e, o, i // 2), device=dev, dtype=torch.uint8) for o, i in ((inter, d), (d, inter),
+                                                                                               (inter, d))]
+        ss = [torch.ldexp(torch.ones(e, o, i // 32, device=dev), torch.randint(-7, -3, (e, o, i // 32), device=dev))
+              for o, i in ((inter, d), (d, inter), (inter, d))]
+        experts = torch.stack([torch.randperm(e, device=dev)[:topk] for _ in range(m)])
+        weights = torch.rand(m, topk, device=dev)
+        x = torch.randn(m, d, device=dev)
+        args = (x, weights, experts, ws[0], ws[1], ws[2], ss[0], ss[1], ss[2])
+        ref = moe.moe_experts(*args, limit=10.0, config=moe.default_config(m))
+        return (lambda c: moe.moe_experts(*args, limit=10.0, config=c)), ref, 1e-3
+    if template == "sparse_attention":
+        h, d, s = st["h"], st["d"], cfg["sliding_window"] + cfg["index_topk"]
+        q = torch.randn(m, h, d, device=dev).bfloat16()
+        kv = torch.randn(m * 2 * s, d, device=dev).bfloat16()
+        idx = torch.stack([torch.randperm(2 * s, device=dev)[:s] + 2 * s * i for i in range(m)]).int()
+        sink = torch.randn(h, device=dev)
+        ref = attention.sparse_attention(q.float(), kv.float(), idx, sink, scale=d**-0.5, dot_fp32=True)
+        return (lambda c: attention.sparse_attention(q, kv, idx, sink, scale=d**-0.5, config=c)), ref, 1e-2
+    if template == "hc_mixes":
+        hc, d = st["hc"], st["d"]
+        args = (torch.randn(m, hc, d, device=dev), torch.randn((2 + hc) * hc, hc * d, device=dev) * (hc * d) ** -0.5,
+                torch.rand(3, device=dev) + 0.5, torch.randn((2 + hc) * hc, device=dev))
+        ref = torch.cat([t.reshape(m, -1) for t in hyper_ref.hc_mixes(*args, iters=20, eps=1e-6, norm_eps=1e-20)], 1)
+        return (lambda c: torch.cat([t.reshape(m, -1) for t in hyper.hc_mixes(*args, iters=20, eps=1e-6,
+                                                                              norm_eps=1e-20, config=c)], 1)), ref, 1e-4
+    raise ValueError(f"no tuning job for {template}")
+
+
+def _warm(task: tuple[str, dict, int, dict, list[dict]]) -> int:
+    """Compile (by running once) a share of the candidates in a worker process: Triton's on-disk cache then
+    serves the timing process, so compiles spread over the host's cores."""
+    template, st, bucket, cfg, configs = task
+    if template == "moe_experts":  # the expert count is a runtime size: a few experts compile the same kernels
+        st = dict(st, e=min(st["e"], 16))
+    try:
+        run, _, _ = job(template, st, bucket, cfg)
+    except Exception as e:  # the timing process meets the same error and reports it
+        print(f"precompile {template} {st}: {type(e).__name__}: {e}", flush=True)
+        return 0
+    done = 0
+    for config in configs:
+        try:
+            run(config)
+            done += 1
+        except Exception:  # rejected later, in the timing process, with its error
+            pass
+    torch.cuda.synchronize()
+    return done
+
+
+def precompile(work: list[tuple[str, dict, int]], cfg: dict, target: str, jobs: int) -> None:
+    import multiprocessing
+
+    tasks = []
+    for template, st, bucket in work:
+        configs = get_configs(template, st, bucket, target)
+        tasks += [(template, st, bucket, cfg, configs[i::jobs]) for i in range(min(jobs, len(configs)))]
+    with multiprocessing.get_context("spawn").Pool(jobs) as pool:
+        pool.map(_warm, tasks, chunksize=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", help="a config.json (default: the full V4.1-Flash sizes)")
+    p.add_argument("--target", default="sm90")
+    p.add_argument("--buckets", default="16,64")
+    p.add_argument("--templates", default="linear,moe_experts,sparse_attention,hc_mixes")
+    p.add_argument("--out", help="cache file (default: autotune/tuned/<target>.json)")
+    p.add_argument("--jobs", type=int, default=8, help="processes compiling candidates ahead of timing")
+    p.add_argument("--only", default="", help="key=value: tune only the static shapes that match, e.g. fmt=fp8")
+    args = p.parse_args(argv)
+    from tqdm import tqdm
+
+    cfg = dict(V41)
+    if args.config:
+        raw = json.load(open(args.config))
+        cfg |= {k: v for k, v in raw.get("text_config", raw).items() if k in V41}
+    cache = TuningCache(args.out) if args.out else default_cache(args.target)
+    device = torch.cuda.get_device_name()
+    templates = args.templates.split(",")
+    only = dict(kv.split("=") for kv in args.only.split(",") if kv)
+    work = [(t, st, int(b)) for t, st in statics(cfg) if t in templates and all(str(st.get(k)) == v
+            for k, v in only.items()) for b in args.buckets.split(",")]
+    if args.jobs > 1:
+        precompile(work, cfg, args.target, args.jobs)
+    rows = []
+    for template, st, bucket in tqdm(work, desc="tuning", file=sys.stdout):
+        configs = get_configs(template, st, bucket, args.target)
+        try:
+            run, ref, tol = job(template, st, bucket, cfg)
+        except Exception as e:
+            print(f"skipped {template} {st} m<={bucket}: {type(e).__name__}: {e}", flush=True)
+            continue
+        best, trials = tune(configs, run, ref, tol, rep_ms=10)
+        default = next((t for t in trials if t.config == _default(template, st, bucket)), None)
+        if best is not None:
+            key = cache_key(template, st, bucket, args.target, device, source_hash(MODULES[template]))
+            us = min(t.us for t in trials if t.us is not None)
+            cache.put(key, best, us)
+            cache.save()  # after every job: a run stopped midway keeps what it measured
+            rows.append((template, st, bucket, len(configs), sum(t.us is None for t in trials), us,
+                         default.us if default else None, best))
+    cache.save()
+    print(f"\n{'template':17s} {'static':44s} {'m<=':>5s} {'cfgs':>4s} {'rej':>3s} {'best us':>8s} "
+          f"{'heur us':>8s}  best")
+    for template, st, bucket, n, rej, us, dus, best in rows:
+        shapes = ",".join(f"{k}={v}" for k, v in st.items())
+        print(f"{template:17s} {shapes:44s} {bucket:5d} {n:4d} {rej:3d} {us:8.2f} "
+              f"{dus if dus is None else round(dus, 2)!s:>8s}  {best}")
+    print(f"wrote {cache.path}")
+    return 0
+
+
+def _default(template: str, st: dict, m: int) -> dict:
+    if template == "linear":
+        return linear.default_config(m, st["n"], st["k"], st["groups"], st["fmt"] == "fp8")
+    if template == "moe_experts":
+        return moe.default_config(m)
+    if template == "sparse_attention":
+        return attention.default_config(m, st["h"], st["d"])
+    return hyper.mixes_config(m, st["hc"] * st["d"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""Config spaces per kernel template, filtered by what the hardware allows (shared memory per block, the
+smallest `tl.dot` tile, the fp8 scale block), in the style of Triton's matmul tutorial `get_configs()`."""
+
+from __future__ import annotations
+
+import itertools
+
+SMEM_LIMIT = {"sm90": 227 * 1024, "sm100": 227 * 1024}
+
+
+def _pipelined_bytes(config: dict, per_stage: int) -> int:
+    return per_stage * config.get("num_stages", 1)
+
+
+def linear_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
+    """Decode buckets: tile width, K stage, pipeline depth and split-K (the levers of a weight-streaming
+    kernel); larger buckets: square-ish tiles."""
+    fp8 = static["fmt"] == "fp8"
+    wbytes = 1 if fp8 else 2
+    out = []
+    if bucket <= 64 and fp8:  # both ways of applying the block scales: on copies of x, or on W in registers
+        bm = min(64, max(16, 1 << (bucket - 1).bit_length()))
+        grid = itertools.product([bm], [64, 128], [64, 128], [1, 2, 4, 8], [8] if bm >= 32 else [4], [3, 4],
+                                 [False, True])
+    elif bucket <= 64:
+        bm = min(64, max(16, 1 << (bucket - 1).bit_length()))
+        grid = itertools.product([bm], [32, 64, 128], [128, 256], [1, 2, 4, 8], [4], [3, 4], [False])
+    else:
+        grid = itertools.product([64, 128], [64, 128, 256], [64, 128], [1], [4, 8], [3, 4], [fp8])
+    for bm, bn, bk, split, warps, stages, dequant_w in grid:
+        if split > 1 and static["k"] // split < 2 * bk:
+            continue
+        config = {"block_M": bm, "block_N": bn, "block_K": bk, "split_k": split, "num_warps": warps,
+                  "num_stages": stages}
+        if dequant_w:
+            config["fp8_dequant_w"] = True
+        if _pipelined_bytes(config, bk * (bn * wbytes + bm * 4)) <= SMEM_LIMIT[target]:
+            out.append(config)
+    return out
+
+
+def moe_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
+    out = []
+    for bn, bk, warps, stages in itertools.product([32, 64, 128], [64, 128], [4, 8], [3, 4]):
+        gemm = {"block_M": 16, "block_N": bn, "block_K": bk, "num_warps": warps, "num_stages": stages}
+        out.append({"up": gemm, "down": dict(gemm)})
+    return out
+
+
+def attention_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
+    d = 1 << (static["d"] - 1).bit_length()
+    out = []
+    for bs, warps, stages, split in itertools.product([16, 32, 64], [4, 8], [2, 3], [1, 2, 4, 8]):
+        if bs * d * 2 * stages + 16 * d * 2 <= SMEM_LIMIT[target]:
+            out.append({"block_H": 16, "block_S": bs, "num_warps": warps, "num_stages": stages, "split_kv": split})
+    return out
+
+
+def mixes_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
+    return [{"block_M": 16, "block_K": bk, "split_k": s, "num_warps": w, "num_stages": st}
+            for bk, s, w, st in itertools.product([32, 64], [4, 8, 16, 32, 64], [4], [2, 3])
+            if static["hc"] * static["d"] // s >= bk]
+
+
+def norm_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
+    return [{"num_warps": w} for w in (4, 8, 16)]
+
+
+SPACES = {"linear": linear_configs, "moe_experts": moe_configs, "sparse_attention": attention_configs,
+          "hc_mixes": mixes_configs, "rms_norm": norm_configs}
+
+
+def get_configs(template: str, static: dict, bucket: int, target: str = "sm90") -> list[dict]:
+    """Every candidate config of `template` for these static shapes and token bucket (empty: nothing to tune)."""
+    space = SPACES.get(template)
+    return [] if space is None else space(static, bucket, target)
+
+
+__all__ = ["get_configs", "SPACES"]

@@ -1,0 +1,252 @@
+"""Per-kernel benchmarks at the full V4.1-Flash shapes, against torch (eager / cuBLAS / _scaled_mm) in the same run.
+
+Times are medians of CUDA-graph replays (`autotune.tune.time_us`: no launch gaps); weights rotate through
+copies larger than the L2 so each call streams from HBM, as in a model. Bytes count every input read once and
+every output written once; TB/s and TFLOP/s are over the H200 ceilings measured in the same run (and DESIGN.md's).
+
+    python bench/bench_kernels.py [--out results.json] [--tuning autotune/tuned/sm90.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import kernels.triton.attention as attention  # noqa: E402
+import kernels.triton.hyper as hyper  # noqa: E402
+import kernels.triton.linear as linear  # noqa: E402
+import kernels.triton.moe as moe  # noqa: E402
+import kernels.triton.rms_norm as rms_norm  # noqa: E402
+from autotune.cache import TuningCache, cache_key, source_hash  # noqa: E402
+from autotune.run import rotation  # noqa: E402
+from autotune.tune import time_us  # noqa: E402
+from dsl.ops import dense as dense_ref  # noqa: E402
+from dsl.ops import hyper as hyper_ref  # noqa: E402
+from dsl.ops import moe as moe_ref  # noqa: E402
+from dsl.quant import quantize_fp8_block  # noqa: E402
+from graphs.plan import bucket_of  # noqa: E402
+
+HBM_TBS, BF16_TFLOPS, FP8_TFLOPS = 4.28, 754.0, 1265.0  # DESIGN.md's measured ceilings (fp8: low end)
+ROWS: list[dict] = []
+TUNED: TuningCache | None = None  # --tuning: configs from a tuning file; else each kernel's heuristic
+
+
+def tuned(template: str, static: dict, m: int, module) -> dict | None:
+    """The tuned config of a kernel node for `m` tokens, as a compiled plan would pick it (None: heuristic)."""
+    if TUNED is None:
+        return None
+    key = cache_key(template, static, bucket_of(m), "sm90", torch.cuda.get_device_name(), source_hash(module))
+    return TUNED.get(key)
+
+
+def cycler(items: list):
+    state = {"i": 0}
+
+    def nxt():
+        state["i"] += 1
+        return items[state["i"] % len(items)]
+    return nxt
+
+
+def record(kernel: str, shape: str, us: float, nbytes: float | None = None, flops: float | None = None,
+           base: str | None = None, base_us: float | None = None, ceiling_tflops: float = BF16_TFLOPS) -> None:
+    row = {"kernel": kernel, "shape": shape, "us": round(us, 2)}
+    if nbytes:
+        row["TB/s"] = round(nbytes / us / 1e6, 3)
+        row["%HBM"] = round(100 * row["TB/s"] / HBM_TBS, 1)
+    if flops:
+        row["TFLOP/s"] = round(flops / us / 1e6, 1)
+        row["%peak"] = round(100 * row["TFLOP/s"] / ceiling_tflops, 1)
+    if base:
+        row["baseline"], row["base_us"] = base, round(base_us, 2)
+        row["speedup"] = round(base_us / us, 2)
+    ROWS.append(row)
+    print(json.dumps(row), flush=True)
+
+
+def ceilings() -> None:
+    x = torch.randn(1 << 30, device="cuda")  # 4 GiB
+    us = time_us(lambda: x.sum(), 50)
+    record("ceiling: read (sum)", "4 GiB fp32", us, nbytes=x.numel() * 4)
+    y = torch.empty_like(x)
+    us = time_us(lambda: y.copy_(x), 50)
+    record("ceiling: copy", "4 GiB fp32", us, nbytes=2 * x.numel() * 4)
+    a, b = (torch.randn(8192, 8192, device="cuda").bfloat16() for _ in range(2))
+    us = time_us(lambda: a @ b, 50)
+    record("ceiling: cuBLAS bf16", "8192^3", us, flops=2 * 8192**3)
+
+
+LINEARS = [("wq_a", 1280, 5120, 1), ("wq_b", 32768, 1280, 1), ("wkv", 512, 5120, 1), ("wo_a", 1024, 4096, 8),
+           ("wo_b", 5120, 8192, 1)]
+
+
+def bench_linear(tokens: list[int]) -> None:
+    for name, n, k, g in LINEARS:
+        w32 = torch.randn(g * n, k, device="cuda") * k**-0.5
+        wb = rotation(w32.bfloat16())
+        q, s = quantize_fp8_block(w32)
+        wq = rotation(q)
+        del w32
+        for m in tokens:
+            x = torch.randn(m, g * k, device="cuda")
+            xb = x.bfloat16()
+            shape = f"{name} {g}x{n}x{k} M={m}"
+            nb = cycler(wb)
+            cfg = tuned("linear", {"n": n, "k": k, "groups": g, "fmt": "plain"}, m, linear)
+            ours = time_us(lambda: linear.linear(x, nb(), groups=g, config=cfg))
+            if g == 1:
+                base = time_us(lambda: torch.nn.functional.linear(xb, nb()))
+            else:
+                xg = xb.view(m, g, k).transpose(0, 1)
+                base = time_us(lambda: torch.bmm(xg, nb().view(g, n, k).transpose(1, 2)))
+            wbytes = g * n * k * 2
+            record("linear bf16", shape, ours, nbytes=wbytes + m * g * k * 4 + m * g * n * 4,
+                   flops=2 * m * g * n * k, base="cuBLAS bf16", base_us=base)
+            nq = cycler(wq)
+            cfg = tuned("linear", {"n": n, "k": k, "groups": g, "fmt": "fp8"}, m, linear)
+            ours = time_us(lambda: linear.linear(x, nq(), s, groups=g, config=cfg))
+            fbytes = g * n * k + s.numel() * 4
+            row = dict(nbytes=fbytes + m * g * k * 4 + m * g * n * 4, flops=2 * m * g * n * k)
+            if g == 1 and m >= 16 and m % 16 == 0:
+                xq = xb.to(torch.float8_e4m3fn)
+                one_a, one_b = torch.ones(m, 1, device="cuda"), torch.ones(1, g * n, device="cuda")
+                base = time_us(lambda: torch._scaled_mm(xq, nq().t(), scale_a=one_a, scale_b=one_b,
+                                                        out_dtype=torch.bfloat16))
+                record("linear fp8 32x32", shape, ours, **row, base="_scaled_mm rowwise", base_us=base,
+                       ceiling_tflops=FP8_TFLOPS)
+            else:
+                record("linear fp8 32x32", shape, ours, **row, ceiling_tflops=FP8_TFLOPS)
+        del wb, wq
+
+
+def bench_prefill_gemm(m: int = 4096) -> None:
+    for name, n, k, g in [LINEARS[1], LINEARS[4]]:
+        w = torch.randn(n, k, device="cuda") * k**-0.5
+        x = torch.randn(m, k, device="cuda")
+        xb, wb = x.bfloat16(), w.bfloat16()
+        ours = time_us(lambda: linear.linear(xb, wb))
+        base = time_us(lambda: xb @ wb.t())
+        record("linear bf16 prefill", f"{name} {n}x{k} M={m}", ours, flops=2 * m * n * k, base="cuBLAS bf16",
+               base_us=base)
+        q, s = quantize_fp8_block(w)
+        ours = time_us(lambda: linear.linear(xb, q, s))
+        xq = xb.to(torch.float8_e4m3fn)
+        one_a, one_b = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
+        base = time_us(lambda: torch._scaled_mm(xq, q.t(), scale_a=one_a, scale_b=one_b, out_dtype=torch.bfloat16))
+        record("linear fp8 32x32 prefill", f"{name} {n}x{k} M={m}", ours, flops=2 * m * n * k,
+               base="_scaled_mm rowwise", base_us=base, ceiling_tflops=FP8_TFLOPS)
+
+
+def bench_norms(tokens: list[int]) -> None:
+    d, hc = 5120, 4
+    for m in tokens:
+        x, w = torch.randn(m, d, device="cuda"), torch.randn(d, device="cuda")
+        record("rms_norm", f"{m}x{d} fp32", time_us(lambda: rms_norm.rms_norm(x, w, eps=1e-20)),
+               nbytes=2 * m * d * 4 + d * 4, base="torch eager (dsl ref)",
+               base_us=time_us(lambda: dense_ref.rms_norm(x, w, eps=1e-20)))
+        h, pre = torch.randn(m, hc, d, device="cuda"), torch.rand(m, hc, device="cuda")
+        record("hc_collapse_rms_norm", f"{m}x{hc}x{d}",
+               time_us(lambda: hyper.hc_collapse_rms_norm(h, pre, w, eps=1e-20)),
+               nbytes=(hc + 1) * m * d * 4, base="torch eager (dsl ref)",
+               base_us=time_us(lambda: hyper_ref.hc_collapse_rms_norm(h, pre, w, eps=1e-20)))
+        y, post = torch.randn(m, d, device="cuda"), torch.randn(m, hc, device="cuda")
+        comb = torch.rand(m, hc, hc, device="cuda")
+        record("hc_expand", f"{m}x{hc}x{d}", time_us(lambda: hyper.hc_expand(y, h, post, comb)),
+               nbytes=(2 * hc + 1) * m * d * 4, base="torch eager (dsl ref)",
+               base_us=time_us(lambda: hyper_ref.hc_expand(y, h, post, comb)))
+        fn = torch.randn(24, hc * d, device="cuda") * (hc * d) ** -0.5
+        sc, base = torch.rand(3, device="cuda") + 0.5, torch.randn(24, device="cuda")
+        kw = dict(iters=20, eps=1e-6, norm_eps=1e-20)
+        cfg = tuned("hc_mixes", {"hc": hc, "d": d}, m, hyper)
+        record("hc_mixes (sinkhorn)", f"{m}x{hc}x{d}",
+               time_us(lambda: hyper.hc_mixes(h, fn, sc, base, **kw, config=cfg)),
+               nbytes=m * hc * d * 4 + fn.numel() * 4, base="torch eager (dsl ref)",
+               base_us=time_us(lambda: hyper_ref.hc_mixes(h, fn, sc, base, **kw)))
+
+
+def bench_moe(tokens: list[int]) -> None:
+    e, inter, d, topk = 384, 2304, 5120, 6
+    shapes = ((inter, d), (d, inter), (inter, d))
+    ws = [torch.randint(0, 256, (e, o, i // 2), device="cuda", dtype=torch.uint8) for o, i in shapes]
+    ss = [torch.ldexp(torch.ones(e, o, i // 32, device="cuda"), torch.randint(-7, -3, (e, o, i // 32), device="cuda"))
+          for o, i in shapes]
+    per_expert = sum(w[0].numel() + s[0].numel() * 4 for w, s in zip(ws, ss, strict=True))
+    for m in tokens:
+        routes = [torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(m)]) for _ in range(4)]
+        unique = sum(len(torch.unique(r)) for r in routes) / len(routes)
+        x, wts = torch.randn(m, d, device="cuda"), torch.rand(m, topk, device="cuda")
+        nr = cycler(routes)
+        cfg = tuned("moe_experts", {"e": e, "inter": inter, "d": d, "topk": topk, "fmt": "fp4"}, m, moe)
+        ours = time_us(lambda: moe.moe_experts(x, wts, nr(), *ws, *ss, limit=10.0, config=cfg))
+        # the reference synchronizes (torch.unique(...).tolist()): timed with events, and only where it is quick
+        base = time_us(lambda: moe_ref.moe_experts(x, wts, routes[0], *ws, *ss, limit=10.0), 10, graph=False) \
+            if m <= 16 else None
+        record("moe fp4 experts", f"T={m} E=384 top6 {d}<->{inter} ({unique:.0f} experts)", ours,
+               nbytes=unique * per_expert + m * d * 8, flops=6 * m * topk * d * inter,
+               base="torch eager (dsl ref)" if base else None, base_us=base)
+
+
+def torch_sparse_attention(q, kv, idx, sink, scale):
+    valid = idx >= 0
+    keys = kv[idx.clamp_min(0).long()].float()  # [T, S, D]
+    logits = torch.einsum("thd,tsd->ths", q.float(), keys) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    full = torch.cat([logits, sink.float()[None, :, None].expand(q.shape[0], -1, 1)], -1)
+    probs = torch.softmax(full, -1)[..., :-1]
+    return torch.einsum("ths,tsd->thd", probs, keys)
+
+
+def bench_attention(tokens: list[int]) -> None:
+    h, d, s, pool = 64, 512, 128 + 512, 2128
+    for m in tokens:
+        q = torch.randn(m, h, d, device="cuda").bfloat16()
+        kv = torch.randn(m * pool, d, device="cuda").bfloat16()
+        idx = torch.stack([torch.randperm(pool, device="cuda")[:s] + pool * i for i in range(m)]).int()
+        sink = torch.randn(h, device="cuda")
+        cfg = tuned("sparse_attention", {"h": h, "d": d}, m, attention)
+        ours = time_us(lambda: attention.sparse_attention(q, kv, idx, sink, scale=d**-0.5, config=cfg))
+        base = time_us(lambda: torch_sparse_attention(q, kv, idx, sink, d**-0.5))
+        record("sparse_attention decode", f"T={m} H={h} D={d} S={s}", ours,
+               nbytes=m * (s * d * 2 + h * d * 2 + h * d * 4 + s * 4), flops=4 * m * h * s * d,
+               base="torch eager (gather+softmax)", base_us=base)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="bench_results.json")
+    p.add_argument("--tuning", help="a tuning cache (JSON) whose configs the kernels use")
+    args = p.parse_args()
+    global TUNED
+    TUNED = TuningCache(args.tuning) if args.tuning else None
+    torch.manual_seed(0)
+    print("device:", torch.cuda.get_device_name(), flush=True)
+    tokens = [1, 16, 64]
+    for part in (ceilings, lambda: bench_linear(tokens), bench_prefill_gemm, lambda: bench_norms([1, 64, 4096]),
+                 lambda: bench_moe(tokens), lambda: bench_attention(tokens)):
+        try:
+            part()
+        except Exception as e:  # one failing family must not hide the others' numbers
+            print(f"FAILED {part}: {type(e).__name__}: {e}", flush=True)
+        torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps(ROWS, indent=1))
+    print_table(ROWS)
+    return 0
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"\n{'kernel':26s} {'shape':44s} {'us':>8s} {'TB/s':>6s} {'%HBM':>5s} {'TFLOP/s':>7s} {'%pk':>5s} "
+          f"{'base us':>8s} {'x base':>6s}")
+    for r in rows:
+        print(f"{r['kernel'][:26]:26s} {r['shape'][:44]:44s} {r['us']:8.2f} {r.get('TB/s', ''):>6} "
+              f"{r.get('%HBM', ''):>5} {r.get('TFLOP/s', ''):>7} {r.get('%peak', ''):>5} "
+              f"{r.get('base_us', ''):>8} {r.get('speedup', ''):>6}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

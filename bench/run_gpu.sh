@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# One device call: the GPU tests (`pytest -m gpu`), optionally tuning, then the kernel benchmarks; the short
+# table comes last. Logs and JSON go to $OUT (the device tool's return folder) or /tmp/deepinfer-gpu.
+#   bash bench/run_gpu.sh            tests + benchmarks
+#   TUNE=1 bash bench/run_gpu.sh     also tune the V4.1 decode kernels (writes $OUT/sm90.json)
+# Prebuilt artifacts (.prebuilt/smooth-{bf16,fp32}, compiled on a GPU-less machine and carried to the device: an
+# ignored folder, so name it in the device call's `carry`) are what the artifact test loads when present; make them
+# with deepinfer.compile(DeepseekV41Flash.from_pretrained("tests/fixtures/v41-smooth"), target="sm90"[, dot_fp32=True])
+# .save(".prebuilt/smooth-bf16" | ".prebuilt/smooth-fp32"). Without them the test compiles on the device.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/deepinfer-gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+[ -d .prebuilt ] && export DEEPINFER_ARTIFACTS=$PWD/.prebuilt
+export DEEPINFER_RESULTS_DIR=$OUT
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
+SECONDS=0
+[ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -m gpu -q -p no:cacheprovider -n "${JOBS:-4}" -rs tests/kernels tests/test_gpu_targets.py \
+    > "$OUT/pytest.log" 2>&1
+echo "pytest -m gpu: rc=$? in ${SECONDS}s"; grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
+grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
+for f in "$OUT"/e2e_*.json; do [ -f "$f" ] && echo "$(basename "$f" .json): $(cat "$f")"; done
+if [ "${TUNE:-0}" = 1 ]; then
+    SECONDS=0
+    [ -f autotune/tuned/sm90.json ] && cp autotune/tuned/sm90.json "$OUT/sm90.json"  # extend the committed file
+    timeout "${TUNE_TIMEOUT:-300}" python3 -m autotune.run --target sm90 --buckets "${TUNE_BUCKETS:-16,64}" --templates "${TUNE_TEMPLATES:-linear}" \
+        --only "${TUNE_ONLY:-}" --out "$OUT/sm90.json" > "$OUT/tune.log" 2>&1
+    echo "tuning: rc=$? in ${SECONDS}s"; grep -A 40 "^template" "$OUT/tune.log"
+fi
+SECONDS=0
+TUNING=${TUNING:-autotune/tuned/sm90.json}
+[ -f "$OUT/sm90.json" ] && TUNING=$OUT/sm90.json
+python3 bench/bench_kernels.py --out "$OUT/bench.json" --tuning "$TUNING" > "$OUT/bench.log" 2>&1
+echo "bench: rc=$? in ${SECONDS}s"; grep FAILED "$OUT/bench.log"; sed -n '/^kernel /,$p' "$OUT/bench.log"

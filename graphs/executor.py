@@ -1,0 +1,71 @@
+"""Runs a planned graph on a device: kernel nodes through their lowering, the rest through the DSL reference.
+
+It reads like `dsl.interpret` (the cpu target), which it mirrors node for node. Weights are placed on the device
+once, and converted once per format a kernel asks for (plain weights to bf16, or fp32 when the plan multiplies
+in fp32). Kernel launches go through whatever launcher is current: Triton's JIT, or an artifact's cubins.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dsl.graph import Graph
+from dsl.ops import OPS
+from graphs.lowering import LOWERINGS
+from graphs.plan import Plan
+
+
+class Executor:
+    def __init__(self, graph: Graph, plan: Plan, params: dict[str, torch.Tensor], device: str | torch.device) -> None:
+        plan.check_graph(graph)
+        self.graph, self.plan, self.device = graph, plan, torch.device(device)
+        self.params = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
+        self.formatted: dict[tuple[str, str], torch.Tensor] = {}
+        for node in plan.kernel_nodes():  # convert now: a forward allocates no weights
+            for pos, fmt in node.formats.items():
+                v = graph.nodes[node.index].inputs[pos]
+                if v is not None and v.name in self.params:
+                    self.param(v.name, fmt)
+        self.kernel_calls = 0
+
+    def param(self, name: str, fmt: str) -> torch.Tensor:
+        key = (name, fmt)
+        if key not in self.formatted:
+            t = self.params[name]
+            if fmt == "plain":
+                fmt = "fp32" if self.plan.dot_fp32 else "bf16"
+            if fmt == "bf16":
+                t = t.to(torch.bfloat16)
+            elif fmt == "fp32":
+                t = t.float()
+            self.formatted[key] = t.contiguous()
+        return self.formatted[key]
+
+    def run(self, inputs: dict[str, Any], ctx) -> dict[str, Any]:
+        graph = self.graph
+        env: dict = {value: inputs[name] for name, value in graph.inputs.items()}
+        env |= {value: self.params[name] for name, value in graph.params.items()}
+        for node, entry in zip(graph.nodes, self.plan.nodes, strict=True):
+            opdef = OPS[node.op]
+            args = [None if v is None else env[v] for v in node.inputs]
+            if entry.template and isinstance(args[0], torch.Tensor):
+                for pos, fmt in entry.formats.items():
+                    v = node.inputs[pos]
+                    if v is not None and v.name in graph.params:
+                        args[pos] = self.param(v.name, fmt)
+                config = entry.config(args[0].shape[0], self.plan.buckets)
+                result = LOWERINGS[node.op].run(args, node.attrs, entry.static, config, ctx, self.plan.dot_fp32)
+                self.kernel_calls += 1
+            else:
+                kwargs = dict(node.attrs, ctx=ctx) if opdef.uses_context else node.attrs
+                result = opdef.reference(*args, **kwargs)
+            if opdef.num_outputs == 1:
+                result = (result,)
+            for value, r in zip(node.outputs, result, strict=True):
+                env[value] = r
+        return {name: env[v] for name, v in graph.outputs.items()}
+
+
+__all__ = ["Executor"]

@@ -1,0 +1,107 @@
+"""Launching prebuilt cubins through the CUDA driver (ctypes on libcuda): no Triton, no compiler at run time.
+
+`CubinLauncher` is a `kernels.launch` launcher: a wrapper's `Launch` is matched by its key (kernel, argument
+types, constexprs, warps, stages) to a cubin built ahead of time, whose function is loaded once with
+cuModuleLoadData and launched with cuLaunchKernel on torch's current stream.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from kernels.launch import Launch
+
+_MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+
+
+class CudaDriver:
+    """The few driver calls a launcher needs, each checked."""
+
+    def __init__(self) -> None:
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        self.check(self.lib.cuInit(0), "cuInit")
+
+    def check(self, code: int, what: str) -> None:
+        if code != 0:
+            msg = ctypes.c_char_p()
+            self.lib.cuGetErrorString(code, ctypes.byref(msg))
+            raise RuntimeError(f"{what} failed: CUDA error {code} ({(msg.value or b'?').decode()})")
+
+    def ensure_context(self, device: int) -> None:
+        """Make the device's primary context (the one torch uses) current on this thread."""
+        ctx = ctypes.c_void_p()
+        self.check(self.lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+        if not ctx.value:
+            dev = ctypes.c_int()
+            self.check(self.lib.cuDeviceGet(ctypes.byref(dev), device), "cuDeviceGet")
+            self.check(self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
+            self.check(self.lib.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
+
+    def load_function(self, cubin: bytes, name: str, shared: int) -> ctypes.c_void_p:
+        module, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        self.check(self.lib.cuModuleLoadData(ctypes.byref(module), ctypes.c_char_p(cubin)), f"cuModuleLoadData({name})")
+        self.check(self.lib.cuModuleGetFunction(ctypes.byref(fn), module, name.encode()),
+                   f"cuModuleGetFunction({name})")
+        if shared > 48 * 1024:
+            self.check(self.lib.cuFuncSetAttribute(fn, _MAX_DYNAMIC_SHARED, shared), f"cuFuncSetAttribute({name})")
+        return fn
+
+    def launch(self, fn: ctypes.c_void_p, grid: tuple[int, int, int], threads: int, shared: int, stream: int,
+               params: list[Any]) -> None:
+        ptrs = (ctypes.c_void_p * len(params))(*[ctypes.addressof(p) for p in params])
+        self.check(self.lib.cuLaunchKernel(fn, *grid, threads, 1, 1, shared, ctypes.c_void_p(stream), ptrs, None),
+                   "cuLaunchKernel")
+
+
+class CubinLauncher:
+    """Launches `Launch`es on prebuilt cubins: `cubins[key]` and `specs[key]` from an artifact."""
+
+    def __init__(self, specs: dict[str, dict], cubins: dict[str, bytes], device: int | None = None) -> None:
+        self.specs, self.cubins = specs, cubins
+        self.device = torch.cuda.current_device() if device is None else device
+        self.driver = CudaDriver()
+        self.functions: dict[str, ctypes.c_void_p] = {}
+        self.launches = 0
+
+    def function(self, key: str) -> ctypes.c_void_p:
+        if key not in self.functions:
+            spec = self.specs[key]
+            self.driver.ensure_context(self.device)
+            self.functions[key] = self.driver.load_function(self.cubins[key], spec["name"], spec["shared"])
+        return self.functions[key]
+
+    def __call__(self, call: Launch) -> None:
+        key = call.key()
+        spec = self.specs.get(key)
+        if spec is None:
+            raise KeyError(f"no prebuilt kernel for {key}: the artifact was built for other shapes or configs")
+        params = []
+        for a, t in zip(call.args, spec["signature"], strict=True):
+            if t.startswith("*"):
+                if not a.is_cuda or a.data_ptr() % 16:
+                    raise ValueError(f"{call.name}: tensor arguments must be 16-byte aligned CUDA tensors")
+                params.append(ctypes.c_void_p(a.data_ptr()))
+            else:
+                params.append(ctypes.c_int32(a))
+        grid = tuple(call.grid) + (1,) * (3 - len(call.grid))
+        keep = []  # scratch buffers live until the launch is enqueued; the caching allocator orders reuse
+        for size_key, align_key in (("global_scratch_size", "global_scratch_align"),
+                                    ("profile_scratch_size", "profile_scratch_align")):
+            size = spec[size_key]
+            if size:
+                buf = torch.empty(size * grid[0] * grid[1] * grid[2], dtype=torch.uint8, device=f"cuda:{self.device}")
+                keep.append(buf)
+                params.append(ctypes.c_void_p(buf.data_ptr()))
+            else:
+                params.append(ctypes.c_void_p(0))
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.driver.launch(self.function(key), grid, 32 * spec["num_warps"], spec["shared"], stream, params)
+        self.launches += 1
+
+
+__all__ = ["CudaDriver", "CubinLauncher"]

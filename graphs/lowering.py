@@ -1,0 +1,236 @@
+"""Which kernel serves a DSL node, and how: one `Lowering` per op that has a kernel.
+
+A lowering reads a node and the weights to decide whether its kernel applies and with which static shapes
+(`static`: the tuning key's weight-fixed dims), names the weight formats the kernel wants (`formats`), runs the
+kernel on the node's runtime arguments (`run`), and makes meta-tensor arguments of a bucket's token count for
+the ahead-of-time builder (`trace`). Nodes without a lowering, or whose activations are not flat over the token
+dim N (compressed entries), run their DSL reference on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+import kernels.triton.attention as attention
+import kernels.triton.hyper as hyper
+import kernels.triton.linear as linear
+import kernels.triton.moe as moe
+import kernels.triton.rms_norm as rms_norm
+from dsl.graph import Node
+from dsl.tensor import num_tokens
+
+Params = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Lowering:
+    template: str  # the kernel template (tuning cache's op name)
+    static: Callable[[Node, Params], dict | None]  # None: the kernel does not apply to this node
+    formats: Callable[[dict], dict[int, str]]  # input position -> weight format ("bf16", "fp32", "raw")
+    run: Callable[..., Any]  # run(args, attrs, static, config, ctx, dot_fp32) -> node outputs
+    trace: Callable[..., None]  # trace(static, attrs, config, m, dot_fp32): calls the wrapper on meta
+    default_config: Callable[[dict, int], dict]
+
+
+def _param(node: Node, i: int, params: Params) -> torch.Tensor | None:
+    v = node.inputs[i]
+    return None if v is None else params.get(v.name)
+
+
+def _over_tokens(node: Node) -> bool:
+    t = node.inputs[0].type
+    return t is not None and t.dtype == "float32" and len(t.shape) >= 2 and t.shape[0] == num_tokens
+
+
+def _meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.empty(*shape, dtype=dtype, device="meta")
+
+
+def _weight_dtype(fmt: str, dot_fp32: bool) -> torch.dtype:
+    return {"fp8": torch.float8_e4m3fn, "fp4": torch.uint8}.get(fmt, torch.float32 if dot_fp32 else torch.bfloat16)
+
+
+def _plain(dot_fp32: bool) -> str:
+    return "fp32" if dot_fp32 else "bf16"
+
+
+# ---- linear and grouped_linear ---------------------------------------------------------------------------------
+
+def _linear_static(node: Node, params: Params) -> dict | None:
+    w, s = _param(node, 1, params), _param(node, 2, params)
+    if w is None or not _over_tokens(node) or node.inputs[0].type.rank != 2:
+        return None
+    groups = node.attrs.get("groups", 1)
+    o, k = w.shape
+    if w.dtype == torch.float8_e4m3fn:
+        if s is None or tuple(s.shape) != (-(-o // 32), -(-k // 32)) or (groups > 1 and (o // groups) % 32):
+            return None
+        fmt = "fp8"
+    elif w.is_floating_point() and s is None:
+        fmt = "plain"
+    else:
+        return None  # packed fp4 or group-scaled fp8: the reference
+    return {"n": o // groups, "k": k, "groups": groups, "fmt": fmt}
+
+
+def _linear_run(args, attrs, static, config, ctx, dot_fp32):
+    x, w, s = args[0], args[1], args[2]
+    return linear.linear(x.contiguous(), w, s, groups=static["groups"], config=config, dot_fp32=dot_fp32)
+
+
+def _linear_trace(static, attrs, config, m, dot_fp32):
+    g, n, k = static["groups"], static["n"], static["k"]
+    w = _meta(g * n, k, dtype=_weight_dtype(static["fmt"], dot_fp32))
+    s = _meta(-(-g * n // 32), -(-k // 32)) if static["fmt"] == "fp8" else None
+    linear.linear(_meta(m, g * k), w, s, groups=g, config=config, dot_fp32=dot_fp32)
+
+
+LINEAR = Lowering(
+    "linear", _linear_static,
+    lambda st: {1: "raw", 2: "fp32"} if st["fmt"] == "fp8" else {1: "plain"},
+    _linear_run, _linear_trace,
+    lambda st, m: linear.default_config(m, st["n"], st["k"], st["groups"], st["fmt"] == "fp8"))  # bf16 weights
+
+
+# ---- rms_norm ----------------------------------------------------------------------------------------------------
+
+def _norm_static(node: Node, params: Params) -> dict | None:
+    if not _over_tokens(node) or (node.inputs[1] is not None and _param(node, 1, params) is None):
+        return None
+    return {"d": int(node.inputs[0].type.shape[-1]), "has_w": node.inputs[1] is not None,
+            "eps": node.attrs["eps"]}
+
+
+def _norm_trace(static, attrs, config, m, dot_fp32):
+    w = _meta(static["d"]) if static["has_w"] else None
+    rms_norm.rms_norm(_meta(m, static["d"]), w, eps=static["eps"], config=config)
+
+
+RMS_NORM = Lowering(
+    "rms_norm", _norm_static, lambda st: {1: "fp32"},
+    lambda args, attrs, st, config, ctx, f: rms_norm.rms_norm(args[0].contiguous(), args[1], eps=attrs["eps"],
+                                                              config=config),
+    _norm_trace, lambda st, m: rms_norm.default_config(st["d"]))
+
+
+# ---- hyper-connections -------------------------------------------------------------------------------------------
+
+def _hc_static(node: Node, params: Params) -> dict | None:
+    t = node.inputs[1].type if node.op == "hc_expand" else node.inputs[0].type
+    if t is None or t.rank != 3 or t.shape[0] != num_tokens:
+        return None
+    return {"hc": int(t.shape[1]), "d": int(t.shape[2])}
+
+
+def _mixes_run(args, attrs, st, config, ctx, dot_fp32):
+    return hyper.hc_mixes(args[0].contiguous(), *args[1:4], iters=attrs["iters"], eps=attrs["eps"],
+                          norm_eps=attrs["norm_eps"], config=config)
+
+
+def _mixes_trace(st, attrs, config, m, dot_fp32):
+    hc, d = st["hc"], st["d"]
+    nout = (2 + hc) * hc
+    hyper.hc_mixes(_meta(m, hc, d), _meta(nout, hc * d), _meta(3), _meta(nout), iters=attrs["iters"],
+                   eps=attrs["eps"], norm_eps=attrs["norm_eps"], config=config)
+
+
+HC_MIXES = Lowering("hc_mixes", _hc_static, lambda st: {1: "fp32", 2: "fp32", 3: "fp32"}, _mixes_run,
+                    _mixes_trace, lambda st, m: hyper.mixes_config(m, st["hc"] * st["d"]))
+
+
+def _collapse_run(args, attrs, st, config, ctx, dot_fp32):
+    h, pre, w = args[0].contiguous(), args[1], args[2]
+    if pre.dim() == 1:  # the first site's one-hot `hc_stream0` [hc], the same for every token
+        pre = pre.float().expand(h.shape[0], -1)
+    return hyper.hc_collapse_rms_norm(h, pre.contiguous(), w, eps=attrs["eps"])
+
+
+HC_COLLAPSE_RMS_NORM = Lowering(
+    "hc_collapse_rms_norm", _hc_static, lambda st: {2: "fp32"}, _collapse_run,
+    lambda st, attrs, config, m, f: hyper.hc_collapse_rms_norm(_meta(m, st["hc"], st["d"]), _meta(m, st["hc"]),
+                                                       _meta(st["d"]), eps=attrs["eps"]),
+    lambda st, m: {})
+
+HC_EXPAND = Lowering(
+    "hc_expand", _hc_static, lambda st: {},
+    lambda args, attrs, st, config, ctx, f: hyper.hc_expand(*(a.contiguous() for a in args)),
+    lambda st, attrs, config, m, f: hyper.hc_expand(_meta(m, st["d"]), _meta(m, st["hc"], st["d"]), _meta(m, st["hc"]),
+                                            _meta(m, st["hc"], st["hc"])),
+    lambda st, m: {})
+
+
+# ---- routed experts ----------------------------------------------------------------------------------------------
+
+def _moe_static(node: Node, params: Params) -> dict | None:
+    w1 = _param(node, 3, params)
+    if w1 is None or not _over_tokens(node) or w1.dim() != 3:
+        return None
+    fp4 = w1.dtype == torch.uint8
+    if not fp4 and not w1.is_floating_point():
+        return None
+    e, inter, k = w1.shape
+    d = 2 * k if fp4 else k
+    if fp4 and (d % 32 or inter % 32):
+        return None
+    return {"e": e, "inter": inter, "d": d, "topk": int(node.inputs[2].type.shape[1]), "fmt": "fp4" if fp4 else "plain"}
+
+
+def _moe_run(args, attrs, st, config, ctx, dot_fp32):
+    x, weights, experts, w1, w2, w3, s1, s2, s3 = args
+    return moe.moe_experts(x.contiguous(), weights.float().contiguous(), experts.contiguous(), w1, w2, w3, s1, s2,
+                           s3, limit=attrs["limit"], config=config, dot_fp32=dot_fp32)
+
+
+def _moe_trace(st, attrs, config, m, dot_fp32):
+    e, inter, d, fp4 = st["e"], st["inter"], st["d"], st["fmt"] == "fp4"
+    wd = _weight_dtype(st["fmt"], dot_fp32)
+    w1 = _meta(e, inter, d // 2 if fp4 else d, dtype=wd)
+    w2 = _meta(e, d, inter // 2 if fp4 else inter, dtype=wd)
+    s1, s2 = (_meta(e, inter, d // 32), _meta(e, d, inter // 32)) if fp4 else (None, None)
+    moe.moe_experts(_meta(m, d), _meta(m, st["topk"]), _meta(m, st["topk"], dtype=torch.int64), w1, w2, w1, s1, s2,
+                    s1, limit=attrs["limit"], config=config, dot_fp32=dot_fp32)
+
+
+MOE_EXPERTS = Lowering(
+    "moe_experts", _moe_static,
+    lambda st: {3: "raw", 4: "raw", 5: "raw", 6: "raw", 7: "raw", 8: "raw"} if st["fmt"] == "fp4"
+    else {3: "plain", 4: "plain", 5: "plain"},
+    _moe_run, _moe_trace, lambda st, m: moe.default_config(m, st["fmt"] == "fp4"))
+
+
+# ---- sparse attention --------------------------------------------------------------------------------------------
+
+def _attention_static(node: Node, params: Params) -> dict | None:
+    t = node.inputs[0].type
+    if t is None or t.rank != 3 or t.shape[0] != num_tokens or _param(node, 2, params) is None:
+        return None
+    return {"h": int(t.shape[1]), "d": int(t.shape[2])}
+
+
+def _attention_run(args, attrs, st, config, ctx, dot_fp32):
+    q, window, sink, compressed, topk = (list(args) + [None, None])[:5]
+    return attention.sparse_attention_op(q, window, sink, compressed, topk, window_size=attrs["window_size"],
+                                         scale=attrs["scale"], ctx=ctx, config=config, dot_fp32=dot_fp32)
+
+
+def _attention_trace(st, attrs, config, m, dot_fp32):
+    dtype = torch.float32 if dot_fp32 else torch.bfloat16
+    attention.sparse_attention(_meta(m, st["h"], st["d"], dtype=dtype), _meta(1, st["d"], dtype=dtype),
+                               _meta(m, 1, dtype=torch.int32), _meta(st["h"]), scale=attrs["scale"],
+                               config=config, dot_fp32=dot_fp32)
+
+
+SPARSE_ATTENTION = Lowering("sparse_attention", _attention_static, lambda st: {2: "fp32"}, _attention_run,
+                            _attention_trace, lambda st, m: attention.default_config(m, st["h"], st["d"]))
+
+LOWERINGS: dict[str, Lowering] = {
+    "linear": LINEAR, "grouped_linear": LINEAR, "rms_norm": RMS_NORM, "hc_mixes": HC_MIXES,
+    "hc_collapse_rms_norm": HC_COLLAPSE_RMS_NORM, "hc_expand": HC_EXPAND, "moe_experts": MOE_EXPERTS,
+    "sparse_attention": SPARSE_ATTENTION,
+}
+
+__all__ = ["Lowering", "LOWERINGS"]

@@ -1,0 +1,101 @@
+"""The plan: for every node of a model graph, the kernel that runs it (or its reference) and, per token-count
+bucket, the tuned or heuristic config. Saved as plan.json; the graph itself is rebuilt from the model."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+
+import torch
+
+from autotune import choose, source_hash
+from dsl.graph import Graph
+from graphs.lowering import LOWERINGS
+
+BUCKETS = (16, 64, 512, 8192)  # token-count buckets: a bucket's config serves every count up to it (and beyond
+# the last); decode batches fall in the first two
+
+
+def bucket_of(m: int, buckets: tuple[int, ...] = BUCKETS) -> int:
+    return next((b for b in buckets if m <= b), buckets[-1])
+
+
+@dataclass
+class NodePlan:
+    index: int
+    op: str
+    template: str | None = None  # None: the DSL reference runs it
+    static: dict = field(default_factory=dict)
+    formats: dict[int, str] = field(default_factory=dict)
+    configs: dict[int, dict] = field(default_factory=dict)  # bucket -> config
+    sources: dict[int, str] = field(default_factory=dict)  # bucket -> "tuned" | "heuristic"
+
+    def config(self, m: int, buckets: tuple[int, ...]) -> dict:
+        return self.configs[bucket_of(m, buckets)]
+
+    def to_json(self) -> dict:
+        d = {"index": self.index, "op": self.op, "template": self.template}
+        if self.template:
+            d |= {"static": self.static, "formats": {str(k): v for k, v in self.formats.items()},
+                  "configs": {str(k): v for k, v in self.configs.items()},
+                  "sources": {str(k): v for k, v in self.sources.items()}}
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> NodePlan:
+        ints = lambda m: {int(k): v for k, v in m.items()}  # noqa: E731
+        return cls(d["index"], d["op"], d.get("template"), d.get("static", {}), ints(d.get("formats", {})),
+                   ints(d.get("configs", {})), ints(d.get("sources", {})))
+
+
+@dataclass
+class Plan:
+    target: str
+    nodes: list[NodePlan]
+    buckets: tuple[int, ...] = BUCKETS
+    dot_fp32: bool = False
+
+    def kernel_nodes(self) -> list[NodePlan]:
+        return [n for n in self.nodes if n.template]
+
+    def to_json(self) -> dict:
+        return {"target": self.target, "buckets": list(self.buckets), "dot_fp32": self.dot_fp32,
+                "nodes": [n.to_json() for n in self.nodes]}
+
+    @classmethod
+    def from_json(cls, d: dict) -> Plan:
+        return cls(d["target"], [NodePlan.from_json(n) for n in d["nodes"]], tuple(d["buckets"]), d["dot_fp32"])
+
+    def check_graph(self, graph: Graph) -> None:
+        """The plan was made for this graph: same ops in the same order."""
+        ops = [n.op for n in graph.nodes]
+        if ops != [n.op for n in self.nodes]:
+            raise ValueError("the plan does not match the model's graph (different ops or order): recompile")
+
+
+def _template_hash(template: str) -> str:
+    module = {"linear": "linear", "rms_norm": "rms_norm", "hc_mixes": "hyper", "hc_collapse_rms_norm": "hyper",
+              "hc_expand": "hyper", "moe_experts": "moe", "sparse_attention": "attention"}[template]
+    return source_hash(importlib.import_module(f"kernels.triton.{module}"))
+
+
+def make_plan(graph: Graph, params: dict[str, torch.Tensor], target: str, buckets: tuple[int, ...] = BUCKETS,
+              dot_fp32: bool = False, tuning=None) -> Plan:
+    """Choose a kernel for every node that has one, and its config per bucket (tuned when cached)."""
+    nodes = []
+    for i, node in enumerate(graph.nodes):
+        entry = NodePlan(i, node.op)
+        lowering = LOWERINGS.get(node.op)
+        static = lowering.static(node, params) if lowering else None
+        if static is not None:
+            entry.template, entry.static, entry.formats = lowering.template, static, lowering.formats(static)
+            src = _template_hash(lowering.template)
+            for b in buckets:
+                fallback = lambda lw=lowering, st=static, b=b: lw.default_config(st, b)  # noqa: E731
+                entry.configs[b], entry.sources[b] = choose(lowering.template, static, b, target, src, fallback,
+                                                            tuning)
+        nodes.append(entry)
+    return Plan(target, nodes, tuple(buckets), dot_fp32)
+
+
+__all__ = ["Plan", "NodePlan", "make_plan", "bucket_of", "BUCKETS"]

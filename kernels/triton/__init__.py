@@ -1,0 +1,14 @@
+"""Triton kernels, one family per file: @triton.jit kernels and their torch-facing wrappers.
+
+    linear.py     decode/skinny linear over bf16/fp32 or fp8 32x32-block weights, grouped (wo_a), split-K
+    rms_norm.py   RMSNorm
+    hyper.py      hyper-connection mixes (Sinkhorn), collapse + RMSNorm, stream update
+    moe.py        routed experts: grouped GEMMs over fp4 (dequantized in registers) or bf16 weights
+    attention.py  sparse attention with sink over gathered window + selected compressed entries
+
+Each wrapper checks its inputs, allocates outputs, returns early on empty input and launches through
+`kernels.launch`; the DSL op of the same name (`dsl/ops`) is its reference. Tensors on the CPU run under
+Triton's interpreter (`TRITON_INTERPRET=1`), which is how CI checks them. Import the wrappers from their
+modules (`from kernels.triton.linear import linear`): the package re-exports nothing, so each module name stays a
+module.
+"""

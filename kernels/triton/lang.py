@@ -1,0 +1,55 @@
+"""Triton, or a stand-in when it is not installed.
+
+A saved artifact runs with torch and the CUDA driver alone: its kernels are prebuilt cubins, and the wrappers
+only need each kernel's name to find them. Without Triton, `triton.jit` returns a `NamedKernel` that carries the
+Python function (never executed) and its name, and `tl` is None; `from __future__ import annotations` in the
+kernel modules keeps `tl.constexpr` annotations as strings, so they are never evaluated.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+
+class NamedKernel:
+    """A kernel known by name only (no Triton here): launching it needs a prebuilt cubin."""
+
+    def __init__(self, fn: Callable, **options: Any) -> None:
+        self.fn = fn
+        self.__name__ = fn.__name__
+        self.arg_names = list(inspect.signature(fn).parameters)
+        self.options = options
+
+    def __getitem__(self, grid: Any) -> Callable:
+        raise RuntimeError(f"kernel {self.__name__} has no prebuilt cubin and Triton is not installed")
+
+
+class _TritonStandIn:
+    @staticmethod
+    def jit(fn: Callable | None = None, **options: Any) -> Any:
+        if fn is None:
+            return lambda f: NamedKernel(f, **options)
+        return NamedKernel(fn)
+
+    @staticmethod
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    @staticmethod
+    def next_power_of_2(n: int) -> int:
+        return 1 << max(0, int(n) - 1).bit_length()
+
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # the artifact runtime
+    triton = _TritonStandIn()
+    tl = None
+    HAS_TRITON = False
+
+__all__ = ["triton", "tl", "HAS_TRITON", "NamedKernel"]
