@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from deepinfer.structured_outputs.params import StructuredOutputsParams
+
 # Below this temperature sampling is greedy, as in vLLM: dividing logits by a tiny temperature only overflows.
 GREEDY_TEMPERATURE = 1e-5
 
@@ -27,6 +29,7 @@ class SamplingParams:
     `max_tokens` (None = up to the model length) and `min_tokens` bound its length; `logprobs` asks for that many
     top log-probabilities per generated token; `presence_penalty`, `frequency_penalty` (in [-2, 2], over the
     generated tokens) and `repetition_penalty` (> 0, over prompt and generated tokens; 1 = off) reshape the logits.
+    `structured_outputs` constrains the completion to a JSON schema, regex, grammar or choice.
     """
 
     n: int = 1
@@ -46,6 +49,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
@@ -80,6 +84,9 @@ class SamplingParams:
             if not isinstance(getattr(self, name), bool):
                 # ValueError as for every other bad field (vLLM's choice too), so callers catch one type
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")  # noqa: TRY004
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, "
+                             f"got {type(self.structured_outputs).__name__}")
 
     @staticmethod
     def _check_stop(stop: str | list[str] | None) -> list[str]:

@@ -26,6 +26,7 @@ BAD_VALUES = [
     ("frequency_penalty", 3.0), ("frequency_penalty", -2.5),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
     ("ignore_eos", 1), ("skip_special_tokens", "yes"), ("include_stop_str_in_output", None),
+    ("structured_outputs", {"json": {"type": "object"}}),
 ]
 
 
