@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from deepinfer import models
-from deepinfer.compile import compile  # the public name, as torch.compile
+from deepinfer.compile import compile, load  # `compile`: the public name, as torch.compile
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.structured_outputs import StructuredOutputsParams
 
-# `load` (running a saved artifact) joins this list with the artifact format.
-__all__ = ["LLM", "SamplingParams", "compile", "models"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "compile", "load", "models"]
 
 
 def __getattr__(name: str):

@@ -1,8 +1,14 @@
-"""The `deepinfer` command: `deepinfer generate "prompt" ...` prints completions; `--input`/`--output` take JSONL."""
+"""The `deepinfer` command.
+
+`deepinfer generate "prompt" ...` prints completions; with `--input prompts.jsonl --output results.jsonl` it writes
+one line per finished request and resumes where a killed run stopped (deepinfer/results_file.py).
+`deepinfer bench` measures throughput on synthetic prompts and prints a table (deepinfer/benchmark.py).
+"""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import sys
@@ -10,6 +16,7 @@ import time
 from typing import Any
 
 from deepinfer.outputs import RequestOutput
+from deepinfer.results_file import InputLine, ResultsFile, read_inputs
 from deepinfer.sampling_params import SamplingParams
 
 # CLI flag -> SamplingParams field, for the flags that are passed only when given.
@@ -17,48 +24,58 @@ _SAMPLING_FLAGS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_t
                    "ignore_eos", "logprobs")
 
 
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags that build the LLM: model, target and engine arguments."""
+    parser.add_argument("--model", default=None,
+                        help="checkpoint directory (default: the embedded model, which has random weights)")
+    parser.add_argument("--target", default="cpu", help="compile target: cpu, sm90, sm100 (default: cpu)")
+    engine = parser.add_argument_group("engine (EngineArgs; defaults as there)")
+    engine.add_argument("--max-model-len", type=int, default=None, help="bound on prompt plus completion tokens")
+    engine.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once")
+    engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per forward")
+    engine.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="cache budget in bytes")
+    engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
+    engine.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "async_scheduling",
+             "batch_invariant")
+    return {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="Offline inference for DeepSeek-V4.1-Flash.")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="complete prompts and print the completions")
     gen.add_argument("prompts", nargs="*", help="prompts to complete (or give --input)")
-    gen.add_argument("--model", default=None,
-                     help="checkpoint directory (default: the embedded model, which has random weights)")
-    gen.add_argument("--target", default="cpu", help="compile target: cpu, sm90, sm100 (default: cpu)")
-    gen.add_argument("--max-model-len", type=int, default=None, help="bound on prompt plus completion tokens")
-    gen.add_argument("--input", default=None, help='JSONL file of {"prompt": ...} or {"prompt_token_ids": [...]}')
-    gen.add_argument("--output", default=None, help="write one JSON result per line here instead of printing")
+    add_engine_flags(gen)
+    gen.add_argument("--input", default=None,
+                     help='JSONL file: {"id", "prompt" or "prompt_token_ids", sampling fields} per line')
+    gen.add_argument("--output", default=None, help="append one JSON result per line here (resumable) instead of "
+                                                    "printing")
     gen.add_argument("--no-progress", action="store_true", help="no progress bar")
-    sampling = gen.add_argument_group("sampling (vLLM's meanings; SamplingParams' defaults)")
+    sampling = gen.add_argument_group("sampling (vLLM's meanings; SamplingParams' defaults; a JSONL line's own win)")
     sampling.add_argument("--max-tokens", type=int, default=None)
     sampling.add_argument("--min-tokens", type=int, default=None)
     sampling.add_argument("--temperature", type=float, default=None, help="0 = greedy (default 1.0)")
     sampling.add_argument("--top-p", type=float, default=None)
     sampling.add_argument("--top-k", type=int, default=None, help="0 or -1 = off")
     sampling.add_argument("--min-p", type=float, default=None)
-    sampling.add_argument("--seed", type=int, default=None)
+    sampling.add_argument("--seed", type=int, default=None, help="default: each request's own, from its id")
     sampling.add_argument("--n", type=int, default=None, help="completions per prompt")
     sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true", default=None)
     sampling.add_argument("--logprobs", type=int, default=None, help="top log-probabilities per token")
+    from deepinfer.benchmark import add_bench_parser
+
+    add_bench_parser(commands)
     return parser
 
 
-def read_prompts(path: str) -> list[str | dict[str, Any]]:
-    """The prompts of a JSONL file: one object per line with "prompt" or "prompt_token_ids" (or a bare string)."""
-    prompts: list[str | dict[str, Any]] = []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise SystemExit(f"deepinfer: {path}:{number}: not JSON: {e}") from None
-            if not isinstance(item, (str, dict)):
-                raise SystemExit(f"deepinfer: {path}:{number}: expected an object or a string")
-            prompts.append(item)
-    return prompts
+def id_seed(line_id: Any) -> int:
+    """A request's seed from its id, so a resumed run samples what an uninterrupted one would have."""
+    return int.from_bytes(hashlib.blake2b(json.dumps(line_id).encode(), digest_size=8).digest(), "little") >> 1
 
 
 def to_json(out: RequestOutput) -> dict[str, Any]:
@@ -81,33 +98,65 @@ def print_result(out: RequestOutput) -> None:
     print()
 
 
+def _params(line: InputLine, flags: dict[str, Any]) -> SamplingParams:
+    fields = {**flags, **line.sampling}
+    fields.setdefault("seed", id_seed(line.id))
+    return SamplingParams(**fields)
+
+
+def generate(args: argparse.Namespace) -> int:
+    lines = [InputLine(f"arg{i}", prompt, {}) for i, prompt in enumerate(args.prompts, start=1)]
+    if args.input:
+        lines += read_inputs(args.input)
+    if not lines:
+        raise SystemExit("deepinfer generate: give prompts, or --input FILE")
+    flags = {k: getattr(args, k) for k in _SAMPLING_FLAGS if getattr(args, k) is not None}
+    try:
+        SamplingParams(**flags)
+    except ValueError as e:
+        raise SystemExit(f"deepinfer generate: {e}") from None
+    results = ResultsFile(args.output) if args.output else None
+    todo, failed = [], []
+    for line in lines:
+        if results is not None and line.id in results.done:
+            continue
+        try:
+            todo.append((line, _params(line, flags)))
+        except (ValueError, TypeError) as e:  # a bad line fails alone
+            failed.append({"id": line.id, "prompt": line.prompt, "error": f"bad sampling fields: {e}", "outputs": []})
+    if results is not None:
+        for record in failed:
+            results.write(record)
+    from deepinfer.llm import LLM  # after argument checks: loading the model takes seconds
+
+    llm = LLM(args.model, target=args.target, **engine_kwargs(args))
+    start, outputs = time.perf_counter(), {}
+    for index, out in llm.iter_generate([line.prompt for line, _ in todo], [p for _, p in todo],
+                                        use_tqdm=not args.no_progress):
+        outputs[index] = out
+        if results is not None:
+            results.write({"id": todo[index][0].id, **to_json(out)})
+    elapsed = time.perf_counter() - start
+    if results is None:
+        for record in failed:
+            print(f"Prompt: {record['prompt']!r}\nError: {record['error']}\n")
+        for index in range(len(todo)):
+            print_result(outputs[index])
+    else:
+        results.close()
+    generated = sum(len(c.token_ids) for out in outputs.values() for c in out.outputs)
+    print(f"deepinfer: {len(outputs)} requests, {generated} tokens generated in {elapsed:.2f} s "
+          f"({generated / max(elapsed, 1e-9):.1f} tokens/s)", file=sys.stderr)
+    return 1 if failed or any(out.error is not None for out in outputs.values()) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line; returns the exit status (1 when a request failed)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="deepinfer: %(levelname)s: %(message)s", stream=sys.stderr)
-    prompts: list[str | dict[str, Any]] = list(args.prompts)
-    if args.input:
-        prompts += read_prompts(args.input)
-    if not prompts:
-        raise SystemExit("deepinfer generate: give prompts, or --input FILE")
-    try:
-        params = SamplingParams(**{k: getattr(args, k) for k in _SAMPLING_FLAGS if getattr(args, k) is not None})
-    except ValueError as e:
-        raise SystemExit(f"deepinfer generate: {e}") from None
+    logging.getLogger("deepinfer.engine").setLevel(logging.INFO)  # the cache layout the budget bought
+    if args.command == "bench":
+        from deepinfer.benchmark import bench
 
-    from deepinfer.llm import LLM  # after argument checks: loading the model takes seconds
-
-    llm = LLM(args.model, target=args.target, max_model_len=args.max_model_len)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
-    elapsed = time.perf_counter() - start
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.writelines(json.dumps(to_json(out), ensure_ascii=False) + "\n" for out in outputs)
-    else:
-        for out in outputs:
-            print_result(out)
-    generated = sum(len(c.token_ids) for out in outputs for c in out.outputs)
-    print(f"deepinfer: {len(outputs)} requests, {generated} tokens generated in {elapsed:.2f} s "
-          f"({generated / elapsed:.1f} tokens/s)", file=sys.stderr)
-    return 1 if any(out.error is not None for out in outputs) else 0
+        return bench(args)
+    return generate(args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.batch_invariant import KERNELS as BATCH_INVARIANT_KERNELS
 from deepinfer.config import DeepseekV41Config
 from dsl.context import ForwardContext, SequenceState
 from dsl.graph import Graph
@@ -14,7 +15,8 @@ class CompiledModel:
     """Runs forwards over one chunk of tokens from each of several sequences.
 
     `forward(input_ids)` is the stateless view (fresh sequences, logits of every token); `new_sequence()` and
-    `step()` are the incremental one that the engine drives, the caches living in each `SequenceState`.
+    `step()` are the incremental one. Sequences made by `new_sequence()` keep their caches as tensors of their own;
+    the engine gives its sequences slots and blocks of shared pools (`CacheSpec.from_graph` says what they hold).
     """
 
     def __init__(self, config: DeepseekV41Config, graph: Graph, params: dict[str, torch.Tensor], target: str) -> None:
@@ -27,11 +29,13 @@ class CompiledModel:
         return SequenceState()
 
     @torch.inference_mode()
-    def step(self, batch: list[tuple[SequenceState, list[int]]], all_logits: bool = False) -> torch.Tensor:
+    def step(self, batch: list[tuple[SequenceState, list[int]]], all_logits: bool = False,
+             batch_invariant: bool = False) -> torch.Tensor:
         """Run one chunk of tokens per sequence and advance the sequences.
 
         Returns fp32 logits [num_seqs, vocab] after each chunk's last token, or [total tokens, vocab] for every
-        token when `all_logits`. Every chunk must hold at least one token.
+        token when `all_logits`. Every chunk must hold at least one token. With `batch_invariant` each row's logits
+        are bitwise independent of the batch and of chunking (deepinfer/batch_invariant.py), at some cost.
         """
         states = [s for s, _ in batch]
         lengths = [len(tokens) for _, tokens in batch]
@@ -45,7 +49,8 @@ class CompiledModel:
                              f"{int(ids.max())}")
         rows = None if all_logits else torch.tensor(lengths).cumsum(0) - 1
         ctx = ForwardContext(states, lengths, logit_rows=rows)
-        logits = interpret(self.graph, {"input_ids": ids}, self.params, ctx)["logits"]
+        kernels = BATCH_INVARIANT_KERNELS if batch_invariant else None
+        logits = interpret(self.graph, {"input_ids": ids}, self.params, ctx, kernels)["logits"]
         ctx.commit()
         return logits
 

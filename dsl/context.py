@@ -1,8 +1,9 @@
 """Per-forward context and per-sequence state, read by the ops that look across tokens.
 
 A forward runs over the flat concatenation of one chunk of tokens from each of several sequences. The ops
-that attend, pool or hash across tokens need to know where each chunk lies, at which positions, and the
-sequence's state from earlier forwards (sliding windows, compressed entries, partial groups, n-gram history).
+that attend, pool or hash across tokens need to know where each chunk lies, at which positions, and where the
+sequence's caches from earlier forwards live: its slot and block table in a `PagedCache` (dsl/cache.py), or,
+for a state made without one, tensors of its own (dsl/unpaged_cache.py).
 """
 
 from __future__ import annotations
@@ -12,13 +13,29 @@ from typing import Any
 
 import torch
 
+from dsl.cache import PagedCache
+from dsl.unpaged_cache import UNPAGED, UnpagedCache
+
 
 @dataclass
 class SequenceState:
-    """What one sequence carries between forwards: its length so far and named cache tensors."""
+    """What one sequence carries between forwards: its length so far and where its caches live.
+
+    With `cache` set, the sequence owns slot `slot` of the pools and `block_table[i]` is the block holding positions
+    i * block_size .. (i + 1) * block_size - 1 of every compressed cache; the pools' owner fills the table before a
+    forward reaches those positions. Without, the caches are tensors in `caches`.
+    """
 
     num_tokens: int = 0
+    cache: PagedCache | None = None
+    slot: int = 0
+    block_table: list[int] = field(default_factory=list)
     caches: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def storage(self) -> PagedCache | UnpagedCache:
+        """Where the cache ops read and write this sequence's caches."""
+        return UNPAGED if self.cache is None else self.cache
 
 
 @dataclass

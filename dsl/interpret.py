@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from dsl.context import ForwardContext
@@ -9,7 +10,10 @@ from dsl.graph import Graph
 from dsl.ops import OPS
 
 
-def interpret(graph: Graph, inputs: dict[str, Any], params: dict[str, Any], ctx: ForwardContext) -> dict[str, Any]:
+def interpret(graph: Graph, inputs: dict[str, Any], params: dict[str, Any], ctx: ForwardContext,
+              kernels: dict[str, Callable] | None = None) -> dict[str, Any]:
+    """Run `graph`; `kernels` maps op names to implementations used instead of their reference (same signature)."""
+    kernels = kernels or {}
     env: dict = {}
     for name, value in graph.inputs.items():
         env[value] = inputs[name]
@@ -19,7 +23,7 @@ def interpret(graph: Graph, inputs: dict[str, Any], params: dict[str, Any], ctx:
         opdef = OPS[node.op]
         args = [None if v is None else env[v] for v in node.inputs]
         kwargs = dict(node.attrs, ctx=ctx) if opdef.uses_context else node.attrs
-        result = opdef.reference(*args, **kwargs)
+        result = kernels.get(node.op, opdef.reference)(*args, **kwargs)
         if opdef.num_outputs == 1:
             result = (result,)
         for value, r in zip(node.outputs, result, strict=True):

@@ -24,19 +24,18 @@ def _cache_type(x: TensorType, **attrs) -> tuple[TensorType]:
 
 @op("kv_window_append", _cache_type, uses_context=True)
 def kv_window_append(kv: torch.Tensor, *, layer: int, window: int, ctx) -> CacheView:
-    """Append each chunk's kv [N, D] to its sequence's window; keep the last `window - 1` entries for later.
+    """Append each chunk's kv [N, D] to its sequence's window; the cache keeps the last `window - 1` entries.
 
     The returned view holds the kept entries followed by the whole chunk, with their positions.
     """
     keys, positions = [], []
     for c in ctx.chunks:
-        name = f"window.{layer}"
-        prev = c.state.caches.get(name)
-        new = kv[c.rows]
-        full = new if prev is None else torch.cat([prev, new])
+        storage, new = c.state.storage, kv[c.rows]
+        kept = min(c.start_pos, window - 1)
+        full = torch.cat([storage.read_window(c.state, layer, kept).to(new.device), new]) if kept else new
         keys.append(full)
         positions.append(torch.arange(c.start_pos + c.length - full.shape[0], c.start_pos + c.length))
-        c.state.caches[name] = full[max(0, full.shape[0] - (window - 1)):].clone()
+        storage.write_window(c.state, layer, new, window)
     return CacheView(keys, positions)
 
 
@@ -44,12 +43,12 @@ def kv_window_append(kv: torch.Tensor, *, layer: int, window: int, ctx) -> Cache
 def cache_append(entries, *, layer: int, name: str, ctx) -> CacheView:
     """Append new compressed entries (Ragged) to each sequence's `name` cache of `layer`; view the whole cache."""
     keys = []
-    for c, new in zip(ctx.chunks, entries.split(), strict=True):
-        key = f"{name}.{layer}"
-        prev = c.state.caches.get(key)
-        full = new if prev is None else torch.cat([prev, new])
-        c.state.caches[key] = full
-        keys.append(full)
+    for c, new, first in zip(ctx.chunks, entries.split(), entries.first, strict=True):
+        storage = c.state.storage
+        if new.shape[0]:
+            storage.write_entries(c.state, name, layer, first, new)
+        whole = storage.read_entries(c.state, name, layer, first + new.shape[0]).to(new.device) if first else new
+        keys.append(whole)
     return CacheView(keys)
 
 

@@ -1,6 +1,7 @@
 """The compressor of a KV-source layer: pools `ratio` consecutive tokens into one entry.
 
-Partial groups wait in the sequence's state across forwards; a group becomes an entry once complete.
+Partial groups wait in the sequence's cache across forwards; a group becomes an entry once complete. A sequence
+of p tokens has completed p // ratio entries and holds p % ratio rows of its partial group.
 """
 
 from __future__ import annotations
@@ -25,24 +26,22 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor | None = None, *, layer: 
     """
     values, counts, first = [], [], []
     for c in ctx.chunks:
-        count_key, kv_key, gate_key = f"entries.{layer}", f"pool_kv.{layer}", f"pool_gate.{layer}"
-        done = c.state.caches.get(count_key, 0)
+        storage, done, pending = c.state.storage, c.start_pos // ratio, c.start_pos % ratio
         ckv = kv[c.rows].float()
         if ratio == 1:
             pooled = ckv
         else:
             cgate = gate[c.rows].float()
-            if kv_key in c.state.caches:
-                ckv = torch.cat([c.state.caches[kv_key], ckv])
-                cgate = torch.cat([c.state.caches[gate_key], cgate])
+            if pending:
+                kept_kv, kept_gate = storage.read_partial(c.state, layer, pending)
+                ckv, cgate = torch.cat([kept_kv.to(ckv.device), ckv]), torch.cat([kept_gate.to(ckv.device), cgate])
             usable = ckv.shape[0] // ratio * ratio
-            c.state.caches[kv_key], c.state.caches[gate_key] = ckv[usable:].clone(), cgate[usable:].clone()
+            storage.write_partial(c.state, layer, ckv[usable:], cgate[usable:])
             groups = ckv[:usable].reshape(-1, ratio, ckv.shape[-1])
             weights = cgate[:usable].reshape(-1, ratio, ckv.shape[-1]).softmax(dim=1)
             pooled = (groups * weights).sum(dim=1)
         values.append(pooled)
         counts.append(pooled.shape[0])
         first.append(done)
-        c.state.caches[count_key] = done + pooled.shape[0]
     flat = torch.cat(values) if values else kv.new_zeros(0, kv.shape[-1], dtype=torch.float32)
     return Ragged(flat, counts, first)

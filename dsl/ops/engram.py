@@ -18,13 +18,13 @@ def engram_ngrams(ids: torch.Tensor, token_map: torch.Tensor, *, n: int, pad_id:
     the sequence start get `pad_id`. Keeps each sequence's last n - 1 compressed ids for later forwards."""
     out = torch.empty(ids.shape[0], n, dtype=torch.long, device=ids.device)
     for c in ctx.chunks:
-        history = c.state.caches.get("engram.history")
+        history = c.state.storage.read_history(c.state)
         if history is None:
             history = torch.full((n - 1,), pad_id, dtype=torch.long, device=ids.device)
-        seq = torch.cat([history, token_map[ids[c.rows].long()]])  # [n - 1 + T]
+        seq = torch.cat([history.to(ids.device), token_map[ids[c.rows].long()]])  # [n - 1 + T]
         for shift in range(n):
             out[c.rows, shift] = seq[n - 1 - shift : n - 1 - shift + c.length]
-        c.state.caches["engram.history"] = seq[seq.shape[0] - (n - 1):].clone()
+        c.state.storage.write_history(c.state, seq[seq.shape[0] - (n - 1):])
     return out
 
 

@@ -1,0 +1,187 @@
+"""The engine: requests in, the scheduler and the model runner in a loop, finished requests out.
+
+The model runner works on one thread of the process, the device thread (on a GPU target it stands for the device's
+stream; on the cpu it keeps torch's OpenMP pool on one thread: two threads alternating torch work each spin up a
+pool, and they fight over the cores). With `async_scheduling` the loop overlaps: while step n runs there, the CPU
+schedules step n + 1 (its inputs name the tokens step n is sampling as placeholders), submits it, and only then
+takes step n's tokens (detokenizing, stop strings, finishing). A sequence that stops at step n was already
+scheduled in step n + 1: that row is computed and dropped. Without it, each step is scheduled, run and processed
+in turn.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from itertools import count
+
+from deepinfer.engine.block_manager import BlockManager, CacheLayout
+from deepinfer.engine.engine_args import EngineArgs
+from deepinfer.engine.model_runner import ModelRunner, RowInput, SampleRow, StepInput, StepOutput, TokenConstraint
+from deepinfer.engine.output_processor import OutputProcessor
+from deepinfer.engine.request import PromptType, Request, RequestError, check_prompt, tokenize_prompt
+from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
+from deepinfer.engine.sequence import SequenceStatus
+from deepinfer.outputs import RequestMetrics, RequestOutput
+from deepinfer.sampling_params import SamplingParams
+from dsl.cache import CacheSpec, PagedCache
+
+logger = logging.getLogger(__name__)
+
+_DEVICE_THREAD: ThreadPoolExecutor | None = None
+
+
+def device_thread() -> ThreadPoolExecutor:
+    """The process's one thread for model steps, made on first use."""
+    global _DEVICE_THREAD
+    if _DEVICE_THREAD is None:
+        _DEVICE_THREAD = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-device")
+    return _DEVICE_THREAD
+
+
+class LLMEngine:
+    """Runs requests on a compiled model. `add_request` queues one; `run()` yields outputs as requests finish."""
+
+    def __init__(self, compiled, tokenizer, args: EngineArgs, eos_token_ids: tuple[int, ...],
+                 constraint: TokenConstraint | None = None) -> None:
+        self.args, self.config = args, compiled.config
+        self.max_model_len = args.max_model_len or self.config.max_position_embeddings
+        spec = CacheSpec.from_graph(compiled.graph)
+        self.layout = CacheLayout.plan(spec, args.cache_bytes, args.max_num_seqs, self.max_model_len, args.block_size)
+        logger.info("caches: %s", self.layout.describe())
+        device = "cpu" if compiled.target == "cpu" else "cuda"
+        cache = PagedCache(spec, self.layout.num_slots, self.layout.num_blocks, self.layout.block_size, device)
+        self.scheduler = Scheduler(BlockManager(self.layout), args.max_num_seqs, args.max_num_batched_tokens)
+        self.runner = ModelRunner(compiled, cache, eos_token_ids, args.batch_invariant, constraint)
+        self.output_processor = OutputProcessor(tokenizer, eos_token_ids)
+        self.tokenizer = tokenizer
+        self.requests: dict[str, Request] = {}
+        self._done: list[Request] = []
+        self._finished_seqs: list[int] = []
+        self._seeds = random.Random(args.seed)
+        self._ids = count()
+        self.num_steps = 0
+
+    def add_request(self, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None) -> str:
+        """Queue a request; returns its id. A request that cannot run finishes at once with its error."""
+        request_id = str(next(self._ids))
+        # Seeds are drawn at submission, in order, so they do not depend on how requests are batched or fail.
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
+        request = Request(request_id, None, [], params, seed, metrics)
+        self.requests[request_id] = request
+        try:
+            request.prompt, request.prompt_token_ids = tokenize_prompt(self.tokenizer, prompt)
+            check_prompt(request.prompt_token_ids, self.config.vocab_size, self.max_model_len)
+        except RequestError as e:
+            logger.warning("request %s failed: %s", request_id, e)
+            self._fail(request, str(e))
+            if isinstance(prompt, str):
+                request.prompt = prompt
+            return request_id
+        for seq in request.make_sequences(self.max_model_len):
+            self.scheduler.add(seq)
+        return request_id
+
+    def run(self) -> Iterator[RequestOutput]:
+        """Run until every queued request is finished, yielding each one's output when it finishes."""
+        pending: tuple[list[ScheduledChunk], Future] | None = None
+        while True:
+            yield from self._pop_done()
+            chunks = self.scheduler.schedule() if self.scheduler.has_unfinished else []
+            if not chunks and pending is None:
+                if self.scheduler.has_unfinished:
+                    raise RuntimeError(f"the scheduler can run nothing: {self.scheduler.running} running, "
+                                       f"{list(self.scheduler.waiting)} waiting")
+                self._submit([]).result()  # hand the last finished sequences over to the runner
+                return
+            step = (chunks, self._submit(chunks)) if chunks else None
+            if pending is not None:
+                self._postprocess(*pending)
+            pending = step
+            if not self.args.async_scheduling and pending is not None:
+                self._postprocess(*pending)
+                pending = None
+
+    def _submit(self, chunks: list[ScheduledChunk]) -> Future:
+        """Send a step to the device thread, with the sequences released since the last one."""
+        now = time.time()
+        rows = []
+        for c in chunks:
+            seq, request = c.seq, self.requests[c.seq.request_id]
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            sample = SampleRow(seq.seq_id, seq.request_id, seq.index, seq.params, seq.seed, seq.prompt_token_ids,
+                               list(seq.output_token_ids), seq.num_inflight - 1) if c.samples else None
+            rows.append(RowInput(seq.seq_id, seq.slot, list(seq.block_table), c.start, seq.token_ids(c.start, c.length),
+                                 sample))
+        step = StepInput(rows, self.scheduler.freed, self._finished_seqs)
+        self.scheduler.freed, self._finished_seqs = [], []
+        self.num_steps += bool(rows)
+        return device_thread().submit(self.runner.execute, step)
+
+    def _postprocess(self, chunks: list[ScheduledChunk], future: Future) -> None:
+        out: StepOutput = future.result()
+        if out.error is not None:
+            for c in chunks:
+                if not c.seq.is_finished:
+                    self._fail(self.requests[c.seq.request_id], out.error)
+        now = time.time()
+        for c, token, logprobs in zip([c for c in chunks if c.samples], out.token_ids, out.logprobs, strict=True):
+            seq = c.seq
+            seq.num_inflight -= 1
+            if seq.is_finished:
+                continue  # it stopped at the step before; this row was computed ahead and is dropped
+            request = self.requests[seq.request_id]
+            if request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
+            request.metrics.num_generated_tokens += 1
+            if self.output_processor.append(seq, token, logprobs):
+                self._finish_seq(seq)
+
+    def _finish_seq(self, seq) -> None:
+        self.scheduler.finish(seq)
+        self._finished_seqs.append(seq.seq_id)
+        request = self.requests[seq.request_id]
+        if request.is_finished:
+            self._complete(request)
+
+    def _fail(self, request: Request, error: str) -> None:
+        """Finish every sequence of `request` with finish_reason "error"."""
+        if request.error is not None:
+            return
+        request.error = error
+        for seq in request.seqs:
+            if seq.status is not SequenceStatus.FINISHED:
+                seq.finish_reason = "error"
+                self.scheduler.finish(seq)
+                self._finished_seqs.append(seq.seq_id)
+        self._complete(request)
+
+    def _complete(self, request: Request) -> None:
+        request.metrics.finished_time = time.time()
+        self._done.append(request)
+
+    def _pop_done(self) -> Iterator[RequestOutput]:
+        done, self._done = self._done, []
+        for request in done:
+            del self.requests[request.request_id]
+            yield request.output()
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request (finish_reason "abort"); outputs not yet taken are dropped too."""
+        for request in self.requests.values():
+            for seq in request.seqs:
+                if not seq.is_finished:
+                    seq.finish_reason = "abort"
+                    self.scheduler.finish(seq)
+                    self._finished_seqs.append(seq.seq_id)
+        self.requests.clear()
+        self._done = []
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions

@@ -1,0 +1,165 @@
+"""The model runner: the device side of a step. Inputs in, forward, allowed-token masks, sampling, tokens out.
+
+It owns what lives on the device: the cache pools, each running sequence's `SequenceState`, and the tokens the last
+step sampled. A step's inputs may hold PLACEHOLDER tokens (asynchronous scheduling fed the step before its outputs
+were seen on the CPU); they are the tokens the previous step sampled for those sequences, taken here. Sampling is
+per row with the seeded, stateless sampler, so a row's token depends on its logits, seed and position only.
+
+Structured outputs hook in through a `TokenConstraint` (see below), called on the device side in step order, so a
+grammar matcher always sees the tokens of the step before, asynchronous scheduling or not.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from deepinfer.outputs import Logprob
+from deepinfer.sampler import sample, top_logprobs
+from deepinfer.sampling_params import SamplingParams
+from dsl.cache import PagedCache
+from dsl.context import SequenceState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SampleRow:
+    """What sampling one row needs. `output_token_ids` are the outputs seen on the CPU when the step was scheduled;
+    the one the previous step sampled follows them when `num_pending` is 1."""
+
+    seq_id: int
+    request_id: str
+    index: int
+    params: SamplingParams
+    seed: int
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    num_pending: int
+
+
+@dataclass
+class RowInput:
+    """One sequence's chunk: tokens from position `start`, in its `slot` with its `block_table`."""
+
+    seq_id: int
+    slot: int
+    block_table: list[int]
+    start: int
+    token_ids: list[int]
+    sample: SampleRow | None
+
+
+@dataclass
+class StepInput:
+    rows: list[RowInput]
+    freed: list[int]  # sequences whose caches were released (finished or preempted): forget their state
+    finished: list[int]  # sequences done for good, among `freed`
+
+
+@dataclass
+class StepOutput:
+    """Per sampled row, in order: the token and, when asked for, its log-probabilities; `error` if the step failed."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob] | None]
+    error: str | None = None
+
+
+class TokenConstraint(Protocol):
+    """Per-sequence allowed tokens (structured outputs). The runner calls, in step order on one thread:
+    `fill(rows)` once per step after launching the forward: a mask for the rows about to be sampled, bool
+    [rows, vocab] (True = allowed) or a packed int32 bitmask [rows, ceil(vocab / 32)] (bit v % 32 of word v // 32),
+    or None when no row is constrained; each row's mask must allow a token. `accept(rows, tokens)` after sampling
+    them. `finish(seq_ids)` for sequences that will not be sampled again."""
+
+    def fill(self, rows: list[SampleRow]) -> torch.Tensor | None: ...
+
+    def accept(self, rows: list[SampleRow], tokens: list[int]) -> None: ...
+
+    def finish(self, seq_ids: list[int]) -> None: ...
+
+
+class ModelRunner:
+    def __init__(self, compiled, cache: PagedCache, eos_token_ids: tuple[int, ...], batch_invariant: bool,
+                 constraint: TokenConstraint | None = None) -> None:
+        self.compiled, self.cache, self.eos_token_ids = compiled, cache, eos_token_ids
+        self.batch_invariant = batch_invariant
+        self.constraint = constraint
+        self.states: dict[int, SequenceState] = {}
+        self.last_sampled: dict[int, int] = {}
+        self.failed: set[int] = set()  # sequences of a failed step: skipped until the CPU side frees them
+
+    def execute(self, step: StepInput) -> StepOutput:
+        """Run one step. A failure comes back as `error`; its sequences are skipped from then on (their rows get
+        token 0), so the steps already scheduled behind it still run for the others."""
+        for seq_id in step.freed:
+            self.states.pop(seq_id, None)
+            self.last_sampled.pop(seq_id, None)
+            self.failed.discard(seq_id)
+        if self.constraint is not None and step.finished:
+            self.constraint.finish(step.finished)
+        rows = [row for row in step.rows if row.seq_id not in self.failed]
+        try:
+            tokens = self._execute(rows)
+            error = None
+        except Exception as e:  # a failing step fails its requests, not the engine
+            logger.exception("a step of %d sequences failed", len(rows))
+            self.failed.update(row.seq_id for row in rows)
+            tokens, error = {}, f"{type(e).__name__}: {e}"
+        out = StepOutput([], [], error)
+        for row in step.rows:
+            if row.sample is not None:
+                token, logprobs = tokens.get(row.seq_id, (0, None))
+                self.last_sampled[row.seq_id] = token
+                out.token_ids.append(token)
+                out.logprobs.append(logprobs)
+        return out
+
+    def _execute(self, rows: list[RowInput]) -> dict[int, tuple[int, dict[int, Logprob] | None]]:
+        """Forward and sample; (token, logprobs) per sampled sequence."""
+        if not rows:
+            return {}
+        batch = [(self._state(row), self._resolve(row)) for row in rows]
+        # Asked only when wanted: a target without batch-invariant kernels then refuses, rather than run without.
+        logits = self.compiled.step(batch, **({"batch_invariant": True} if self.batch_invariant else {}))
+        sampled = [(i, row) for i, row in enumerate(rows) if row.sample is not None]
+        # The overlap point: on a GPU the forward is still running while the masks are filled on the CPU.
+        allowed = self.constraint.fill([row.sample for _, row in sampled]) if self.constraint and sampled else None
+        if allowed is not None and allowed.dtype == torch.int32:
+            allowed = unpack_bitmask(allowed, logits.shape[-1])
+        out = {}
+        for j, (i, row) in enumerate(sampled):
+            s = row.sample
+            outputs = s.output_token_ids + ([self.last_sampled[row.seq_id]] if s.num_pending else [])
+            masked = logits[i] if allowed is None else logits[i].masked_fill(~allowed[j], float("-inf"))
+            position = len(s.prompt_token_ids) + len(outputs)
+            token = sample(masked, s.params, s.seed, position, outputs, s.prompt_token_ids, self.eos_token_ids)
+            top = top_logprobs(logits[i], token, s.params.logprobs) if s.params.logprobs is not None else None
+            out[row.seq_id] = (token, top)
+        if self.constraint is not None and sampled:
+            self.constraint.accept([row.sample for _, row in sampled], [out[row.seq_id][0] for _, row in sampled])
+        return out
+
+    def _state(self, row: RowInput) -> SequenceState:
+        """The sequence's state: fresh when it starts (or restarts after preemption) at position 0."""
+        state = self.states.get(row.seq_id)
+        if row.start == 0:
+            state = self.states[row.seq_id] = SequenceState(cache=self.cache, slot=row.slot)
+        elif state is None or state.num_tokens != row.start:
+            raise RuntimeError(f"sequence {row.seq_id} continues at token {row.start} but its cache holds "
+                               f"{None if state is None else state.num_tokens}")
+        state.slot, state.block_table = row.slot, row.block_table
+        return state
+
+    def _resolve(self, row: RowInput) -> list[int]:
+        return [self.last_sampled[row.seq_id] if t < 0 else t for t in row.token_ids]
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [rows, vocab_size] of a packed int32 bitmask [rows, ceil(vocab_size / 32)]: bit v % 32 of word v // 32."""
+    ids = torch.arange(vocab_size, device=bitmask.device)
+    return ((bitmask[:, ids // 32] >> (ids % 32)) & 1).bool()

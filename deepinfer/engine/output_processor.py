@@ -1,0 +1,49 @@
+"""What the CPU does with a sampled token: record it, detokenize, and decide whether its sequence is done.
+
+A sequence stops ("stop") at eos (unless `ignore_eos`), at a stop token id, or once its text holds a stop string
+(trimmed there, or after it with `include_stop_str_in_output`); it ends ("length") at `max_tokens` or at the
+model length. Stop strings are sought only where the new token could have completed one, as vLLM does.
+"""
+
+from __future__ import annotations
+
+from deepinfer.engine.sequence import Sequence
+from deepinfer.outputs import Logprob
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]) -> None:
+        self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
+
+    def append(self, seq: Sequence, token: int, logprobs: dict[int, Logprob] | None) -> bool:
+        """Record `token` (sampled with `logprobs`) as the next output of `seq`; True when `seq` is now done."""
+        params = seq.params
+        seq.output_token_ids.append(token)
+        if logprobs is not None:
+            for tid, lp in logprobs.items():
+                lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += logprobs[token].logprob
+        search_from = max(0, len(seq.text) - max((len(x) for x in params.stop), default=0) + 1)
+        seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        if token in self.eos_token_ids and not params.ignore_eos:
+            seq.finish_reason = "stop"
+        elif token in params.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif params.stop and len(seq.output_token_ids) >= params.min_tokens and self._find_stop(seq, search_from):
+            seq.finish_reason = "stop"
+        elif len(seq.output_token_ids) >= seq.max_tokens:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    @staticmethod
+    def _find_stop(seq: Sequence, start: int) -> bool:
+        """End `seq` at the earliest stop string in its text from `start` (trimmed there, or after it if asked)."""
+        params = seq.params
+        hits = [(at, stop) for stop in params.stop if (at := seq.text.find(stop, start)) >= 0]
+        if not hits:
+            return False
+        at, stop = min(hits)
+        seq.text = seq.text[: at + len(stop)] if params.include_stop_str_in_output else seq.text[:at]
+        seq.stop_reason = stop
+        return True

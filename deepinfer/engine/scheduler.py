@@ -1,0 +1,107 @@
+"""The scheduler: continuous batching with chunked prefill, first come first served, preemption by recompute.
+
+Each step, running sequences go first, oldest first: a decode takes one token of the step's budget
+(`max_num_batched_tokens`), a prefill in progress the next chunk of its prompt that fits. When the cache has no
+block left for one, the newest running sequence is preempted: its slot and blocks are freed and it waits at the
+head of the queue to recompute its prompt and outputs, so no request is lost. Then waiting sequences are admitted
+in arrival order while the budget, `max_num_seqs` and the cache allow.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from deepinfer.engine.block_manager import BlockManager
+from deepinfer.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """Tokens start .. start + length - 1 of `seq` in this step; `samples` when the chunk reaches its last token."""
+
+    seq: Sequence
+    start: int
+    length: int
+    samples: bool
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.freed: list[int] = []  # ids of sequences whose caches were released since the last step
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """The chunks of the next step (possibly none, while every sequence waits for tokens in flight)."""
+        budget, chunks = self.max_num_batched_tokens, []
+        for seq in list(self.running):
+            length = min(seq.num_to_compute, budget)
+            if seq.status is not SequenceStatus.RUNNING or length == 0:
+                continue  # preempted above to make room, or done once its last tokens are seen
+            if not self._make_room(seq, length):
+                continue
+            chunks.append(self._take(seq, length))
+            budget -= length
+        while self.waiting and budget and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            length = min(seq.num_to_compute, budget)
+            # A sequence preempted while its last token was in flight resumes once that token is seen.
+            if seq.num_inflight or not self.block_manager.can_allocate(seq, length):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(self._take(seq, length))
+            budget -= length
+        return chunks
+
+    def _make_room(self, seq: Sequence, length: int) -> bool:
+        """Preempt the newest running sequences until `seq` can have its blocks; False if `seq` itself went."""
+        while not self.block_manager.can_allocate(seq, length):
+            victim = self.running[-1]
+            self.preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _take(self, seq: Sequence, length: int) -> ScheduledChunk:
+        self.block_manager.allocate(seq, length)
+        start = seq.num_computed_tokens
+        seq.num_computed_tokens += length
+        samples = seq.num_computed_tokens == seq.num_tokens
+        if samples:
+            seq.num_inflight += 1
+        return ScheduledChunk(seq, start, length, samples)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free the caches of running `seq` and queue it first, to recompute them later."""
+        self.running.remove(seq)
+        self._release(seq)
+        seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Retire `seq` (finished or failed) and free its caches."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self._release(seq)
+        seq.status = SequenceStatus.FINISHED
+
+    def _release(self, seq: Sequence) -> None:
+        self.block_manager.deallocate(seq)
+        self.freed.append(seq.seq_id)

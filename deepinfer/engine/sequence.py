@@ -1,0 +1,79 @@
+"""A sequence: one sample of a request, as the scheduler sees it on the CPU.
+
+Its tokens are the prompt, the outputs already seen on the CPU, and `num_inflight` tokens being sampled by the step
+now running (asynchronous scheduling feeds them to the next step as placeholders, resolved on the device side).
+`num_computed_tokens` counts the tokens whose caches are computed or being computed by a scheduled step.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from itertools import count
+
+from deepinfer.outputs import Logprob
+from deepinfer.sampling_params import SamplingParams
+
+PLACEHOLDER = -1  # an input token still being sampled by the step in flight
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """Sample `index` of request `request_id`, seeded `seed`."""
+
+    _ids = count()
+
+    def __init__(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams, seed: int,
+                 max_model_len: int) -> None:
+        self.seq_id = next(Sequence._ids)
+        self.request_id, self.index = request_id, index
+        self.prompt_token_ids = prompt_token_ids
+        self.params, self.seed = params, seed
+        self.max_tokens = min(params.max_tokens or max_model_len, max_model_len - len(prompt_token_ids))
+        self.status = SequenceStatus.WAITING
+        self.output_token_ids: list[int] = []
+        self.num_inflight = 0
+        self.num_computed_tokens = 0
+        self.slot: int | None = None
+        self.block_table: list[int] = []
+        self.text = ""
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt, outputs and in-flight tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def num_outputs(self) -> int:
+        """Outputs sampled, in flight included."""
+        return len(self.output_token_ids) + self.num_inflight
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def num_to_compute(self) -> int:
+        """Tokens a step could feed now: the prompt's remainder, or the last token, unless the sequence has all the
+        outputs it may have (it finishes when they are seen)."""
+        if self.num_outputs >= self.max_tokens:
+            return 0
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_ids(self, start: int, length: int) -> list[int]:
+        """Tokens start .. start + length - 1, PLACEHOLDER where still in flight."""
+        known = self.prompt_token_ids + self.output_token_ids
+        return known[start : start + length] + [PLACEHOLDER] * max(0, start + length - len(known))
+
+    def __repr__(self) -> str:
+        return (f"Sequence({self.seq_id}, request {self.request_id}#{self.index}, {self.status.name}, "
+                f"{self.num_computed_tokens}/{self.num_tokens} computed, {self.num_inflight} in flight)")

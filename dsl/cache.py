@@ -1,0 +1,156 @@
+"""The caches a model's forwards keep between steps, laid out in pools shared by many sequences.
+
+Two kinds of storage, sized once from a memory budget by whoever owns the pools:
+- per-sequence slots, of a size fixed by the model: every layer's sliding window (a ring of `window` entries,
+  position p at row p % window), the compressor's partial groups (fewer than `ratio` rows per KV source) and the
+  Engram n-gram history (the last n - 1 compressed token ids);
+- paged blocks for what grows with the sequence: a block covers `block_size` token positions and holds, for every
+  compressed cache (KV-source entries, indexer keys), the `block_size / ratio` entries those positions complete.
+  One block table per sequence serves every compressed cache.
+`CacheSpec.from_graph` reads which caches a model has, their dims and storage formats, off its graph.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from dsl.cache_format import EntryFormat
+from dsl.graph import Graph
+
+if TYPE_CHECKING:
+    from dsl.context import SequenceState
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """Every cache of a model. `windows`: (layer, dim, window, format); `compressed`: (name, layer, dim, ratio, format);
+    `partials`: (layer, dim, ratio) of compressors with ratio > 1; `history`: n - 1 for Engram's n-grams, else 0."""
+
+    windows: tuple[tuple[int, int, int, EntryFormat], ...] = ()
+    compressed: tuple[tuple[str, int, int, int, EntryFormat], ...] = ()
+    partials: tuple[tuple[int, int, int], ...] = ()
+    history: int = 0
+
+    @classmethod
+    def from_graph(cls, graph: Graph) -> CacheSpec:
+        """The caches of a shape-inferred graph: one per cache op, formats from the rounding op feeding it."""
+        ratios = {n.attrs["layer"]: n.attrs["ratio"] for n in graph.nodes if n.op == "compress_pool"}
+        windows, compressed, partials, history = [], [], [], 0
+        for node in graph.nodes:
+            source = node.inputs[0] if node.inputs else None
+            if node.op in ("kv_window_append", "cache_append"):
+                dim = int(source.type.shape[-1])
+                producer = source.producer
+                op, attrs = (producer.op, producer.attrs) if producer else (None, {})
+                fmt = EntryFormat.of_rounding(op, attrs, dim)
+                if node.op == "kv_window_append":
+                    windows.append((node.attrs["layer"], dim, node.attrs["window"], fmt))
+                else:
+                    layer = node.attrs["layer"]
+                    compressed.append((node.attrs["name"], layer, dim, ratios[layer], fmt))
+            elif node.op == "compress_pool" and node.attrs["ratio"] > 1:
+                partials.append((node.attrs["layer"], int(source.type.shape[-1]), node.attrs["ratio"]))
+            elif node.op == "engram_ngrams":
+                history = node.attrs["n"] - 1
+        return cls(tuple(windows), tuple(compressed), tuple(partials), history)
+
+    @property
+    def block_multiple(self) -> int:
+        """Block sizes must be multiples of this: every compress ratio, so a block holds whole entries."""
+        return math.lcm(1, *(ratio for _, _, _, ratio, _ in self.compressed))
+
+    def slot_bytes(self) -> int:
+        """Bytes of one sequence's slot: windows, partial groups (kv and gate, fp32) and n-gram history."""
+        windows = sum(size * fmt.entry_bytes(dim) for _, dim, size, fmt in self.windows)
+        partials = sum(2 * (ratio - 1) * dim * 4 for _, dim, ratio in self.partials)
+        return windows + partials + 8 * self.history
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes of one block of `block_size` token positions across every compressed cache."""
+        return sum(block_size // ratio * fmt.entry_bytes(dim) for _, _, dim, ratio, fmt in self.compressed)
+
+
+class PagedCache:
+    """The pools: `num_slots` sequence slots and `num_blocks` blocks of `block_size` positions (see the module).
+
+    A sequence's `SequenceState` names its slot and block table; the methods read and write one sequence's caches.
+    """
+
+    def __init__(self, spec: CacheSpec, num_slots: int, num_blocks: int, block_size: int,
+                 device: torch.device | str = "cpu") -> None:
+        if block_size % spec.block_multiple:
+            raise ValueError(f"block_size {block_size} must be a multiple of every compress ratio "
+                             f"(of {spec.block_multiple})")
+        self.spec, self.num_slots, self.num_blocks, self.block_size = spec, num_slots, num_blocks, block_size
+        self.device = torch.device(device)
+        with torch.device(self.device):
+            self.windows = {layer: (fmt, fmt.storage((num_slots, size), dim)) for layer, dim, size, fmt in spec.windows}
+            self.compressed = {(name, layer): (fmt, ratio, fmt.storage((num_blocks, block_size // ratio), dim))
+                               for name, layer, dim, ratio, fmt in spec.compressed}
+            self.partials = {layer: torch.empty(2, num_slots, ratio - 1, dim) for layer, dim, ratio in spec.partials}
+            self.history = torch.empty(num_slots, spec.history, dtype=torch.long)
+
+    def read_window(self, state: SequenceState, layer: int, count: int) -> torch.Tensor:
+        """fp32 window entries [count, D] of `layer` at the `count` positions before the state's next token."""
+        fmt, parts = self.windows[layer]
+        positions = torch.arange(state.num_tokens - count, state.num_tokens, device=self.device)
+        return fmt.decode(*(p[state.slot, positions % p.shape[1]] for p in parts))
+
+    def write_window(self, state: SequenceState, layer: int, values: torch.Tensor, window: int) -> None:
+        """Store a chunk's entries values [T, D] (positions from the state's next token on) in the ring, which
+        holds the `window` latest positions (the spec sized it so)."""
+        fmt, parts = self.windows[layer]
+        size, end = parts[0].shape[1], state.num_tokens + values.shape[0]
+        values = values[max(0, values.shape[0] - size):]  # earlier ones would be overwritten within the chunk
+        rows = torch.arange(end - values.shape[0], end, device=self.device) % size
+        for part, encoded in zip(parts, fmt.encode(values), strict=True):
+            part[state.slot, rows] = encoded
+
+    def _locate(self, state: SequenceState, name: str, layer: int, first: int, count: int) -> tuple:
+        _, ratio, _ = self.compressed[(name, layer)]
+        per_block = self.block_size // ratio
+        indices = torch.arange(first, first + count, device=self.device)
+        table = torch.tensor(state.block_table, dtype=torch.long, device=self.device)
+        return table[indices // per_block], indices % per_block
+
+    def write_entries(self, state: SequenceState, name: str, layer: int, first: int, values: torch.Tensor) -> None:
+        """Store compressed entries values [E, D] at entry indices first .. first + E - 1."""
+        fmt, _, parts = self.compressed[(name, layer)]
+        blocks, rows = self._locate(state, name, layer, first, values.shape[0])
+        for part, encoded in zip(parts, fmt.encode(values), strict=True):
+            part[blocks, rows] = encoded
+
+    def read_entries(self, state: SequenceState, name: str, layer: int, count: int) -> torch.Tensor:
+        """The first `count` compressed entries, fp32 [count, D]."""
+        fmt, _, parts = self.compressed[(name, layer)]
+        blocks, rows = self._locate(state, name, layer, 0, count)
+        return fmt.decode(*(p[blocks, rows] for p in parts))
+
+    def read_partial(self, state: SequenceState, layer: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The `count` rows of kv and gate [count, D] waiting in the compressor's partial group."""
+        pool = self.partials[layer]
+        return pool[0, state.slot, :count], pool[1, state.slot, :count]
+
+    def write_partial(self, state: SequenceState, layer: int, kv: torch.Tensor, gate: torch.Tensor) -> None:
+        """Keep kv and gate [p, D] (p < ratio) as the partial group."""
+        pool = self.partials[layer]
+        pool[0, state.slot, : kv.shape[0]] = kv
+        pool[1, state.slot, : gate.shape[0]] = gate
+
+    def read_history(self, state: SequenceState) -> torch.Tensor | None:
+        """The last n - 1 compressed token ids before the state's next token; None at the sequence start."""
+        return self.history[state.slot] if state.num_tokens else None
+
+    def write_history(self, state: SequenceState, ids: torch.Tensor) -> None:
+        self.history[state.slot] = ids
+
+    def nbytes(self) -> int:
+        """Bytes the pools hold."""
+        tensors = [t for _, parts in self.windows.values() for t in parts]
+        tensors += [t for _, _, parts in self.compressed.values() for t in parts]
+        tensors += [*self.partials.values(), self.history]
+        return sum(t.element_size() * t.numel() for t in tensors)

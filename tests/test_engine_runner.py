@@ -1,0 +1,101 @@
+"""The model runner's hooks and failures: allowed-token masks (the structured-outputs hook), a failing step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.engine import EngineArgs, LLMEngine, SampleRow
+from deepinfer.engine.model_runner import unpack_bitmask
+from deepinfer.llm import LLM
+from deepinfer.sampling_params import SamplingParams
+from tests.conftest import fixture_dir
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(str(fixture_dir("v41-tiny-engram")), target="cpu", max_model_len=64)
+
+
+class EveryThird:
+    """Allows the ids that are 0 mod 3 (mod 6 for odd samples); records what it is told."""
+
+    def __init__(self, packed: bool) -> None:
+        self.packed = packed
+        self.accepted: dict[int, list[int]] = {}
+        self.finished: list[int] = []
+
+    def allowed(self, row: SampleRow) -> torch.Tensor:
+        return torch.arange(VOCAB) % (6 if row.index % 2 else 3) == 0
+
+    def fill(self, rows: list[SampleRow]) -> torch.Tensor:
+        mask = torch.stack([self.allowed(r) for r in rows])  # [rows, vocab]
+        if not self.packed:
+            return mask
+        bits = mask.reshape(len(rows), -1, 32).long() << torch.arange(32)
+        return bits.sum(-1).to(torch.int64).bitwise_and(0xFFFFFFFF).to(torch.int32)  # two's complement words
+
+    def accept(self, rows: list[SampleRow], tokens: list[int]) -> None:
+        for row, token in zip(rows, tokens, strict=True):
+            assert bool(self.allowed(row)[token])
+            self.accepted.setdefault(row.seq_id, []).append(token)
+
+    def finish(self, seq_ids: list[int]) -> None:
+        self.finished += seq_ids
+
+
+def test_unpacking_a_bitmask() -> None:
+    words = torch.tensor([[-1, 0], [5, -(2**31)]], dtype=torch.int32)  # 5 = ids 0 and 2; -2^31 = id 63 alone
+    mask = unpack_bitmask(words, 40)
+    assert mask[0].tolist() == [True] * 32 + [False] * 8
+    assert torch.nonzero(mask[1]).flatten().tolist() == [0, 2]
+    assert torch.nonzero(unpack_bitmask(words, 64)[1]).flatten().tolist() == [0, 2, 63]
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_masks_constrain_every_sampled_token(llm: LLM, packed: bool, async_scheduling: bool) -> None:
+    constraint = EveryThird(packed)
+    engine = LLMEngine(llm.compiled, llm.tokenizer, EngineArgs(max_model_len=64, async_scheduling=async_scheduling),
+                       llm.eos_token_ids, constraint)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=7, seed=3, ignore_eos=True)
+    for length in (5, 20):
+        engine.add_request({"prompt_token_ids": list(range(1, length + 1))}, params)
+    outputs = list(engine.run())
+    seqs = sorted(constraint.accepted)
+    assert len(seqs) == 4 and sorted(constraint.finished) == seqs
+    completions = [c for out in outputs for c in out.outputs]
+    for c in completions:
+        assert len(c.token_ids) == 7 and all(t % (6 if c.index else 3) == 0 for t in c.token_ids)
+    # The hook saw each sequence's tokens in order, and nothing more: max_tokens stops are known ahead.
+    assert sorted(map(tuple, constraint.accepted.values())) == sorted(tuple(c.token_ids) for c in completions)
+
+
+class Poisoned:
+    """A compiled model whose steps fail whenever token `poison` is among their inputs."""
+
+    def __init__(self, compiled, poison: int) -> None:
+        self.compiled, self.poison = compiled, poison
+        self.config, self.graph, self.target = compiled.config, compiled.graph, compiled.target
+
+    def step(self, batch, **kwargs):
+        if any(self.poison in tokens for _, tokens in batch):
+            raise RuntimeError("poisoned step")
+        return self.compiled.step(batch, **kwargs)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(llm: LLM, async_scheduling: bool) -> None:
+    prompts = [{"prompt_token_ids": [7, 8, 9, 10]}, {"prompt_token_ids": [7, 499, 9]}, {"prompt_token_ids": [3, 4]}]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    expected = [out.outputs[0].token_ids for out in llm.generate(prompts, params, use_tqdm=False)]
+    args = EngineArgs(max_model_len=64, max_num_seqs=1, async_scheduling=async_scheduling)  # one request a step
+    engine = LLMEngine(Poisoned(llm.compiled, 499), llm.tokenizer, args, llm.eos_token_ids)
+    ids = [engine.add_request(p, params) for p in prompts]
+    outputs = {out.request_id: out for out in engine.run()}
+    good, bad, last = (outputs[i] for i in ids)
+    assert bad.error == "RuntimeError: poisoned step" and bad.outputs[0].finish_reason == "error"
+    assert [good.outputs[0].token_ids, last.outputs[0].token_ids] == [expected[0], expected[2]]
+    assert good.error is None and last.error is None
