@@ -104,7 +104,8 @@ def _params(line: InputLine, flags: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**fields)
 
 
-def generate(args: argparse.Namespace) -> int:
+def _requests(args: argparse.Namespace, results: ResultsFile | None) -> tuple[list, list[dict[str, Any]]]:
+    """(line, SamplingParams) of every request still to run, and error records for lines whose fields are bad."""
     lines = [InputLine(f"arg{i}", prompt, {}) for i, prompt in enumerate(args.prompts, start=1)]
     if args.input:
         lines += read_inputs(args.input)
@@ -115,27 +116,34 @@ def generate(args: argparse.Namespace) -> int:
         SamplingParams(**flags)
     except ValueError as e:
         raise SystemExit(f"deepinfer generate: {e}") from None
-    results = ResultsFile(args.output) if args.output else None
     todo, failed = [], []
     for line in lines:
         if results is not None and line.id in results.done:
-            continue
+            continue  # finished by an earlier run
         try:
             todo.append((line, _params(line, flags)))
         except (ValueError, TypeError) as e:  # a bad line fails alone
             failed.append({"id": line.id, "prompt": line.prompt, "error": f"bad sampling fields: {e}", "outputs": []})
-    if results is not None:
-        for record in failed:
-            results.write(record)
-    from deepinfer.llm import LLM  # after argument checks: loading the model takes seconds
+    return todo, failed
 
-    llm = LLM(args.model, target=args.target, **engine_kwargs(args))
+
+def generate(args: argparse.Namespace) -> int:
+    """`deepinfer generate`: print the completions, or append them to --output as they finish."""
+    results = ResultsFile(args.output) if args.output else None
+    todo, failed = _requests(args, results)
+    for record in failed if results is not None else []:
+        results.write(record)
     start, outputs = time.perf_counter(), {}
-    for index, out in llm.iter_generate([line.prompt for line, _ in todo], [p for _, p in todo],
-                                        use_tqdm=not args.no_progress):
-        outputs[index] = out
-        if results is not None:
-            results.write({"id": todo[index][0].id, **to_json(out)})
+    if todo:
+        from deepinfer.llm import LLM  # after argument checks: loading the model takes seconds
+
+        llm = LLM(args.model, target=args.target, **engine_kwargs(args))
+        start = time.perf_counter()
+        for index, out in llm.iter_generate([line.prompt for line, _ in todo], [p for _, p in todo],
+                                            use_tqdm=not args.no_progress):
+            outputs[index] = out
+            if results is not None:
+                results.write({"id": todo[index][0].id, **to_json(out)})
     elapsed = time.perf_counter() - start
     if results is None:
         for record in failed:

@@ -99,3 +99,39 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(llm: LLM, asyn
     assert bad.error == "RuntimeError: poisoned step" and bad.outputs[0].finish_reason == "error"
     assert [good.outputs[0].token_ids, last.outputs[0].token_ids] == [expected[0], expected[2]]
     assert good.error is None and last.error is None
+
+
+class Verdicts:
+    """Ends request "0" at its third token (complete) and fails request "1" at its second; leaves "2" alone."""
+
+    def __init__(self) -> None:
+        self.seen: dict[int, int] = {}
+
+    def fill(self, rows: list[SampleRow]) -> None:
+        return None
+
+    def accept(self, rows: list[SampleRow], tokens: list[int]) -> dict[int, str | None]:
+        ended = {}
+        for row in rows:
+            self.seen[row.seq_id] = self.seen.get(row.seq_id, 0) + 1
+            if (row.request_id, self.seen[row.seq_id]) == ("0", 3):
+                ended[row.seq_id] = None
+            elif (row.request_id, self.seen[row.seq_id]) == ("1", 2):
+                ended[row.seq_id] = "token 2 breaks the grammar"
+        return ended
+
+    def finish(self, seq_ids: list[int]) -> None:
+        pass
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_the_constraint_can_end_a_sequence_or_fail_its_request(llm: LLM, async_scheduling: bool) -> None:
+    engine = LLMEngine(llm.compiled, llm.tokenizer, EngineArgs(max_model_len=64, async_scheduling=async_scheduling),
+                       llm.eos_token_ids, Verdicts())
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=1, ignore_eos=True)
+    ids = [engine.add_request({"prompt_token_ids": [5, 6, 7]}, params) for _ in range(3)]
+    outputs = {out.request_id: out for out in engine.run()}
+    done, failed, free = (outputs[i] for i in ids)
+    assert len(done.outputs[0].token_ids) == 3 and done.outputs[0].finish_reason == "stop" and done.error is None
+    assert failed.error == "token 2 breaks the grammar" and failed.outputs[0].finish_reason == "error"
+    assert len(free.outputs[0].token_ids) == 6 and free.outputs[0].finish_reason == "length"

@@ -25,8 +25,9 @@ class EngineArgs:
     - `block_size`: token positions per cache block; None: the smallest multiple of the compress ratios >= 16.
     - `async_scheduling`: schedule step n + 1 while step n runs; the tokens are the same either way when
       `batch_invariant` is on (off, a wasted step for a request that just stopped can change its neighbours'
-      rounding).
+      rounding). On the cpu target it gains nothing measurable (bench/RESULTS.md); it is for the GPU targets.
     - `batch_invariant`: a request's logits are bitwise the same alone or in any batch, however its prompt is chunked.
+      On by default: on the cpu target it costs 2 to 5% of throughput at batch 16 and about 20% at batch 1.
     - `seed`: draws the seed of every request that brings none (reported in its output).
     """
 

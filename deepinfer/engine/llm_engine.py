@@ -1,12 +1,11 @@
 """The engine: requests in, the scheduler and the model runner in a loop, finished requests out.
 
-The model runner works on one thread of the process, the device thread (on a GPU target it stands for the device's
-stream; on the cpu it keeps torch's OpenMP pool on one thread: two threads alternating torch work each spin up a
-pool, and they fight over the cores). With `async_scheduling` the loop overlaps: while step n runs there, the CPU
-schedules step n + 1 (its inputs name the tokens step n is sampling as placeholders), submits it, and only then
-takes step n's tokens (detokenizing, stop strings, finishing). A sequence that stops at step n was already
-scheduled in step n + 1: that row is computed and dropped. Without it, each step is scheduled, run and processed
-in turn.
+The model runner works on the calling thread, where torch's thread pool is (on the cpu, small GEMMs called from a
+second thread cost up to 90 us more each: its own OpenMP team has to wake). With `async_scheduling` a helper thread
+does the CPU's share meanwhile: while step n runs, it takes step n - 1's tokens (detokenizing, stop strings,
+finishing) and schedules step n + 1, whose inputs name the tokens step n is sampling as placeholders. A sequence
+that stops at step n was already scheduled in step n + 1: that row is computed and dropped. Without it, each step
+is scheduled, run and processed in turn on the calling thread.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import logging
 import random
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from itertools import count
 
 from deepinfer.engine.block_manager import BlockManager, CacheLayout
@@ -30,16 +29,6 @@ from deepinfer.sampling_params import SamplingParams
 from dsl.cache import CacheSpec, PagedCache
 
 logger = logging.getLogger(__name__)
-
-_DEVICE_THREAD: ThreadPoolExecutor | None = None
-
-
-def device_thread() -> ThreadPoolExecutor:
-    """The process's one thread for model steps, made on first use."""
-    global _DEVICE_THREAD
-    if _DEVICE_THREAD is None:
-        _DEVICE_THREAD = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-device")
-    return _DEVICE_THREAD
 
 
 class LLMEngine:
@@ -88,26 +77,41 @@ class LLMEngine:
 
     def run(self) -> Iterator[RequestOutput]:
         """Run until every queued request is finished, yielding each one's output when it finishes."""
-        pending: tuple[list[ScheduledChunk], Future] | None = None
-        while True:
-            yield from self._pop_done()
-            chunks = self.scheduler.schedule() if self.scheduler.has_unfinished else []
-            if not chunks and pending is None:
-                if self.scheduler.has_unfinished:
-                    raise RuntimeError(f"the scheduler can run nothing: {self.scheduler.running} running, "
-                                       f"{list(self.scheduler.waiting)} waiting")
-                self._submit([]).result()  # hand the last finished sequences over to the runner
-                return
-            step = (chunks, self._submit(chunks)) if chunks else None
-            if pending is not None:
-                self._postprocess(*pending)
-            pending = step
-            if not self.args.async_scheduling and pending is not None:
-                self._postprocess(*pending)
-                pending = None
+        with ThreadPoolExecutor(1, thread_name_prefix="deepinfer-scheduler") as helper:
+            last: tuple[list[ScheduledChunk], StepOutput] | None = None  # a step whose tokens are not taken yet
+            chunks = self._schedule()
+            while True:
+                yield from self._pop_done()
+                if not chunks:
+                    if last is not None:
+                        self._postprocess(*last)
+                        last, chunks = None, self._schedule()
+                        continue
+                    if self.scheduler.has_unfinished:
+                        raise RuntimeError(f"the scheduler can run nothing: {self.scheduler.running} running, "
+                                           f"{list(self.scheduler.waiting)} waiting")
+                    self.runner.execute(self._step_input([]))  # hand the last finished sequences to the runner
+                    return
+                step = self._step_input(chunks)
+                if self.args.async_scheduling:
+                    cpu = helper.submit(self._process_and_schedule, last)
+                    last = (chunks, self.runner.execute(step))
+                    chunks = cpu.result()
+                else:
+                    self._postprocess(chunks, self.runner.execute(step))
+                    chunks = self._schedule()
 
-    def _submit(self, chunks: list[ScheduledChunk]) -> Future:
-        """Send a step to the device thread, with the sequences released since the last one."""
+    def _schedule(self) -> list[ScheduledChunk]:
+        return self.scheduler.schedule() if self.scheduler.has_unfinished else []
+
+    def _process_and_schedule(self, last: tuple[list[ScheduledChunk], StepOutput] | None) -> list[ScheduledChunk]:
+        """The CPU's share while a step runs: the tokens of the step before it, then the step after it."""
+        if last is not None:
+            self._postprocess(*last)
+        return self._schedule()
+
+    def _step_input(self, chunks: list[ScheduledChunk]) -> StepInput:
+        """The runner's inputs for `chunks`, with the sequences released since the last step."""
         now = time.time()
         rows = []
         for c in chunks:
@@ -121,10 +125,9 @@ class LLMEngine:
         step = StepInput(rows, self.scheduler.freed, self._finished_seqs)
         self.scheduler.freed, self._finished_seqs = [], []
         self.num_steps += bool(rows)
-        return device_thread().submit(self.runner.execute, step)
+        return step
 
-    def _postprocess(self, chunks: list[ScheduledChunk], future: Future) -> None:
-        out: StepOutput = future.result()
+    def _postprocess(self, chunks: list[ScheduledChunk], out: StepOutput) -> None:
         if out.error is not None:
             for c in chunks:
                 if not c.seq.is_finished:
@@ -139,7 +142,13 @@ class LLMEngine:
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
             request.metrics.num_generated_tokens += 1
-            if self.output_processor.append(seq, token, logprobs):
+            done = self.output_processor.append(seq, token, logprobs)
+            if not done and seq.seq_id in out.ended:  # the token constraint ends it
+                if out.ended[seq.seq_id] is not None:
+                    self._fail(request, out.ended[seq.seq_id])
+                    continue
+                seq.finish_reason, done = "stop", True
+            if done:
                 self._finish_seq(seq)
 
     def _finish_seq(self, seq) -> None:

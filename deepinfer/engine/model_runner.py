@@ -12,7 +12,7 @@ grammar matcher always sees the tokens of the step before, asynchronous scheduli
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -62,11 +62,13 @@ class StepInput:
 
 @dataclass
 class StepOutput:
-    """Per sampled row, in order: the token and, when asked for, its log-probabilities; `error` if the step failed."""
+    """Per sampled row, in order: the token and, when asked for, its log-probabilities; `error` if the step failed;
+    `ended`: sequences the token constraint ends (see TokenConstraint.accept)."""
 
     token_ids: list[int]
     logprobs: list[dict[int, Logprob] | None]
     error: str | None = None
+    ended: dict[int, str | None] = field(default_factory=dict)
 
 
 class TokenConstraint(Protocol):
@@ -74,11 +76,13 @@ class TokenConstraint(Protocol):
     `fill(rows)` once per step after launching the forward: a mask for the rows about to be sampled, bool
     [rows, vocab] (True = allowed) or a packed int32 bitmask [rows, ceil(vocab / 32)] (bit v % 32 of word v // 32),
     or None when no row is constrained; each row's mask must allow a token. `accept(rows, tokens)` after sampling
-    them. `finish(seq_ids)` for sequences that will not be sampled again."""
+    them; it returns the sequences the constraint ends, by seq_id (or None for none): None when the constraint is
+    complete (the sequence stops there, finish_reason "stop"), or a message when it failed (the request fails alone,
+    finish_reason "error"). `finish(seq_ids)` for sequences that will not be sampled again."""
 
     def fill(self, rows: list[SampleRow]) -> torch.Tensor | None: ...
 
-    def accept(self, rows: list[SampleRow], tokens: list[int]) -> None: ...
+    def accept(self, rows: list[SampleRow], tokens: list[int]) -> dict[int, str | None] | None: ...
 
     def finish(self, seq_ids: list[int]) -> None: ...
 
@@ -103,14 +107,13 @@ class ModelRunner:
         if self.constraint is not None and step.finished:
             self.constraint.finish(step.finished)
         rows = [row for row in step.rows if row.seq_id not in self.failed]
+        out = StepOutput([], [])
         try:
-            tokens = self._execute(rows)
-            error = None
+            tokens = self._execute(rows, out.ended)
         except Exception as e:  # a failing step fails its requests, not the engine
             logger.exception("a step of %d sequences failed", len(rows))
             self.failed.update(row.seq_id for row in rows)
-            tokens, error = {}, f"{type(e).__name__}: {e}"
-        out = StepOutput([], [], error)
+            tokens, out.error = {}, f"{type(e).__name__}: {e}"
         for row in step.rows:
             if row.sample is not None:
                 token, logprobs = tokens.get(row.seq_id, (0, None))
@@ -119,8 +122,8 @@ class ModelRunner:
                 out.logprobs.append(logprobs)
         return out
 
-    def _execute(self, rows: list[RowInput]) -> dict[int, tuple[int, dict[int, Logprob] | None]]:
-        """Forward and sample; (token, logprobs) per sampled sequence."""
+    def _execute(self, rows: list[RowInput], ended: dict[int, str | None]) -> dict[int, tuple[int, dict | None]]:
+        """Forward and sample; (token, logprobs) per sampled sequence. The constraint's verdicts go to `ended`."""
         if not rows:
             return {}
         batch = [(self._state(row), self._resolve(row)) for row in rows]
@@ -141,7 +144,8 @@ class ModelRunner:
             top = top_logprobs(logits[i], token, s.params.logprobs) if s.params.logprobs is not None else None
             out[row.seq_id] = (token, top)
         if self.constraint is not None and sampled:
-            self.constraint.accept([row.sample for _, row in sampled], [out[row.seq_id][0] for _, row in sampled])
+            tokens = [out[row.seq_id][0] for _, row in sampled]
+            ended.update(self.constraint.accept([row.sample for _, row in sampled], tokens) or {})
         return out
 
     def _state(self, row: RowInput) -> SequenceState:
