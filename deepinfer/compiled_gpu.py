@@ -52,8 +52,14 @@ class GpuCompiledModel:
         return SequenceState()
 
     @torch.inference_mode()
-    def step(self, batch: list[tuple[SequenceState, list[int]]], all_logits: bool = False) -> torch.Tensor:
+    def step(self, batch: list[tuple[SequenceState, list[int]]], all_logits: bool = False,
+             batch_invariant: bool = False) -> torch.Tensor:
         """One chunk of tokens per sequence; fp32 logits of each chunk's last token (or of every token)."""
+        if batch_invariant:
+            # The GPU kernels pick split-K and split-over-entries counts per token bucket, so a row's reduction
+            # order can change with the batch: refuse rather than promise what is not held.
+            raise NotImplementedError(f"batch-invariant kernels are not built for {self.target} yet: pass "
+                                      "batch_invariant=False")
         executor = self._ready()
         lengths = [len(tokens) for _, tokens in batch]
         if any(n == 0 for n in lengths):

@@ -19,6 +19,7 @@ from deepinfer.engine import EngineArgs, LLMEngine, TokenConstraint
 from deepinfer.engine.request import PromptType, RequestError
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.structured_outputs.constraint import StructuredOutputConstraint
 from deepinfer.tokenizer import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -34,8 +35,9 @@ class LLM:
     anywhere). `tokenizer` is a directory holding tokenizer.json (default: the model's, else the V4 tokenizer).
     Every other keyword is an engine argument (`EngineArgs`: `max_model_len`, `max_num_seqs`,
     `max_num_batched_tokens`, `kv_cache_memory_bytes`, `block_size`, `async_scheduling`, `batch_invariant`, `seed`);
-    vLLM arguments DeepInfer does not have are ignored with a warning. `constraint` is the structured-outputs hook
-    (`deepinfer.engine.TokenConstraint`).
+    vLLM arguments DeepInfer does not have are ignored with a warning. `constraint` replaces the token-constraint
+    hook (`deepinfer.engine.TokenConstraint`); by default it is structured outputs, built on the first request that
+    asks for them (`SamplingParams(structured_outputs=...)`).
     """
 
     def __init__(self, model: str | None = None, target: str = "cpu", tokenizer: str | None = None,
@@ -56,12 +58,19 @@ class LLM:
         self.compiled = compile_model(network, target=target)
         eos = self.config.eos_token_ids or (self.tokenizer.eos_token_id,)
         self.eos_token_ids = tuple(t for t in eos if t is not None and 0 <= t < self.config.vocab_size)
+        if constraint is None:
+            constraint = StructuredOutputConstraint(self._structured_output_manager)
         self.engine = LLMEngine(self.compiled, self.tokenizer, self.engine_args, self.eos_token_ids, constraint)
         self.max_model_len = self.engine.max_model_len
         # The model's many long-lived objects leave the collector's view, as vLLM does: a full collection over them
         # mid-step cost up to 10 ms a step here. Garbage goes first, so nothing dead is frozen.
         gc.collect()
         gc.freeze()
+
+    def _structured_output_manager(self):
+        from deepinfer.structured_outputs.manager import StructuredOutputManager  # xgrammar: only when asked for
+
+        return StructuredOutputManager(self.tokenizer, self.config.vocab_size, self.eos_token_ids)
 
     def get_tokenizer(self):
         """The tokenizer used for prompts and completions."""
