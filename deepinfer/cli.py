@@ -18,6 +18,7 @@ from typing import Any
 from deepinfer.outputs import RequestOutput
 from deepinfer.results_file import InputLine, ResultsFile, read_inputs
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.structured_outputs.params import StructuredOutputsParams
 
 # CLI flag -> SamplingParams field, for the flags that are passed only when given.
 _SAMPLING_FLAGS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
@@ -67,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true", default=None)
     sampling.add_argument("--logprobs", type=int, default=None, help="top log-probabilities per token")
+    constrain = gen.add_argument_group("structured outputs (one at most; a JSONL line's own constraint wins)")
+    constrain.add_argument("--json-schema", default=None, help="a JSON schema, inline or @file")
+    constrain.add_argument("--regex", default=None, help="a regular expression the completion must match")
+    constrain.add_argument("--grammar", default=None, help="an EBNF grammar (xgrammar's GBNF), inline or @file")
+    constrain.add_argument("--choice", action="append", default=None, help="an allowed completion (repeatable)")
     from deepinfer.benchmark import add_bench_parser
 
     add_bench_parser(commands)
@@ -101,7 +107,20 @@ def print_result(out: RequestOutput) -> None:
 def _params(line: InputLine, flags: dict[str, Any]) -> SamplingParams:
     fields = {**flags, **line.sampling}
     fields.setdefault("seed", id_seed(line.id))
+    if isinstance(fields.get("structured_outputs"), dict):
+        fields["structured_outputs"] = StructuredOutputsParams(**fields["structured_outputs"])
     return SamplingParams(**fields)
+
+
+def _constraint_flags(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The constraint given as flags, as StructuredOutputsParams fields; `@path` reads a schema or grammar file."""
+    given = {"json": args.json_schema, "regex": args.regex, "grammar": args.grammar, "choice": args.choice}
+    given = {k: v for k, v in given.items() if v is not None}
+    for key in ("json", "grammar"):
+        if isinstance(given.get(key), str) and given[key].startswith("@"):
+            with open(given[key][1:], encoding="utf-8") as f:
+                given[key] = f.read()
+    return given or None
 
 
 def _requests(args: argparse.Namespace, results: ResultsFile | None) -> tuple[list, list[dict[str, Any]]]:
@@ -113,8 +132,10 @@ def _requests(args: argparse.Namespace, results: ResultsFile | None) -> tuple[li
         raise SystemExit("deepinfer generate: give prompts, or --input FILE")
     flags = {k: getattr(args, k) for k in _SAMPLING_FLAGS if getattr(args, k) is not None}
     try:
-        SamplingParams(**flags)
-    except ValueError as e:
+        if (constraint := _constraint_flags(args)) is not None:
+            flags["structured_outputs"] = constraint
+        _params(InputLine("flags", "", {}), flags)
+    except (ValueError, OSError) as e:
         raise SystemExit(f"deepinfer generate: {e}") from None
     todo, failed = [], []
     for line in lines:

@@ -1,7 +1,7 @@
 """JSONL in and out for the command line, resumable: a run killed at any point loses no finished line.
 
-Each input line is an object with an `id`, the prompt (`prompt` or `prompt_token_ids`) and any SamplingParams
-fields; a bare string is a prompt. A line without an id gets its line number. Each finished request is written as
+Each input line is an object with an `id`, the prompt (`prompt` or `prompt_token_ids`), any SamplingParams
+fields and at most one constraint (`json_schema`, `regex`, `grammar` or `choice`); a bare string is a prompt. A line without an id gets its line number. Each finished request is written as
 one line carrying the same id, then flushed and fsynced before the next is written, so after a crash the file
 holds every finished line and at most one torn line at the end, which `ResultsFile` cuts off when it reopens the
 file; the ids it holds are skipped, so a rerun writes no duplicate.
@@ -17,6 +17,8 @@ from typing import Any
 from deepinfer.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams) if f.name != "structured_outputs")
+# A line's constraint keys and the StructuredOutputsParams field each fills.
+CONSTRAINT_FIELDS = {"json_schema": "json", "regex": "regex", "grammar": "grammar", "choice": "choice"}
 
 
 @dataclass
@@ -49,7 +51,11 @@ def read_inputs(path: str) -> list[InputLine]:
                 raise SystemExit(f"deepinfer: {path}:{number}: id {line_id!r} repeats line {seen[line_id]}")
             seen[line_id] = number
             prompt = {k: item[k] for k in ("prompt", "prompt_token_ids") if k in item}
-            lines.append(InputLine(line_id, prompt, {k: item[k] for k in SAMPLING_FIELDS if k in item}))
+            sampling = {k: item[k] for k in SAMPLING_FIELDS if k in item}
+            constraint = {CONSTRAINT_FIELDS[k]: item[k] for k in CONSTRAINT_FIELDS if k in item}
+            if constraint:
+                sampling["structured_outputs"] = constraint
+            lines.append(InputLine(line_id, prompt, sampling))
     return lines
 
 

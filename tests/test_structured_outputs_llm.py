@@ -42,3 +42,21 @@ def test_constrained_batch_is_valid_and_deterministic(llm: LLM) -> None:
     assert broken.finish_reason == "error" and outs[4].error and "nothing" in outs[4].error
     again = llm.generate(prompts[:3], params[:3], use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs[:3]]
+
+
+def test_command_line_constraints_per_line_and_as_flags(tmp_path, capsys) -> None:
+    from deepinfer.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    lines = [{"id": "num", "prompt": "x", "regex": "[0-9]{3}"}, {"id": "dir", "prompt": "y", "choice": ["up", "down"]},
+             {"id": "bad", "prompt": "z", "regex": "a(b"}, {"id": "two", "prompt": "w", "regex": "a", "choice": ["b"]},
+             {"id": "flag", "prompt": "v"}]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    results = tmp_path / "results.jsonl"
+    code = main(["generate", "--input", str(prompts), "--output", str(results), "--no-progress", "--regex", "[xy]z"])
+    assert code == 1  # two lines failed, alone
+    got = {r["id"]: r for r in map(json.loads, results.read_text().splitlines())}
+    assert re.fullmatch("[0-9]{3}", got["num"]["outputs"][0]["text"])
+    assert got["dir"]["outputs"][0]["text"] in ("up", "down")
+    assert re.fullmatch("[xy]z", got["flag"]["outputs"][0]["text"])  # the flag's constraint, where a line has none
+    assert "invalid regex" in got["bad"]["error"] and "exactly one" in got["two"]["error"]

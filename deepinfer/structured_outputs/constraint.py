@@ -61,7 +61,9 @@ class StructuredOutputConstraint:
         ended: dict[Hashable, str | None] = {}
         for row, token in zip(rows, tokens, strict=True):
             seq_id = row.seq_id
-            if self._manager is not None and seq_id not in self._errors and self.manager.has_request(seq_id):
+            live = self._manager is not None and seq_id not in self._errors and self.manager.has_request(seq_id)
+            # A row scheduled ahead of a sequence that has just completed is dropped by the engine: skip it here.
+            if live and not self.manager.is_terminated(seq_id):
                 if not self.manager.accept(seq_id, token):
                     self._fail(seq_id, f"token {token} breaks the {row.params.structured_outputs.kind} constraint "
                                        "(a sampler that ignored the mask, or min_tokens banning the stop token)")
