@@ -28,6 +28,8 @@ class EngineArgs:
       rounding). On the cpu target it gains nothing measurable (bench/RESULTS.md); it is for the GPU targets.
     - `batch_invariant`: a request's logits are bitwise the same alone or in any batch, however its prompt is chunked.
       On by default: on the cpu target it costs 2 to 5% of throughput at batch 16 and about 20% at batch 1.
+    - `overlap_structured_outputs`: fill the structured-output masks on a CPU thread while the forward runs, rather
+      than after it (the masks are the same either way).
     - `seed`: draws the seed of every request that brings none (reported in its output).
     """
 
@@ -38,6 +40,7 @@ class EngineArgs:
     block_size: int | None = None
     async_scheduling: bool = True
     batch_invariant: bool = True
+    overlap_structured_outputs: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -54,7 +57,7 @@ class EngineArgs:
                              f"got {self.kv_cache_memory_bytes!r}")
         if self.block_size is not None and (not _is_int(self.block_size) or self.block_size < 1):
             raise ValueError(f"block_size must be an integer >= 1 or None, got {self.block_size!r}")
-        for name in ("async_scheduling", "batch_invariant"):
+        for name in ("async_scheduling", "batch_invariant", "overlap_structured_outputs"):
             if not isinstance(getattr(self, name), bool):
                 # ValueError as for every other bad field (and as SamplingParams), so callers catch one type
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")  # noqa: TRY004

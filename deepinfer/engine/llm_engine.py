@@ -44,7 +44,8 @@ class LLMEngine:
         device = "cpu" if compiled.target == "cpu" else "cuda"
         cache = PagedCache(spec, self.layout.num_slots, self.layout.num_blocks, self.layout.block_size, device)
         self.scheduler = Scheduler(BlockManager(self.layout), args.max_num_seqs, args.max_num_batched_tokens)
-        self.runner = ModelRunner(compiled, cache, eos_token_ids, args.batch_invariant, constraint)
+        self.runner = ModelRunner(compiled, cache, eos_token_ids, args.batch_invariant, constraint,
+                                  overlap_constraint=args.overlap_structured_outputs)
         self.output_processor = OutputProcessor(tokenizer, eos_token_ids)
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}

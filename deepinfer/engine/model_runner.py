@@ -12,6 +12,7 @@ grammar matcher always sees the tokens of the step before, asynchronous scheduli
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -89,10 +90,13 @@ class TokenConstraint(Protocol):
 
 class ModelRunner:
     def __init__(self, compiled, cache: PagedCache, eos_token_ids: tuple[int, ...], batch_invariant: bool,
-                 constraint: TokenConstraint | None = None) -> None:
+                 constraint: TokenConstraint | None = None, overlap_constraint: bool = True) -> None:
         self.compiled, self.cache, self.eos_token_ids = compiled, cache, eos_token_ids
         self.batch_invariant = batch_invariant
         self.constraint = constraint
+        # One thread fills the masks while the forward runs; one, so fills stay in step order.
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="mask-fill") if constraint and overlap_constraint \
+            else None
         self.states: dict[int, SequenceState] = {}
         self.last_sampled: dict[int, int] = {}
         self.failed: set[int] = set()  # sequences of a failed step: skipped until the CPU side frees them
@@ -127,11 +131,13 @@ class ModelRunner:
         if not rows:
             return {}
         batch = [(self._state(row), self._resolve(row)) for row in rows]
+        sampled = [(i, row) for i, row in enumerate(rows) if row.sample is not None]
+        fill = (lambda: self.constraint.fill([row.sample for _, row in sampled])) if self.constraint and sampled \
+            else (lambda: None)
+        pending = self._filler.submit(fill) if self._filler is not None else None  # the overlap: masks during the forward
         # Asked only when wanted: a target without batch-invariant kernels then refuses, rather than run without.
         logits = self.compiled.step(batch, **({"batch_invariant": True} if self.batch_invariant else {}))
-        sampled = [(i, row) for i, row in enumerate(rows) if row.sample is not None]
-        # The overlap point: on a GPU the forward is still running while the masks are filled on the CPU.
-        allowed = self.constraint.fill([row.sample for _, row in sampled]) if self.constraint and sampled else None
+        allowed = pending.result() if pending is not None else fill()
         if allowed is not None and allowed.dtype == torch.int32:
             allowed = unpack_bitmask(allowed, logits.shape[-1])
         out = {}
