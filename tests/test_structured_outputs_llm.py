@@ -60,3 +60,12 @@ def test_command_line_constraints_per_line_and_as_flags(tmp_path, capsys) -> Non
     assert got["dir"]["outputs"][0]["text"] in ("up", "down")
     assert re.fullmatch("[xy]z", got["flag"]["outputs"][0]["text"])  # the flag's constraint, where a line has none
     assert "invalid regex" in got["bad"]["error"] and "exactly one" in got["two"]["error"]
+
+
+def test_grammar_compiles_from_submission(llm: LLM) -> None:
+    """Compilation starts when the request is added, not at its first sample."""
+    request_id = llm.engine.add_request("q", _params(9, regex="[0-9]{2}"))
+    waiting = [s for s in llm.engine.scheduler.waiting if s.request_id == request_id]
+    assert waiting and all(llm.engine.runner.constraint.manager.has_request(s.seq_id) for s in waiting)
+    (out,) = [o for o in llm.engine.run() if o.request_id == request_id]
+    assert re.fullmatch("[0-9]{2}", out.outputs[0].text) and out.outputs[0].finish_reason == "stop"

@@ -72,8 +72,13 @@ class LLMEngine:
             if isinstance(prompt, str):
                 request.prompt = prompt
             return request_id
+        # A constraint that can start early (structured outputs compile their grammar) does so now, while the
+        # steps before this request's first sample run, rather than on the first fill.
+        submit = getattr(self.runner.constraint, "submit", None)
         for seq in request.make_sequences(self.max_model_len):
             self.scheduler.add(seq)
+            if submit is not None and params.structured_outputs is not None:
+                submit(seq.seq_id, params)
         return request_id
 
     def run(self) -> Iterator[RequestOutput]:
