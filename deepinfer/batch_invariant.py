@@ -32,6 +32,7 @@ from torch.overrides import TorchFunctionMode
 from dsl.ops import OPS
 from dsl.ops.attention import CacheView
 from dsl.ops.dense import weight_values
+from dsl.ops.indexer import mask_incomplete
 from dsl.ragged import Ragged
 
 ROW_QUANTUM, FREE_ROWS = 4, 12
@@ -194,9 +195,7 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: CacheView, *, rat
         scores = s[:, 0] * w[:, :1]
         for h in range(1, heads):
             scores = scores + s[:, h] * w[:, h : h + 1]
-        visible = (ctx.positions[c.rows].unsqueeze(-1) + 1) // ratio  # [T, 1]
-        entries = torch.arange(k.shape[0], device=q.device)[None, :]
-        out[c.rows, : k.shape[0]] = scores.masked_fill(entries >= visible, float("-inf"))
+        out[c.rows, : k.shape[0]] = mask_incomplete(scores, ctx.positions[c.rows], ratio)
     return out
 
 

@@ -30,10 +30,15 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: CacheView, *, rat
         s = torch.einsum("thd,ld->thl", q[c.rows].float(), k).relu_() * dim**-0.5
         w = weights[c.rows].float() * heads**-0.5
         scores = (s * w.unsqueeze(-1)).sum(dim=1)  # [T, L]
-        visible = (ctx.positions[c.rows].unsqueeze(-1) + 1) // ratio  # [T, 1]
-        entries = torch.arange(k.shape[0], device=q.device)[None, :]
-        out[c.rows, : k.shape[0]] = scores.masked_fill(entries >= visible, float("-inf"))
+        out[c.rows, : k.shape[0]] = mask_incomplete(scores, ctx.positions[c.rows], ratio)
     return out
+
+
+def mask_incomplete(scores: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:
+    """-inf where entry s is not complete at the query's position p: (p + 1) // ratio <= s. scores [T, L]."""
+    visible = (positions.unsqueeze(-1) + 1) // ratio  # [T, 1]
+    entries = torch.arange(scores.shape[-1], device=scores.device)[None, :]
+    return scores.masked_fill(entries >= visible, float("-inf"))
 
 
 @op("candidate_blocks", lambda scores, **a: (TensorType(scores.shape, "bool"),), uses_context=True)
