@@ -1,6 +1,7 @@
 """Tune the kernel nodes of a DeepSeek-V4.1 config on the current GPU and write the tuning cache.
 
     python -m autotune.run --config config.json --target sm90 [--templates linear,moe_experts] [--out file]
+    deepinfer autotune ...   (the same flags, with a progress bar: deepinfer/autotune_cli.py)
 
 The static shapes come from the config's Hugging Face fields (hidden_size, q_lora_rank, ...); inputs are fresh
 random values; each candidate's output must match the DSL reference (on bf16-rounded operands) before it is
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -29,24 +31,91 @@ from dsl.quant import quantize_fp8_block
 
 V41 = {"hidden_size": 5120, "q_lora_rank": 1280, "num_attention_heads": 64, "head_dim": 512, "o_groups": 8,
        "o_lora_rank": 1024, "n_routed_experts": 384, "num_experts_per_tok": 6, "moe_intermediate_size": 2304,
-       "hc_mult": 4, "sliding_window": 128, "index_topk": 512}
+       "hc_mult": 4, "sliding_window": 128, "index_topk": 512, "index_n_heads": 32, "index_head_dim": 128,
+       "vocab_size": 129280}
 MODULES = {"linear": linear, "moe_experts": moe, "sparse_attention": attention, "hc_mixes": hyper}
+ARCHS = {"sm90": (9, 0), "sm100": (10, 0)}  # the compute capability whose tiles a target's tuning measures
+
+
+def load_config(path: str | os.PathLike | None) -> dict:
+    """The tuning-relevant fields of a Hugging Face config.json (flat or under `text_config`; a model directory
+    names its config.json), the full V4.1-Flash sizes for those it lacks. Raises ValueError naming what is wrong."""
+    cfg = dict(V41)
+    if path is None:
+        return cfg
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
+    if not os.path.exists(file):
+        raise ValueError(f"no config file at {os.fspath(path)!r}")
+    try:
+        with open(file, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from None
+    text = raw.get("text_config", raw) if isinstance(raw, dict) else None
+    if not isinstance(text, dict):
+        raise ValueError(f"{file} must hold a JSON object (a Hugging Face config.json)")
+    given = {k: v for k, v in text.items() if k in V41}
+    if not given:
+        raise ValueError(f"{file} has none of the fields tuning reads ({', '.join(V41)}): is it a model config?")
+    for key, value in given.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"config field `{key}` must be a positive integer, got {value!r}")
+    cfg |= given
+    if cfg["num_attention_heads"] % cfg["o_groups"]:
+        raise ValueError(f"`num_attention_heads` ({cfg['num_attention_heads']}) is not a multiple of `o_groups` "
+                         f"({cfg['o_groups']})")
+    return cfg
 
 
 def statics(cfg: dict) -> list[tuple[str, dict]]:
     """(template, static shapes) of every tunable kernel node kind of a config, as `make_plan` keys them."""
     h, heads, d = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
-    g, r = cfg["o_groups"], cfg["o_lora_rank"]
+    g, r, q = cfg["o_groups"], cfg["o_lora_rank"], cfg["q_lora_rank"]
+    both, plain = ("plain", "fp8"), ("plain",)
+    # (n, k, groups, formats): wq_a, wq_b, wkv (and the compressor's wkv / wgate), wo_a, wo_b, the indexer's wq_b
+    # (checkpoints store these in fp8, tests in float), then the always-float indexer weights_proj and head
+    linears = [(q, h, 1, both), (heads * d, q, 1, both), (d, h, 1, both), (r, heads // g * d, g, both),
+               (h, g * r, 1, both), (cfg["index_n_heads"] * cfg["index_head_dim"], q, 1, both),
+               (cfg["index_n_heads"], h, 1, plain), (cfg["vocab_size"], h, 1, plain)]
     out = []
-    for n, k, groups in [(cfg["q_lora_rank"], h, 1), (heads * d, cfg["q_lora_rank"], 1), (d, h, 1),
-                         (r, heads // g * d, g), (h, g * r, 1)]:
-        for fmt in ("plain", "fp8"):
-            out.append(("linear", {"n": n, "k": k, "groups": groups, "fmt": fmt}))
+    for n, k, groups, fmts in linears:
+        for fmt in fmts:
+            st = ("linear", {"n": n, "k": k, "groups": groups, "fmt": fmt})
+            if st not in out:
+                out.append(st)
     out.append(("moe_experts", {"e": cfg["n_routed_experts"], "inter": cfg["moe_intermediate_size"], "d": h,
                                 "topk": cfg["num_experts_per_tok"], "fmt": "fp4"}))
     out.append(("sparse_attention", {"h": heads, "d": d}))
     out.append(("hc_mixes", {"hc": cfg["hc_mult"], "d": h}))
     return out
+
+
+def select_work(cfg: dict, templates: list[str], buckets: list[int], only: dict[str, str] | None = None
+                ) -> list[tuple[str, dict, int]]:
+    """(template, static shapes, token bucket) of every job to tune; ValueError on an unknown template or a bucket
+    that is not a positive integer."""
+    unknown = [t for t in templates if t not in MODULES]
+    if unknown:
+        raise ValueError(f"unknown template(s) {', '.join(unknown)}; tunable: {', '.join(MODULES)}")
+    if not buckets or any(b <= 0 for b in buckets):
+        raise ValueError(f"buckets must be positive token counts, got {buckets}")
+    only = only or {}
+    return [(t, st, b) for t, st in statics(cfg) if t in templates
+            and all(str(st.get(k)) == v for k, v in only.items()) for b in buckets]
+
+
+def check_device(target: str) -> str:
+    """The name of this machine's GPU when it can tune for `target`; RuntimeError saying why not otherwise."""
+    if target not in ARCHS:
+        raise ValueError(f"no tuning for target {target!r}; targets: {', '.join(ARCHS)}")
+    if not torch.cuda.is_available():
+        raise RuntimeError("autotuning needs a CUDA GPU of the target's architecture; this machine has none")
+    name, cap = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
+    if tuple(cap) != ARCHS[target]:
+        major, minor = ARCHS[target]
+        raise RuntimeError(f"autotuning for {target} needs a CUDA GPU of that architecture (sm_{major}{minor}); "
+                           f"this machine has {name} (sm_{cap[0]}{cap[1]})")
+    return name
 
 
 def rotation(w: torch.Tensor, total_bytes: int = 256 << 20) -> list[torch.Tensor]:
@@ -134,33 +203,18 @@ def precompile(work: list[tuple[str, dict, int]], cfg: dict, target: str, jobs: 
         pool.map(_warm, tasks, chunksize=1)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", help="a config.json (default: the full V4.1-Flash sizes)")
-    p.add_argument("--target", default="sm90")
-    p.add_argument("--buckets", default="16,64")
-    p.add_argument("--templates", default="linear,moe_experts,sparse_attention,hc_mixes")
-    p.add_argument("--out", help="cache file (default: autotune/tuned/<target>.json)")
-    p.add_argument("--jobs", type=int, default=8, help="processes compiling candidates ahead of timing")
-    p.add_argument("--only", default="", help="key=value: tune only the static shapes that match, e.g. fmt=fp8")
-    args = p.parse_args(argv)
+def tune_all(work: list[tuple[str, dict, int]], cfg: dict, target: str, cache: TuningCache, jobs: int = 8,
+             progress: bool = True) -> list[tuple]:
+    """Tune every job on this GPU, saving `cache` after each; returns the summary rows (template, static, bucket,
+    candidates, rejected, best us, heuristic us, best config)."""
     from tqdm import tqdm
 
-    cfg = dict(V41)
-    if args.config:
-        raw = json.load(open(args.config))
-        cfg |= {k: v for k, v in raw.get("text_config", raw).items() if k in V41}
-    cache = TuningCache(args.out) if args.out else default_cache(args.target)
+    if jobs > 1:
+        precompile(work, cfg, target, jobs)
     device = torch.cuda.get_device_name()
-    templates = args.templates.split(",")
-    only = dict(kv.split("=") for kv in args.only.split(",") if kv)
-    work = [(t, st, int(b)) for t, st in statics(cfg) if t in templates and all(str(st.get(k)) == v
-            for k, v in only.items()) for b in args.buckets.split(",")]
-    if args.jobs > 1:
-        precompile(work, cfg, args.target, args.jobs)
     rows = []
-    for template, st, bucket in tqdm(work, desc="tuning", file=sys.stdout):
-        configs = get_configs(template, st, bucket, args.target)
+    for template, st, bucket in tqdm(work, desc="tuning", unit="job", file=sys.stdout, disable=not progress):
+        configs = get_configs(template, st, bucket, target)
         try:
             run, ref, tol = job(template, st, bucket, cfg)
         except Exception as e:
@@ -169,19 +223,65 @@ def main(argv: list[str] | None = None) -> int:
         best, trials = tune(configs, run, ref, tol, rep_ms=10)
         default = next((t for t in trials if t.config == _default(template, st, bucket)), None)
         if best is not None:
-            key = cache_key(template, st, bucket, args.target, device, source_hash(MODULES[template]))
+            key = cache_key(template, st, bucket, target, device, source_hash(MODULES[template]))
             us = min(t.us for t in trials if t.us is not None)
             cache.put(key, best, us)
             cache.save()  # after every job: a run stopped midway keeps what it measured
             rows.append((template, st, bucket, len(configs), sum(t.us is None for t in trials), us,
                          default.us if default else None, best))
+        else:
+            print(f"no candidate passed for {template} {st} m<={bucket}", flush=True)
     cache.save()
-    print(f"\n{'template':17s} {'static':44s} {'m<=':>5s} {'cfgs':>4s} {'rej':>3s} {'best us':>8s} "
-          f"{'heur us':>8s}  best")
+    return rows
+
+
+def summary(rows: list[tuple]) -> str:
+    """The table of `tune_all`'s rows: per job the candidates, rejections, best and heuristic times, best config."""
+    header = (f"{'template':17s} {'static':44s} {'m<=':>5s} {'cfgs':>4s} {'rej':>3s} {'best us':>8s} "
+              f"{'heur us':>8s}  best")
+    lines = [header]
     for template, st, bucket, n, rej, us, dus, best in rows:
         shapes = ",".join(f"{k}={v}" for k, v in st.items())
-        print(f"{template:17s} {shapes:44s} {bucket:5d} {n:4d} {rej:3d} {us:8.2f} "
-              f"{dus if dus is None else round(dus, 2)!s:>8s}  {best}")
+        lines.append(f"{template:17s} {shapes:44s} {bucket:5d} {n:4d} {rej:3d} {us:8.2f} "
+                     f"{dus if dus is None else round(dus, 2)!s:>8s}  {best}")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The tuning flags, shared by `python -m autotune.run` and `deepinfer autotune`."""
+    p.add_argument("--config", help="a config.json or model directory (default: the full V4.1-Flash sizes)")
+    p.add_argument("--target", default="sm90", help="sm90 or sm100: the GPU here must be of that architecture")
+    p.add_argument("--buckets", default="16,64", help="token-count buckets to tune, comma-separated (default 16,64)")
+    p.add_argument("--templates", default=",".join(MODULES), help=f"comma-separated subset of {','.join(MODULES)}")
+    p.add_argument("--out", help="cache file (default: autotune/tuned/<target>.json)")
+    p.add_argument("--jobs", type=int, default=8, help="processes compiling candidates ahead of timing")
+    p.add_argument("--only", default="", help="key=value: tune only the static shapes that match, e.g. fmt=fp8")
+
+
+def prepare(args: argparse.Namespace) -> tuple[dict, list[tuple[str, dict, int]]]:
+    """(config fields, jobs) from parsed flags, checked before any GPU work; ValueError naming what is wrong."""
+    cfg = load_config(args.config)
+    try:
+        buckets = [int(b) for b in args.buckets.split(",") if b]
+        only = dict(kv.split("=", 1) for kv in args.only.split(",") if kv)
+    except ValueError:
+        raise ValueError(f"--buckets takes integers and --only key=value pairs, got {args.buckets!r} / "
+                         f"{args.only!r}") from None
+    return cfg, select_work(cfg, [t for t in args.templates.split(",") if t], buckets, only)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        cfg, work = prepare(args)
+        check_device(args.target)
+    except (ValueError, RuntimeError) as e:
+        p.error(str(e))
+    cache = TuningCache(args.out) if args.out else default_cache(args.target)
+    rows = tune_all(work, cfg, args.target, cache, args.jobs)
+    print("\n" + summary(rows))
     print(f"wrote {cache.path}")
     return 0
 

@@ -3,6 +3,10 @@
 # table comes last. Logs and JSON go to $OUT (the device tool's return folder) or /tmp/deepinfer-gpu.
 #   bash bench/run_gpu.sh            tests + benchmarks
 #   TUNE=1 bash bench/run_gpu.sh     also tune the V4.1 decode kernels (writes $OUT/sm90.json)
+#   SLICE=1 bash bench/run_gpu.sh    the end-to-end full-width slice (bench/bench_slice.py) instead of the kernel
+#                                    benchmarks (BENCH_KERNELS=1: both); SLICE_PATHS, SLICE_CASES, SLICE_BUDGET (seconds)
+#                                    pass through. Carry artifacts/slice-sm90 (`python bench/bench_slice.py
+#                                    --build-artifact artifacts/slice-sm90`, no GPU needed) so the device compiles nothing.
 # Prebuilt artifacts (.prebuilt/smooth-{bf16,fp32}, compiled on a GPU-less machine and carried to the device: an
 # ignored folder, so name it in the device call's `carry`) are what the artifact test loads when present; make them
 # with deepinfer.compile(DeepseekV41Flash.from_pretrained("tests/fixtures/v41-smooth"), target="sm90"[, dot_fp32=True])
@@ -19,8 +23,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 SECONDS=0
 [ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -m gpu -q -p no:cacheprovider -n "${JOBS:-4}" -rs tests/kernels tests/test_gpu_targets.py \
     > "$OUT/pytest.log" 2>&1
-echo "pytest -m gpu: rc=$? in ${SECONDS}s"; grep -E "passed|failed|error" "$OUT/pytest.log" | tail -3
-grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
+echo "pytest -m gpu: rc=$? in ${SECONDS}s"; grep -sE "passed|failed|error" "$OUT/pytest.log" | tail -3
+grep -sE "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
 for f in "$OUT"/e2e_*.json; do [ -f "$f" ] && echo "$(basename "$f" .json): $(cat "$f")"; done
 if [ "${TUNE:-0}" = 1 ]; then
     SECONDS=0
@@ -28,6 +32,15 @@ if [ "${TUNE:-0}" = 1 ]; then
     timeout "${TUNE_TIMEOUT:-300}" python3 -m autotune.run --target sm90 --buckets "${TUNE_BUCKETS:-16,64}" --templates "${TUNE_TEMPLATES:-linear}" \
         --only "${TUNE_ONLY:-}" --out "$OUT/sm90.json" > "$OUT/tune.log" 2>&1
     echo "tuning: rc=$? in ${SECONDS}s"; grep -A 40 "^template" "$OUT/tune.log"
+fi
+if [ "${SLICE:-0}" = 1 ]; then
+    SECONDS=0
+    timeout "${SLICE_TIMEOUT:-480}" python3 bench/bench_slice.py --out "$OUT/slice.json" --budget "${SLICE_BUDGET:-300}" \
+        --artifact "${SLICE_ARTIFACT:-artifacts/slice-sm90}" ${SLICE_PATHS:+--paths "$SLICE_PATHS"} \
+        ${SLICE_CASES:+--cases "$SLICE_CASES"} > "$OUT/slice.log" 2>&1
+    echo "slice: rc=$? in ${SECONDS}s"; grep -E "^(device|sm90|eager|compile|artifact|Traceback)" "$OUT/slice.log"
+    sed -n '/^case /,$p' "$OUT/slice.log"
+    [ "${BENCH_KERNELS:-0}" = 1 ] || exit 0
 fi
 SECONDS=0
 TUNING=${TUNING:-autotune/tuned/sm90.json}

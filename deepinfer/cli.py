@@ -3,6 +3,7 @@
 `deepinfer generate "prompt" ...` prints completions; with `--input prompts.jsonl --output results.jsonl` it writes
 one line per finished request and resumes where a killed run stopped (deepinfer/results_file.py).
 `deepinfer bench` measures throughput on synthetic prompts and prints a table (deepinfer/benchmark.py).
+`deepinfer autotune` tunes the kernels of a config on this GPU (deepinfer/autotune_cli.py).
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ _SAMPLING_FLAGS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_t
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """The flags that build the LLM: model, target and engine arguments."""
     parser.add_argument("--model", default=None,
-                        help="checkpoint directory (default: the embedded model, which has random weights)")
+                        help="checkpoint directory (default: the embedded model, a tiny V4.1-Flash trained on the "
+                             "Python standard library)")
     parser.add_argument("--target", default="cpu", help="compile target: cpu, sm90, sm100 (default: cpu)")
     engine = parser.add_argument_group("engine (EngineArgs; defaults as there)")
     engine.add_argument("--max-model-len", type=int, default=None, help="bound on prompt plus completion tokens")
@@ -76,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     from deepinfer.benchmark import add_bench_parser
 
     add_bench_parser(commands)
+    from deepinfer.autotune_cli import add_autotune_parser
+
+    add_autotune_parser(commands)
     return parser
 
 
@@ -188,4 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         from deepinfer.benchmark import bench
 
         return bench(args)
+    if args.command == "autotune":
+        from deepinfer.autotune_cli import autotune
+
+        return autotune(args)
     return generate(args)

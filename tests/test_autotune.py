@@ -58,3 +58,146 @@ def test_committed_h200_tuning_matches_the_kernels() -> None:
         module = importlib.import_module(f"kernels.triton.{MODULES[template]}")
         assert (target, device) == ("sm90", "NVIDIA H200")
         assert src == source_hash(module), f"{key}: the {template} kernels changed since they were tuned"
+
+
+# ---- `deepinfer autotune`: flags, the config's fields, the errors a user meets --------------------------------------
+
+SMALL = {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4, "head_dim": 64, "q_lora_rank": 64,
+         "qk_rope_head_dim": 16, "o_groups": 2, "o_lora_rank": 64, "n_routed_experts": 8, "num_experts_per_tok": 2,
+         "moe_intermediate_size": 128, "index_n_heads": 8, "index_head_dim": 32, "index_topk": 16, "vocab_size": 1024,
+         "sliding_window": 16, "compress_ratios": [0, 2, 1, 1], "kv_source_layer_ids": [1, 2],
+         "index_source_layer_ids": [1, 2], "num_nextn_predict_layers": 0}
+
+
+def write_config(tmp_path, fields: dict, nested: bool = False):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "deepseek_v41", "text_config": fields} if nested else fields))
+    return path
+
+
+def meta_checkpoint_model(config):
+    """A DeepseekV41Flash whose weights are meta tensors in the real checkpoint's storage formats (fp8 32x32 blocks
+    with fp32 scales, stacked fp4 experts): planning reads only shapes and dtypes."""
+    from deepinfer.models import DeepseekV41Flash
+    from deepinfer.models.weights import expected_weights
+
+    weights = {}
+    for name, spec in expected_weights(config).items():
+        if spec.optional or ".ffn.experts." in name:
+            continue
+        dtype = torch.float8_e4m3fn if spec.quant == "fp8" else spec.dtype
+        weights[name] = torch.empty(spec.shape, dtype=dtype, device="meta")
+        if spec.quant == "fp8":
+            weights[name.removesuffix("weight") + "scale"] = torch.empty(spec.scale_shape(), device="meta")
+    d, inter, e = config.hidden_size, config.moe_intermediate_size, config.n_routed_experts
+    for layer in range(config.num_hidden_layers):
+        for w, (o, i) in {"w1": (inter, d), "w2": (d, inter), "w3": (inter, d)}.items():
+            prefix = f"layers.{layer}.ffn.experts.{w}"
+            weights[f"{prefix}.weight"] = torch.empty(e, o, i // 2, dtype=torch.uint8, device="meta")
+            weights[f"{prefix}.scale"] = torch.empty(e, o, i // 32, device="meta")
+    return DeepseekV41Flash(config, weights)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_config_fields_give_the_shapes_the_plan_tunes(tmp_path, nested) -> None:
+    """Every tunable kernel node that compile() plans for a checkpoint of this config is a job `autotune` runs."""
+    from autotune.run import MODULES, load_config, statics
+    from deepinfer.config import DeepseekV41Config
+    from dsl.passes import run_passes
+    from graphs.plan import make_plan
+
+    path = write_config(tmp_path, SMALL, nested)
+    cfg = load_config(path)
+    assert cfg["hidden_size"] == 256 and cfg["vocab_size"] == 1024 and cfg["index_n_heads"] == 8
+    model = meta_checkpoint_model(DeepseekV41Config.from_pretrained(path))
+    plan = make_plan(run_passes(model.graph()), model.params(), "sm90", buckets=(16,))
+    planned = {(n.template, json.dumps(n.static, sort_keys=True)) for n in plan.kernel_nodes() if n.template in MODULES}
+    jobs = {(t, json.dumps(st, sort_keys=True)) for t, st in statics(cfg)}
+    assert {t for t, _ in planned} == set(MODULES)
+    assert planned <= jobs, planned - jobs
+    assert ("linear", json.dumps({"fmt": "plain", "groups": 1, "k": 256, "n": 1024}, sort_keys=True)) in planned
+
+
+def test_autotune_flags_parse_into_jobs(tmp_path) -> None:
+    from autotune.run import prepare, statics
+    from deepinfer.cli import build_parser
+
+    path = write_config(tmp_path, SMALL)
+    args = build_parser().parse_args(["autotune", "--config", str(path), "--target", "sm90", "--templates",
+                                      "linear,hc_mixes", "--buckets", "1,16,64", "--out", str(tmp_path / "t.json"),
+                                      "--only", "groups=1"])
+    assert (args.command, args.target, args.out, args.no_progress) == ("autotune", "sm90", str(tmp_path / "t.json"),
+                                                                      False)
+    cfg, work = prepare(args)
+    linears = [st for t, st in statics(cfg) if t == "linear" and st["groups"] == 1]
+    # --only keeps the shapes that have the key with that value: hc_mixes has no `groups`
+    assert work == [("linear", st, b) for st in linears for b in (1, 16, 64)] and len(linears) == 8
+
+
+def test_autotune_without_a_gpu_says_so(monkeypatch, capsys) -> None:
+    from deepinfer.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="autotuning needs a CUDA GPU of the target's architecture; this machine "
+                                         "has none"):
+        main(["autotune", "--templates", "hc_mixes"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    with pytest.raises(SystemExit, match=r"sm90 needs a CUDA GPU of that architecture \(sm_90\); this machine has "
+                                         r"NVIDIA A100 \(sm_80\)"):
+        main(["autotune", "--target", "sm90"])
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "no config file at"),
+    ("{not json", "is not valid JSON"),
+    ("[1, 2]", "must hold a JSON object"),
+    (json.dumps({"model_type": "llama"}), "has none of the fields tuning reads"),
+    (json.dumps({"hidden_size": "5120"}), "`hidden_size` must be a positive integer, got '5120'"),
+    (json.dumps({"moe_intermediate_size": 0}), "`moe_intermediate_size` must be a positive integer"),
+    (json.dumps({"num_attention_heads": 64, "o_groups": 6}), "not a multiple of `o_groups`"),
+])
+def test_autotune_rejects_a_bad_config_before_looking_for_a_gpu(tmp_path, monkeypatch, content, message) -> None:
+    from deepinfer.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = tmp_path / "config.json"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit, match=message):
+        main(["autotune", "--config", str(path)])
+
+
+@pytest.mark.parametrize("flags,message", [(["--templates", "linear,gemm"], "unknown template"),
+                                           (["--buckets", "16,x"], "--buckets takes integers"),
+                                           (["--buckets", "0"], "positive token counts"),
+                                           (["--target", "sm80"], "no tuning for target 'sm80'")])
+def test_autotune_rejects_bad_flags(monkeypatch, flags, message) -> None:
+    from deepinfer.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match=message):
+        main(["autotune", *flags])
+
+
+@pytest.mark.gpu
+def test_autotune_command_writes_a_cache_on_the_gpu(tmp_path, capsys) -> None:
+    """A small config's hyper-connection mixes tuned for real: the cache holds this device's entry, which a plan
+    for the same shapes then picks."""
+    from autotune import choose
+    from autotune.run import MODULES
+    from deepinfer.cli import main
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("an sm90 GPU")
+    out = tmp_path / "tuned.json"
+    status = main(["autotune", "--config", str(write_config(tmp_path, SMALL)), "--templates", "hc_mixes",
+                   "--buckets", "16", "--out", str(out), "--jobs", "1", "--no-progress"])
+    assert status == 0 and "hc_mixes" in capsys.readouterr().out
+    cache = TuningCache(out)
+    (key,) = cache.entries
+    assert key.split("|")[4] == torch.cuda.get_device_name()
+    static = {"hc": 4, "d": 256}
+    src = source_hash(MODULES["hc_mixes"])
+    assert choose("hc_mixes", static, 16, "sm90", src, dict, cache, device=torch.cuda.get_device_name())[1] == "tuned"
