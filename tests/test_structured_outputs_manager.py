@@ -3,6 +3,10 @@ fail one request, the compile time limit, the cache, and the model runner's cons
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import pytest
@@ -159,3 +163,49 @@ def test_runner_constraint_masks_per_sequence_and_reports_errors(manager, tokeni
     assert constraint.fill(rows) is not None  # sequences seen again start afresh (a new request reusing the ids)
     constraint.finish([10, 11, 12, 13])
     assert constraint.fill(rows[1:2]) is None
+
+
+def test_constraint_readiness_never_blocks_and_wait_ready_sleeps_on_the_compilation(manager, tokenizer,
+                                                                                      monkeypatch) -> None:
+    release, compile_ = threading.Event(), GrammarCompiler._compile
+    monkeypatch.setattr(GrammarCompiler, "_compile", lambda self, params: release.wait(60) and compile_(self, params))
+    constraint = StructuredOutputConstraint(manager)
+    held = SamplingParams(structured_outputs=StructuredOutputsParams(regex="held[0-9]"))
+    broken = SamplingParams(structured_outputs=StructuredOutputsParams(regex="held("))
+    try:
+        assert constraint.is_ready(30) and not constraint.wait_ready(1.0)  # unconstrained: nothing to wait for
+        constraint.submit(31, held)
+        constraint.submit(32, broken)
+        start = time.monotonic()
+        assert not constraint.is_ready(31) and not constraint.is_ready(32)
+        assert time.monotonic() - start < 1  # asking does not wait (the compilation blocks for 60 s)
+        assert constraint.wait_ready(0.3) and 0.25 < time.monotonic() - start < 5  # slept its timeout out
+        threading.Timer(0.2, release.set).start()
+        assert constraint.wait_ready(30) and time.monotonic() - start < 10  # woken by a compilation ending
+        while not (constraint.is_ready(31) and constraint.is_ready(32)):
+            assert constraint.wait_ready(30)
+        assert not constraint.wait_ready(30)  # none compiling any more: returns at once
+        assert time.monotonic() - start < 10
+    finally:
+        release.set()
+    ended = constraint.accept([_Row(31, held), _Row(32, broken)], [tokenizer.encode("h")[0], 5])
+    assert list(ended) == [32] and "invalid regex" in ended[32]  # ready, and failed: its request fails at once
+    constraint.finish([31, 32])
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="one intra-op thread: torch starts no OpenMP team")
+def test_filling_on_a_thread_starts_no_openmp_team(manager) -> None:
+    """A torch op going parallel on the fill thread would start a second OpenMP team there, and libgomp with more
+    threads than cores stops spinning between parallel regions: the forward ran about 2x slower from then on."""
+    manager.add_request("t", StructuredOutputsParams(regex="[a-z]+"))
+    assert manager.is_ready("t", wait=True)
+    batch = ["t"] + [None] * 15  # 15 open rows: 60600 words, past torch's grain for going parallel (32768)
+    manager.fill_bitmask(batch)  # on this thread first: whatever xgrammar starts lazily is started by now
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: None).result()  # the thread exists before the count
+        before = set(os.listdir("/proc/self/task"))
+        assert pool.submit(manager.fill_bitmask, batch).result().rows == [0]
+        assert pool.submit(allocate_bitmask, 300, VOCAB).result().eq(-1).all()
+        started = set(os.listdir("/proc/self/task")) - before
+    assert not started  # an OpenMP team would have started its worker threads
+    manager.remove_request("t")

@@ -23,8 +23,21 @@ def bitmask_width(vocab_size: int) -> int:
 def allocate_bitmask(num_rows: int, vocab_size: int) -> torch.Tensor:
     """An all-allowed bitmask int32 [num_rows, ceil(vocab_size / 32)] on the CPU (pinned when CUDA is present, so
     its copy to the device can overlap)."""
-    return torch.full((num_rows, bitmask_width(vocab_size)), -1, dtype=torch.int32,
-                      pin_memory=torch.cuda.is_available())
+    bitmask = torch.empty((num_rows, bitmask_width(vocab_size)), dtype=torch.int32,
+                          pin_memory=torch.cuda.is_available())
+    allow_all(bitmask, range(num_rows))
+    return bitmask
+
+
+def allow_all(bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """Set `rows` of a CPU bitmask to all-allowed, in place, through numpy rather than torch.
+
+    Masks are filled on a thread of their own while the forward runs. A torch op large enough to go parallel there
+    (32768 elements: 9 rows at the V4 vocabulary) starts a second OpenMP team; with more OpenMP threads than cores,
+    libgomp stops spinning between parallel regions for the whole process, and every later op of the cpu target
+    waits for its worker to wake (1.5-2x slower steps: bench/RESULTS.md, 2026-11-30). numpy has no thread team.
+    """
+    bitmask.numpy()[list(rows)] = -1
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int] | None = None) -> None:

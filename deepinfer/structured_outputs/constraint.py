@@ -7,6 +7,11 @@ time limit, or a sampled token the grammar refuses) gets an open row for the res
 next `accept` with its message: the engine fails that request alone (finish_reason "error"). A sequence whose
 grammar is complete is reported with None: it stops there (finish_reason "stop"), ignore_eos or not. The manager,
 and xgrammar with it, is built on the first constrained row, so unconstrained runs never import it.
+
+The scheduler asks `is_ready` before admitting a waiting sequence, so a grammar still compiling holds back its own
+request and no other; when nothing else can run, the engine blocks in `wait_ready`. Threads: `is_ready` runs on the
+scheduler's thread for waiting sequences, fill / accept / finish on the runner's for running ones, so no sequence is
+moved between the manager's states by two threads at once.
 """
 
 from __future__ import annotations
@@ -44,6 +49,20 @@ class StructuredOutputConstraint:
         if constraint is not None and seq_id not in self._errors and not self.manager.has_request(seq_id):
             self.manager.add_request(seq_id, constraint)
 
+    def is_ready(self, seq_id: Hashable) -> bool:
+        """Whether the sequence may be scheduled; never blocks. False only while its grammar compiles within the time
+        limit: True for unconstrained sequences, and for failed ones too, so that their request fails at once."""
+        return self._manager is None or self._poll(seq_id, wait=False) is not False
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Block until a compiling grammar is done or past its time limit, or `timeout` s; False when none is
+        compiling (nothing to wait for). The engine calls it when every unfinished sequence waits for one."""
+        if self._manager is None:
+            return False
+        if any(self._poll(seq_id, wait=False) is not False for seq_id in self.manager.pending()):
+            return True  # done since last asked: schedule it now
+        return self.manager.wait_pending(timeout)
+
     def fill(self, rows: Sequence[Any]) -> torch.Tensor | None:
         """int32 bitmask [len(rows), ceil(vocab / 32)] for the rows about to be sampled, None if none constrained."""
         if all(row.params.structured_outputs is None for row in rows):
@@ -51,7 +70,7 @@ class StructuredOutputConstraint:
         ids = []
         for row in rows:
             self.submit(row.seq_id, row.params)
-            ids.append(row.seq_id if self._ready(row.seq_id) else None)
+            ids.append(row.seq_id if self._poll(row.seq_id, wait=True) else None)
         mask = self.manager.fill_bitmask(ids)
         return None if mask is None else mask.bitmask
 
@@ -80,14 +99,15 @@ class StructuredOutputConstraint:
                 self._manager.remove_request(seq_id)
             self._errors.pop(seq_id, None)
 
-    def _ready(self, seq_id: Hashable) -> bool:
+    def _poll(self, seq_id: Hashable, wait: bool) -> bool | None:
+        """True: compiled; False: compiling (never with `wait`); None: no grammar (unconstrained, or failed)."""
         if seq_id in self._errors or not self.manager.has_request(seq_id):
-            return False
+            return None
         try:
-            return self.manager.is_ready(seq_id, wait=True)
+            return self.manager.is_ready(seq_id, wait=wait)
         except StructuredOutputError as e:
             self._fail(seq_id, str(e))
-            return False
+            return None
 
     def _fail(self, seq_id: Hashable, message: str) -> None:
         self._errors[seq_id] = message

@@ -12,6 +12,7 @@ Each step, for a batch whose rows are requests (None or unconstrained requests f
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from collections.abc import Hashable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import xgrammar as xgr
 
-from deepinfer.structured_outputs.bitmask import allocate_bitmask, apply_bitmask
+from deepinfer.structured_outputs.bitmask import allocate_bitmask, allow_all, apply_bitmask
 from deepinfer.structured_outputs.compiler import GrammarCompiler
 from deepinfer.structured_outputs.matcher import RequestMatcher
 from deepinfer.structured_outputs.params import StructuredOutputError, StructuredOutputsParams
@@ -74,10 +75,25 @@ class StructuredOutputManager:
         try:
             compiled = self.compiler.result(future, submitted_at, what)
         except StructuredOutputError:
-            del self._pending[request_id]
+            self._pending.pop(request_id, None)
             raise
-        del self._pending[request_id]
-        self._matchers[request_id] = RequestMatcher(compiled)
+        self._matchers[request_id] = RequestMatcher(compiled)  # before leaving `_pending`: has_request stays True
+        self._pending.pop(request_id, None)
+        return True
+
+    def pending(self) -> list[Hashable]:
+        """The requests added whose compilation `is_ready` has not yet taken up (done or not)."""
+        return list(self._pending)
+
+    def wait_pending(self, timeout: float) -> bool:
+        """Block until one of the pending compilations is done or past its time limit, or for `timeout` s at most.
+        False at once when none is pending."""
+        entries = list(self._pending.values())
+        if not entries:
+            return False
+        deadline = min(submitted_at for _, submitted_at, _ in entries) + self.compiler.timeout_s
+        timeout = max(0.0, min(timeout, deadline - time.monotonic()))
+        concurrent.futures.wait([f for f, _, _ in entries], timeout, return_when=concurrent.futures.FIRST_COMPLETED)
         return True
 
     def fill_bitmask(self, request_ids: Sequence[Hashable | None],
@@ -109,7 +125,7 @@ class StructuredOutputManager:
             return None
         if singles:  # xgrammar fills these on its own threads
             self._batch_matcher.batch_fill_next_token_bitmask(singles, self._bitmask, single_rows)
-        self._bitmask[open_rows] = -1  # all allowed, so the bitmask alone is a whole step's mask
+        allow_all(self._bitmask, open_rows)  # so the bitmask alone is a whole step's mask
         return BatchBitmask(self._bitmask[:num_rows], rows)
 
     def fill_bitmask_async(self, request_ids: Sequence[Hashable | None],

@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 import xgrammar as xgr
 
+from deepinfer.structured_outputs.bitmask import allow_all
+
 
 class RequestMatcher:
     """An xgrammar GrammarMatcher for one sequence.
@@ -28,7 +30,7 @@ class RequestMatcher:
     def fill_bitmask(self, bitmask: torch.Tensor, row: int = 0) -> None:
         """Write the allowed next tokens into bitmask[row] (int32 CPU [R, ceil(V / 32)]). The state is unchanged."""
         if self._matcher.is_terminated():
-            bitmask[row].fill_(-1)  # nothing follows the end; the engine has finished the sequence, leave it open
+            allow_all(bitmask, [row])  # nothing follows the end; the engine has finished the sequence, leave it open
             return
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
@@ -61,7 +63,7 @@ class RequestMatcher:
         num_valid = 0
         for i in range(len(draft_tokens) + 1):
             if i > num_valid:
-                bitmask[row + i].fill_(-1)
+                allow_all(bitmask, [row + i])
                 continue
             self.fill_bitmask(bitmask, row + i)
             if i < len(draft_tokens) and not self._matcher.is_terminated() and self.accept(draft_tokens[i]):
