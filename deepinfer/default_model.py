@@ -1,14 +1,20 @@
-"""The embedded default model: a small V4.1-Flash with every kind of layer and random weights.
+"""The embedded small models: V4.1-Flash with every kind of layer, trained or with random weights.
 
-It lets `deepinfer generate` and `LLM()` run anywhere with nothing downloaded. Its weights are random, so its
-completions are gibberish: it exercises the whole engine (window, encoder and decoder layers, shared compressed
-KV, indexers and candidates, Engram with the real tokenizer, MoE, hyper-connections), not the language.
+`trained_model()` is the default of `LLM()` and `deepinfer generate`: a tiny V4.1-Flash (hidden 256, 8 layers and
+3 DSpark draft layers, 11M parameters) trained on the Python standard library's sources with its own 8192-token
+tokenizer, shipped as a 24 MB checkpoint in deepinfer/checkpoints/v41-tiny-stdlib (train/README.md tells how it was
+made). It writes plausible Python, and its drafts are accepted often enough for DSpark to be measured on it.
+
+`default_model()` is the same architecture with the full V4 vocabulary and random weights, for tests: it exercises
+the whole engine (window, encoder and decoder layers, shared compressed KV, indexers and candidates, Engram with the
+real tokenizer, MoE, hyper-connections), not the language.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
 import torch
 
@@ -17,8 +23,7 @@ from deepinfer.models import DeepseekV41Flash
 from deepinfer.models.engram_layout import engram_layers
 from deepinfer.models.weights import expected_weights
 
-RANDOM_WEIGHTS_WARNING = ("no model given: running the embedded default model, a small V4.1-Flash with RANDOM "
-                          "weights, so its completions are gibberish (pass a checkpoint directory for real text)")
+TRAINED_CHECKPOINT = Path(__file__).parent / "checkpoints" / "v41-tiny-stdlib"
 
 
 def default_config() -> DeepseekV41Config:
@@ -79,9 +84,18 @@ def random_weights(config: DeepseekV41Config, seed: int = 0) -> dict[str, torch.
 
 
 def default_model(seed: int = 0, tokenizer=None) -> DeepseekV41Flash:
-    """The embedded default: `default_config()` with `random_weights(config, seed)`.
+    """The random-weight model: `default_config()` with `random_weights(config, seed)` (`LLM(default_model())`).
 
     `tokenizer` (from `load_tokenizer()`) spares the model loading its own for Engram's token map.
     """
     config = default_config()
     return DeepseekV41Flash(config, random_weights(config, seed), tokenizer=tokenizer)
+
+
+def trained_model() -> DeepseekV41Flash:
+    """The embedded trained checkpoint (`TRAINED_CHECKPOINT`), with its own tokenizer for Engram's token map."""
+    from deepinfer.tokenizer import load_tokenizer
+
+    model = DeepseekV41Flash.from_pretrained(TRAINED_CHECKPOINT)
+    model.tokenizer = load_tokenizer(TRAINED_CHECKPOINT)
+    return model

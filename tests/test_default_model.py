@@ -1,14 +1,13 @@
-"""The embedded default model: its schedule has every kind of layer, and its random weights are complete."""
+"""The random-weight small model: its schedule has every kind of layer, and its random weights are complete."""
 
 from __future__ import annotations
 
-import logging
 import time
 
 import pytest
 import torch
 
-from deepinfer.default_model import default_config, random_weights
+from deepinfer.default_model import default_config, default_model, random_weights
 from deepinfer.models.weights import expected_weights
 
 
@@ -54,13 +53,12 @@ def test_random_weights_are_a_function_of_the_seed() -> None:
     assert not torch.equal(a["head.weight"], c["head.weight"])
 
 
-def test_llm_without_a_model_warns_that_weights_are_random(caplog: pytest.LogCaptureFixture) -> None:
+def test_llm_runs_the_random_model_given_as_an_object() -> None:
     from deepinfer.llm import LLM
     from deepinfer.sampling_params import SamplingParams
 
-    with caplog.at_level(logging.WARNING, logger="deepinfer"):
-        llm = LLM()
-    assert any("RANDOM" in r.getMessage() for r in caplog.records)
+    llm = LLM(default_model())  # LLM() alone runs the trained checkpoint (tests/test_trained_model.py)
+    assert llm.config == default_config() and llm.tokenizer.vocab_size == 129280
     out = llm.generate("def fib(n):", SamplingParams(max_tokens=4, seed=0, ignore_eos=True), use_tqdm=False)[0]
     assert out.error is None and len(out.outputs[0].token_ids) == 4
     assert all(0 <= t < 129280 for t in out.outputs[0].token_ids)

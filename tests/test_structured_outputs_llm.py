@@ -1,14 +1,18 @@
-"""Structured outputs through `LLM.generate`: valid completions, "stop" when the grammar completes, errors alone."""
+"""Structured outputs through `LLM.generate`: valid completions, "stop" when the grammar completes, errors alone, and
+a grammar still compiling holds back its own request only."""
 
 from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 
 import jsonschema
 import pytest
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams
+from deepinfer.structured_outputs.compiler import GrammarCompiler
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                             "maximum": 9}},
@@ -17,7 +21,9 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"typ
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM()
+    from deepinfer.default_model import default_model
+
+    return LLM(default_model())  # random weights on the V4 tokenizer: any token may come, so masks must hold
 
 
 def _params(seed: int, **constraint) -> SamplingParams:
@@ -69,3 +75,58 @@ def test_grammar_compiles_from_submission(llm: LLM) -> None:
     assert waiting and all(llm.engine.runner.constraint.manager.has_request(s.seq_id) for s in waiting)
     (out,) = [o for o in llm.engine.run() if o.request_id == request_id]
     assert re.fullmatch("[0-9]{2}", out.outputs[0].text) and out.outputs[0].finish_reason == "stop"
+
+
+@pytest.fixture
+def slow_regex(monkeypatch):
+    """Compiling the regex "slow..." blocks until the event returned is set (set at the end of the test anyway)."""
+    release = threading.Event()
+    compile_ = GrammarCompiler._compile
+
+    def compile_slowly(self, params):
+        if params.regex is not None and params.regex.startswith("slow"):
+            release.wait(60)
+        return compile_(self, params)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", compile_slowly)
+    yield release
+    release.set()
+
+
+def test_a_compiling_grammar_holds_back_only_its_own_request(llm: LLM, slow_regex: threading.Event) -> None:
+    slow_params = _params(21, regex="slow-[0-9]{2}")
+    free_params = SamplingParams(temperature=1.0, seed=22, max_tokens=6)
+    slow_id = llm.engine.add_request("p", slow_params)
+    free_id = llm.engine.add_request("q", free_params)  # added after the slow one, and unconstrained
+    outs = {}
+    for out in llm.engine.run():
+        outs[out.request_id] = out
+        if out.request_id == free_id:
+            assert slow_id not in outs and not slow_regex.is_set()  # done while the grammar was still compiling
+            slow_regex.set()
+    assert list(outs) == [free_id, slow_id]
+    slow, free = outs[slow_id].outputs[0], outs[free_id].outputs[0]
+    assert re.fullmatch("slow-[0-9]{2}", slow.text) and slow.finish_reason == "stop"
+    assert free.finish_reason == "length" and len(free.token_ids) == 6
+    # Seeded outputs are those of the same requests run with nothing held back (the grammar is cached by now).
+    again = llm.generate(["p", "q"], [slow_params, free_params], use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [slow.token_ids, free.token_ids]
+
+
+def test_a_grammar_past_the_time_limit_fails_its_request_without_spinning(llm: LLM, slow_regex: threading.Event,
+                                                                          monkeypatch) -> None:
+    monkeypatch.setattr(llm.engine.runner.constraint.manager.compiler, "timeout_s", 0.5)
+    num_schedules = 0
+    schedule = llm.engine.scheduler.schedule
+
+    def counted():
+        nonlocal num_schedules
+        num_schedules += 1
+        return schedule()
+
+    monkeypatch.setattr(llm.engine.scheduler, "schedule", counted)
+    start = time.monotonic()
+    (out,) = llm.generate(["p"], [_params(23, regex="slow-too")], use_tqdm=False)
+    assert out.outputs[0].finish_reason == "error" and "took longer than the 0.5 s limit" in out.error
+    assert 0.5 <= time.monotonic() - start < 10
+    assert num_schedules <= 6  # the engine slept on the compilation rather than polled it
