@@ -155,15 +155,20 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
 
 
 def sparse_attention(q: torch.Tensor, window: CacheView, sink: torch.Tensor, compressed: CacheView | None = None,
-                     topk: torch.Tensor | None = None, *, window_size: int, scale: float, ctx) -> torch.Tensor:
+                     topk: torch.Tensor | None = None, *, window_size: int, scale: float, causal: bool = True,
+                     ctx) -> torch.Tensor:
     """`sparse_attention` with every query over the same number of keys in a fixed order (see the module)."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for i, c in enumerate(ctx.chunks):
-        qpos = ctx.positions[c.rows]  # [T]
-        wanted = qpos[:, None] - window_size + 1 + torch.arange(window_size, device=q.device)  # [T, W] positions
-        first = int(window.positions[i][0])
-        keys = window.keys[i].float()[(wanted - first).clamp(min=0)]  # [T, W, D]
-        mask = wanted >= 0
+        if causal:
+            qpos = ctx.positions[c.rows]  # [T]
+            wanted = qpos[:, None] - window_size + 1 + torch.arange(window_size, device=q.device)  # [T, W] positions
+            first = int(window.positions[i][0])
+            keys = window.keys[i].float()[(wanted - first).clamp(min=0)]  # [T, W, D]
+            mask = wanted >= 0
+        else:  # a draft block: every query over the whole view
+            keys = window.keys[i].float()[None].expand(c.length, -1, -1)
+            mask = torch.ones(keys.shape[:2], dtype=torch.bool, device=q.device)
         if compressed is not None and topk is not None:
             entries = compressed.keys[i].float()  # [L, D]
             picks = topk[c.rows]  # [T, K], -1 = none

@@ -18,13 +18,15 @@ BUILT_TARGETS = ("cpu", "sm90", "sm100")
 
 
 def compile(model: DeepseekV41Flash, target: str = "cpu", *, dot_fp32: bool = False,  # noqa: A001 - public name
-            buckets: tuple[int, ...] | None = None):
+            buckets: tuple[int, ...] | None = None, drafting: bool = False, device: str = "cpu"):
     """Lower `model` for `target` and return a `CompiledModel` ready to run.
 
     GPU targets ("sm90", "sm100") build cubins ahead of time, on any machine (no GPU needed) and return a
     `GpuCompiledModel`: `.save(dir)` writes the artifact, `deepinfer.load(dir)` runs it. `dot_fp32` makes the
     kernels multiply in fp32 (exactness checks) instead of bf16; `buckets` are the token-count buckets that get
-    a config and cubins each (default `graphs.plan.BUCKETS`).
+    a config and cubins each (default `graphs.plan.BUCKETS`). `drafting` adds the DSpark draft layers (cpu
+    target): every step writes their main keys, and `CompiledModel.draft` runs them. `device` is where the cpu
+    target's torch code runs ("cuda": the references on a GPU, eagerly; for comparisons and the engine there).
     """
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; targets are {', '.join(TARGETS)}")
@@ -32,10 +34,13 @@ def compile(model: DeepseekV41Flash, target: str = "cpu", *, dot_fp32: bool = Fa
         raise NotImplementedError(f"target {target!r} ({TARGETS[target]}) has no kernels in this build yet; "
                                   f"built targets: {', '.join(BUILT_TARGETS)}")
     if target in ("sm90", "sm100"):
+        if drafting:
+            raise NotImplementedError(f"DSpark drafting runs on the cpu target only in this build, not {target!r}")
         return _compile_gpu(model, target, dot_fp32, buckets)
-    graph = run_passes(model.graph())
-    params = {name: _for_cpu(t) for name, t in model.params().items()}
-    return CompiledModel(model.config, graph, params, target)
+    graph = run_passes(model.graph(dspark=drafting))
+    draft_graph = run_passes(model.draft_graph()) if drafting else None
+    params = {name: _for_cpu(t).to(device) for name, t in model.params().items()}
+    return CompiledModel(model.config, graph, params, target, draft_graph, device)
 
 
 def _for_cpu(t: torch.Tensor) -> torch.Tensor:

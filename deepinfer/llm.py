@@ -10,17 +10,21 @@ import gc
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from deepinfer.compile import compile as compile_model
 from deepinfer.engine import EngineArgs, LLMEngine, TokenConstraint
 from deepinfer.engine.request import PromptType, RequestError
+from deepinfer.engine.speculative import SpeculativeConfig
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured_outputs.constraint import StructuredOutputConstraint
 from deepinfer.tokenizer import load_tokenizer
+
+if TYPE_CHECKING:
+    from deepinfer.models import DeepseekV41Flash
 
 logger = logging.getLogger(__name__)
 
@@ -30,37 +34,54 @@ __all__ = ["LLM", "PromptType", "RequestError"]
 class LLM:
     """Generate completions with DeepSeek-V4.1-Flash.
 
-    `model` is a checkpoint directory (config.json and safetensors), or None for the embedded default (a small
-    model with random weights, for trying the engine anywhere). `target` is the compile target ("cpu" runs
+    `model` is a checkpoint directory (config.json and safetensors), a `DeepseekV41Flash` (such as the random-weight
+    `deepinfer.default_model.default_model()`), or None for the embedded default: a tiny V4.1-Flash trained on the
+    Python standard library (`deepinfer.default_model.trained_model()`). `target` is the compile target ("cpu" runs
     anywhere). `tokenizer` is a directory holding tokenizer.json (default: the model's, else the V4 tokenizer).
     Every other keyword is an engine argument (`EngineArgs`: `max_model_len`, `max_num_seqs`,
     `max_num_batched_tokens`, `kv_cache_memory_bytes`, `block_size`, `async_scheduling`, `batch_invariant`, `seed`);
     vLLM arguments DeepInfer does not have are ignored with a warning. `constraint` replaces the token-constraint
     hook (`deepinfer.engine.TokenConstraint`); by default it is structured outputs, built on the first request that
-    asks for them (`SamplingParams(structured_outputs=...)`).
+    asks for them (`SamplingParams(structured_outputs=...)`). `speculative_config` turns on DSpark drafting, e.g.
+    `{"method": "dspark", "num_speculative_tokens": 5}` (`deepinfer.engine.SpeculativeConfig` lists the keys);
+    off by default. Outputs are the same with and without it (greedy or seeded, in batch-invariant mode).
+    `device` runs the cpu target's torch code elsewhere ("cuda": eagerly on a GPU).
     """
 
-    def __init__(self, model: str | None = None, target: str = "cpu", tokenizer: str | None = None,
-                 constraint: TokenConstraint | None = None, **kwargs: Any) -> None:
+    def __init__(self, model: str | DeepseekV41Flash | None = None, target: str = "cpu", tokenizer: str | None = None,
+                 constraint: TokenConstraint | None = None, speculative_config: dict | None = None,
+                 device: str = "cpu", **kwargs: Any) -> None:
         from deepinfer.models import DeepseekV41Flash
 
         self.engine_args = EngineArgs.from_kwargs(**kwargs)
-        self.tokenizer = load_tokenizer(tokenizer or model)
+        speculative = SpeculativeConfig.from_dict(speculative_config)
         if model is None:
-            from deepinfer.default_model import RANDOM_WEIGHTS_WARNING, default_model
+            from deepinfer.default_model import trained_model
 
-            logger.warning(RANDOM_WEIGHTS_WARNING)
-            network = default_model(tokenizer=self.tokenizer)
+            model = trained_model()
+        if isinstance(model, DeepseekV41Flash):  # a model object: its own tokenizer, unless one is given
+            network = model
+            if tokenizer is not None or network.tokenizer is None:
+                network.tokenizer = load_tokenizer(tokenizer or network.model_dir)
+            self.tokenizer = network.tokenizer
         else:
+            self.tokenizer = load_tokenizer(tokenizer or model)
             network = DeepseekV41Flash.from_pretrained(model)
             network.tokenizer = self.tokenizer  # Engram's token map must come from the tokenizer prompts go through
         self.config = network.config
-        self.compiled = compile_model(network, target=target)
+        options = {"drafting": True} if speculative else {}
+        if device != "cpu":
+            if target != "cpu":
+                raise ValueError(f"device={device!r} runs the cpu target's torch code on that device; target "
+                                 f"{target!r} chooses its own")
+            options["device"] = device
+        self.compiled = compile_model(network, target=target, **options)
         eos = self.config.eos_token_ids or (self.tokenizer.eos_token_id,)
         self.eos_token_ids = tuple(t for t in eos if t is not None and 0 <= t < self.config.vocab_size)
         if constraint is None:
             constraint = StructuredOutputConstraint(self._structured_output_manager)
-        self.engine = LLMEngine(self.compiled, self.tokenizer, self.engine_args, self.eos_token_ids, constraint)
+        self.engine = LLMEngine(self.compiled, self.tokenizer, self.engine_args, self.eos_token_ids, constraint,
+                                speculative)
         self.max_model_len = self.engine.max_model_len
         # The model's many long-lived objects leave the collector's view, as vLLM does: a full collection over them
         # mid-step cost up to 10 ms a step here. Garbage goes first, so nothing dead is frozen.

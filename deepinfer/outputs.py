@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -45,6 +45,31 @@ class RequestMetrics:
     first_token_time: float | None = None
     finished_time: float | None = None
     num_generated_tokens: int = 0
+    # Speculative decoding: per draft position i, how many drafts at i were verified and how many accepted.
+    drafts_verified: list[int] = field(default_factory=list)
+    drafts_accepted: list[int] = field(default_factory=list)
+
+    def count_drafts(self, verified: int, accepted: int) -> None:
+        """A step verified drafts 0 .. verified - 1 and accepted the first `accepted` of them."""
+        grow = verified - len(self.drafts_verified)
+        if grow > 0:
+            self.drafts_verified += [0] * grow
+            self.drafts_accepted += [0] * grow
+        for i in range(verified):
+            self.drafts_verified[i] += 1
+            self.drafts_accepted[i] += i < accepted
+
+    @property
+    def acceptance_rates(self) -> list[float]:
+        """Per draft position i, the share of the steps that verified a draft at i which accepted it (and so every
+        draft before it)."""
+        return [a / v if v else 0.0 for a, v in zip(self.drafts_accepted, self.drafts_verified, strict=True)]
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Tokens a verifying step gave on average: its accepted drafts plus the target's token after them."""
+        steps = self.drafts_verified[0] if self.drafts_verified else 0
+        return (steps + sum(self.drafts_accepted)) / steps if steps else None
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -2,12 +2,16 @@
 
 Two kinds of storage, sized once from a memory budget by whoever owns the pools:
 - per-sequence slots, of a size fixed by the model: every layer's sliding window (a ring of `window` entries,
-  position p at row p % window), the compressor's partial groups (fewer than `ratio` rows per KV source) and the
-  Engram n-gram history (the last n - 1 compressed token ids);
+  position p at row p % window), the compressor's rows of its partial group (a ring of `ratio - 1` rows per KV
+  source) and the Engram n-gram history (a ring of the last n - 1 compressed token ids);
 - paged blocks for what grows with the sequence: a block covers `block_size` token positions and holds, for every
   compressed cache (KV-source entries, indexer keys), the `block_size / ratio` entries those positions complete.
   One block table per sequence serves every compressed cache.
 `CacheSpec.from_graph` reads which caches a model has, their dims and storage formats, off its graph.
+
+Every ring keeps `spare` more positions than the model needs, so a forward's last `spare` tokens can be taken
+back (`SequenceState.num_tokens` set lower: rejected drafts): what the kept positions need was not overwritten.
+Compressed entries are indexed by position, so entries past the new length are simply written again later.
 """
 
 from __future__ import annotations
@@ -28,26 +32,28 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class CacheSpec:
     """Every cache of a model. `windows`: (layer, dim, window, format); `compressed`: (name, layer, dim, ratio, format);
-    `partials`: (layer, dim, ratio) of compressors with ratio > 1; `history`: n - 1 for Engram's n-grams, else 0."""
+    `partials`: (layer, dim, ratio) of compressors with ratio > 1; `history`: n - 1 for Engram's n-grams, else 0;
+    `spare`: positions every ring keeps beyond that, so the last `spare` tokens of a forward can be taken back."""
 
     windows: tuple[tuple[int, int, int, EntryFormat], ...] = ()
     compressed: tuple[tuple[str, int, int, int, EntryFormat], ...] = ()
     partials: tuple[tuple[int, int, int], ...] = ()
     history: int = 0
+    spare: int = 0
 
     @classmethod
-    def from_graph(cls, graph: Graph) -> CacheSpec:
+    def from_graph(cls, graph: Graph, spare: int = 0) -> CacheSpec:
         """The caches of a shape-inferred graph: one per cache op, formats from the rounding op feeding it."""
         ratios = {n.attrs["layer"]: n.attrs["ratio"] for n in graph.nodes if n.op == "compress_pool"}
         windows, compressed, partials, history = [], [], [], 0
         for node in graph.nodes:
             source = node.inputs[0] if node.inputs else None
-            if node.op in ("kv_window_append", "cache_append"):
+            if node.op in ("kv_window_append", "kv_window_store", "cache_append"):
                 dim = int(source.type.shape[-1])
                 producer = source.producer
                 op, attrs = (producer.op, producer.attrs) if producer else (None, {})
                 fmt = EntryFormat.of_rounding(op, attrs, dim)
-                if node.op == "kv_window_append":
+                if node.op != "cache_append":
                     windows.append((node.attrs["layer"], dim, node.attrs["window"], fmt))
                 else:
                     layer = node.attrs["layer"]
@@ -56,7 +62,7 @@ class CacheSpec:
                 partials.append((node.attrs["layer"], int(source.type.shape[-1]), node.attrs["ratio"]))
             elif node.op == "engram_ngrams":
                 history = node.attrs["n"] - 1
-        return cls(tuple(windows), tuple(compressed), tuple(partials), history)
+        return cls(tuple(windows), tuple(compressed), tuple(partials), history, spare)
 
     @property
     def block_multiple(self) -> int:
@@ -65,9 +71,9 @@ class CacheSpec:
 
     def slot_bytes(self) -> int:
         """Bytes of one sequence's slot: windows, partial groups (kv and gate, fp32) and n-gram history."""
-        windows = sum(size * fmt.entry_bytes(dim) for _, dim, size, fmt in self.windows)
-        partials = sum(2 * (ratio - 1) * dim * 4 for _, dim, ratio in self.partials)
-        return windows + partials + 8 * self.history
+        windows = sum((size + self.spare) * fmt.entry_bytes(dim) for _, dim, size, fmt in self.windows)
+        partials = sum(2 * (ratio - 1 + self.spare) * dim * 4 for _, dim, ratio in self.partials)
+        return windows + partials + 8 * (self.history + self.spare if self.history else 0)
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one block of `block_size` token positions across every compressed cache."""
@@ -88,11 +94,13 @@ class PagedCache:
         self.spec, self.num_slots, self.num_blocks, self.block_size = spec, num_slots, num_blocks, block_size
         self.device = torch.device(device)
         with torch.device(self.device):
-            self.windows = {layer: (fmt, fmt.storage((num_slots, size), dim)) for layer, dim, size, fmt in spec.windows}
+            self.windows = {layer: (fmt, fmt.storage((num_slots, size + spec.spare), dim))
+                            for layer, dim, size, fmt in spec.windows}
             self.compressed = {(name, layer): (fmt, ratio, fmt.storage((num_blocks, block_size // ratio), dim))
                                for name, layer, dim, ratio, fmt in spec.compressed}
-            self.partials = {layer: torch.empty(2, num_slots, ratio - 1, dim) for layer, dim, ratio in spec.partials}
-            self.history = torch.empty(num_slots, spec.history, dtype=torch.long)
+            self.partials = {layer: torch.empty(2, num_slots, ratio - 1 + spec.spare, dim)
+                             for layer, dim, ratio in spec.partials}
+            self.history = torch.empty(num_slots, spec.history + spec.spare if spec.history else 0, dtype=torch.long)
 
     def read_window(self, state: SequenceState, layer: int, count: int) -> torch.Tensor:
         """fp32 window entries [count, D] of `layer` at the `count` positions before the state's next token."""
@@ -102,7 +110,7 @@ class PagedCache:
 
     def write_window(self, state: SequenceState, layer: int, values: torch.Tensor, window: int) -> None:
         """Store a chunk's entries values [T, D] (positions from the state's next token on) in the ring, which
-        holds the `window` latest positions (the spec sized it so)."""
+        holds the `window` (plus spare) latest positions (the spec sized it so)."""
         fmt, parts = self.windows[layer]
         size, end = parts[0].shape[1], state.num_tokens + values.shape[0]
         values = values[max(0, values.shape[0] - size):]  # earlier ones would be overwritten within the chunk
@@ -130,23 +138,35 @@ class PagedCache:
         blocks, rows = self._locate(state, name, layer, 0, count)
         return fmt.decode(*(p[blocks, rows] for p in parts))
 
+    def _ring_rows(self, ring: int, state: SequenceState, count: int, before: bool) -> torch.Tensor:
+        """Ring rows of `count` positions: those just before the state's next token, or from it on."""
+        first = state.num_tokens - count if before else state.num_tokens
+        return torch.arange(first, first + count, device=self.device) % ring
+
     def read_partial(self, state: SequenceState, layer: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The `count` rows of kv and gate [count, D] waiting in the compressor's partial group."""
+        """kv and gate [count, D] of the `count` positions before the state's next token (its partial group)."""
         pool = self.partials[layer]
-        return pool[0, state.slot, :count], pool[1, state.slot, :count]
+        rows = self._ring_rows(pool.shape[2], state, count, before=True)
+        return pool[0, state.slot, rows], pool[1, state.slot, rows]
 
     def write_partial(self, state: SequenceState, layer: int, kv: torch.Tensor, gate: torch.Tensor) -> None:
-        """Keep kv and gate [p, D] (p < ratio) as the partial group."""
+        """Keep kv and gate [T, D] of a chunk's tokens (positions from the state's next token on); the ring holds
+        the latest `ratio - 1` (plus spare)."""
         pool = self.partials[layer]
-        pool[0, state.slot, : kv.shape[0]] = kv
-        pool[1, state.slot, : gate.shape[0]] = gate
+        ring = pool.shape[2]
+        rows = self._ring_rows(ring, state, kv.shape[0], before=False)[-ring:]
+        pool[0, state.slot, rows] = kv[kv.shape[0] - rows.shape[0]:]
+        pool[1, state.slot, rows] = gate[gate.shape[0] - rows.shape[0]:]
 
-    def read_history(self, state: SequenceState) -> torch.Tensor | None:
-        """The last n - 1 compressed token ids before the state's next token; None at the sequence start."""
-        return self.history[state.slot] if state.num_tokens else None
+    def read_history(self, state: SequenceState, count: int) -> torch.Tensor:
+        """The compressed token ids of the `count` positions before the state's next token."""
+        return self.history[state.slot, self._ring_rows(self.history.shape[1], state, count, before=True)]
 
     def write_history(self, state: SequenceState, ids: torch.Tensor) -> None:
-        self.history[state.slot] = ids
+        """Keep the compressed ids [T] of a chunk's tokens (positions from the state's next token on)."""
+        ring = self.history.shape[1]
+        rows = self._ring_rows(ring, state, ids.shape[0], before=False)[-ring:]
+        self.history[state.slot, rows] = ids[ids.shape[0] - rows.shape[0]:]
 
     def nbytes(self) -> int:
         """Bytes the pools hold."""

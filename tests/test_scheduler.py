@@ -1,4 +1,5 @@
-"""The scheduler on its own: FCFS, chunked prefill under the token budget, max_num_seqs, preemption by recompute."""
+"""The scheduler on its own: FCFS, chunked prefill under the token budget, max_num_seqs, preemption by recompute,
+sequences held back until ready (a grammar compiling)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from deepinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from deepinfer.sampling_params import SamplingParams
 
 
-def make(num_blocks: int = 100, max_num_seqs: int = 4, budget: int = 16, block_size: int = 4) -> Scheduler:
+def make(num_blocks: int = 100, max_num_seqs: int = 4, budget: int = 16, block_size: int = 4,
+         ready=None) -> Scheduler:
     layout = CacheLayout(num_slots=max_num_seqs, num_blocks=num_blocks, block_size=block_size, slot_bytes=1,
                          block_bytes=1)
-    return Scheduler(BlockManager(layout), max_num_seqs, budget)
+    return Scheduler(BlockManager(layout), max_num_seqs, budget, ready=ready)
 
 
 def seq(prompt_len: int, max_tokens: int = 8, name: str = "r") -> Sequence:
@@ -126,3 +128,34 @@ def test_finishing_frees_the_cache_and_reports_the_sequence() -> None:
     s.finish(a)
     assert a.is_finished and s.block_manager.num_free_blocks == 3 and len(s.block_manager.free_slots) == 4
     assert s.freed == [a.seq_id] and not s.has_unfinished
+
+
+def test_a_sequence_not_ready_keeps_its_place_while_the_ones_behind_it_start() -> None:
+    compiled: set[str] = set()
+    s = make(max_num_seqs=5, budget=7, ready=lambda q: not q.request_id.startswith("slow") or q.request_id in compiled)
+    slow1, a, slow2, b, c = (seq(3, name=n) for n in ("slow1", "a", "slow2", "b", "c"))
+    for x in (slow1, a, slow2, b, c):
+        s.add(x)
+    first = s.schedule()
+    assert [ch.seq for ch in first] == [a, b, c] and plan(first)[-1][2] == 1  # c takes the budget's last token
+    assert list(s.waiting) == [slow1, slow2]  # held back, in arrival order
+    land(first)
+    compiled.add("slow2")
+    d = seq(3, name="d")
+    s.add(d)
+    second = s.schedule()
+    assert [ch.seq for ch in second] == [a, b, c, slow2]  # running first; slow1 still compiling, slow2 now goes
+    assert list(s.waiting) == [slow1, d]  # the budget is spent: d waits behind slow1
+    compiled.add("slow1")
+    land(second)
+    assert [ch.seq for ch in s.schedule()][-1] is slow1 and list(s.waiting) == [d]
+
+
+def test_a_running_sequence_is_never_held_back() -> None:
+    is_ready = {"value": True}
+    s = make(ready=lambda q: is_ready["value"])
+    a = seq(3)
+    s.add(a)
+    land(s.schedule())
+    is_ready["value"] = False
+    assert plan(s.schedule()) == [(a.seq_id, 3, 1, True)]

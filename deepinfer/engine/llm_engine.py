@@ -24,6 +24,7 @@ from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import PromptType, Request, RequestError, check_prompt, tokenize_prompt
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
 from deepinfer.engine.sequence import SequenceStatus
+from deepinfer.engine.speculative import Drafter, SpeculativeConfig
 from deepinfer.outputs import RequestMetrics, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from dsl.cache import CacheSpec, PagedCache
@@ -35,17 +36,27 @@ class LLMEngine:
     """Runs requests on a compiled model. `add_request` queues one; `run()` yields outputs as requests finish."""
 
     def __init__(self, compiled, tokenizer, args: EngineArgs, eos_token_ids: tuple[int, ...],
-                 constraint: TokenConstraint | None = None) -> None:
+                 constraint: TokenConstraint | None = None, speculative: SpeculativeConfig | None = None) -> None:
         self.args, self.config = args, compiled.config
         self.max_model_len = args.max_model_len or self.config.max_position_embeddings
-        spec = CacheSpec.from_graph(compiled.graph)
+        drafter = None
+        if speculative is not None:
+            drafter = Drafter(compiled, speculative, eos_token_ids, args.batch_invariant)
+            if args.async_scheduling:
+                logger.info("speculative decoding schedules each step after the last one's tokens are seen: "
+                            "async_scheduling is off")
+        self.speculative = speculative
+        # Rejected drafts are taken back: every ring keeps that many more positions.
+        spec = CacheSpec.from_graph(compiled.graph, spare=speculative.num_speculative_tokens if speculative else 0)
         self.layout = CacheLayout.plan(spec, args.cache_bytes, args.max_num_seqs, self.max_model_len, args.block_size)
         logger.info("caches: %s", self.layout.describe())
-        device = "cpu" if compiled.target == "cpu" else "cuda"
+        device = getattr(compiled, "device", "cpu") if compiled.target == "cpu" else "cuda"
         cache = PagedCache(spec, self.layout.num_slots, self.layout.num_blocks, self.layout.block_size, device)
-        self.scheduler = Scheduler(BlockManager(self.layout), args.max_num_seqs, args.max_num_batched_tokens)
+        is_ready = getattr(constraint, "is_ready", None)  # structured outputs: a grammar compiling holds its request
+        self.scheduler = Scheduler(BlockManager(self.layout), args.max_num_seqs, args.max_num_batched_tokens,
+                                   speculative, ready=None if is_ready is None else lambda seq: is_ready(seq.seq_id))
         self.runner = ModelRunner(compiled, cache, eos_token_ids, args.batch_invariant, constraint,
-                                  overlap_constraint=args.overlap_structured_outputs)
+                                  overlap_constraint=args.overlap_structured_outputs, drafter=drafter)
         self.output_processor = OutputProcessor(tokenizer, eos_token_ids)
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}
@@ -93,13 +104,17 @@ class LLMEngine:
                         self._postprocess(*last)
                         last, chunks = None, self._schedule()
                         continue
+                    wait_ready = getattr(self.runner.constraint, "wait_ready", None)
+                    if self.scheduler.has_unfinished and wait_ready is not None and wait_ready(1.0):
+                        chunks = self._schedule()  # every waiting sequence is held back for its grammar
+                        continue
                     if self.scheduler.has_unfinished:
                         raise RuntimeError(f"the scheduler can run nothing: {self.scheduler.running} running, "
                                            f"{list(self.scheduler.waiting)} waiting")
                     self.runner.execute(self._step_input([]))  # hand the last finished sequences to the runner
                     return
                 step = self._step_input(chunks)
-                if self.args.async_scheduling:
+                if self.args.async_scheduling and self.speculative is None:
                     cpu = helper.submit(self._process_and_schedule, last)
                     last = (chunks, self.runner.execute(step))
                     chunks = cpu.result()
@@ -126,8 +141,8 @@ class LLMEngine:
                 request.metrics.first_scheduled_time = now
             sample = SampleRow(seq.seq_id, seq.request_id, seq.index, seq.params, seq.seed, seq.prompt_token_ids,
                                list(seq.output_token_ids), seq.num_inflight - 1) if c.samples else None
-            rows.append(RowInput(seq.seq_id, seq.slot, list(seq.block_table), c.start, seq.token_ids(c.start, c.length),
-                                 sample))
+            tokens = seq.token_ids(c.start, c.length - len(c.drafts)) + c.drafts
+            rows.append(RowInput(seq.seq_id, seq.slot, list(seq.block_table), c.start, tokens, sample, len(c.drafts)))
         step = StepInput(rows, self.scheduler.freed, self._finished_seqs)
         self.scheduler.freed, self._finished_seqs = [], []
         self.num_steps += bool(rows)
@@ -139,7 +154,7 @@ class LLMEngine:
                 if not c.seq.is_finished:
                     self._fail(self.requests[c.seq.request_id], out.error)
         now = time.time()
-        for c, token, logprobs in zip([c for c in chunks if c.samples], out.token_ids, out.logprobs, strict=True):
+        for c, tokens, logprobs in zip([c for c in chunks if c.samples], out.token_ids, out.logprobs, strict=True):
             seq = c.seq
             seq.num_inflight -= 1
             if seq.is_finished:
@@ -147,8 +162,16 @@ class LLMEngine:
             request = self.requests[seq.request_id]
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
-            request.metrics.num_generated_tokens += 1
-            done = self.output_processor.append(seq, token, logprobs)
+            seq.proposal = out.proposals.get(seq.seq_id)
+            if c.drafts:
+                request.metrics.count_drafts(len(c.drafts), len(tokens) - 1)
+            done = False
+            for j, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+                seq.num_computed_tokens += j > 0  # an accepted draft: its caches were computed by this step
+                request.metrics.num_generated_tokens += 1
+                done = self.output_processor.append(seq, token, lp)
+                if done:
+                    break
             if not done and seq.seq_id in out.ended:  # the token constraint ends it
                 if out.ended[seq.seq_id] is not None:
                     self._fail(request, out.ended[seq.seq_id])

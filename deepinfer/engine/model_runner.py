@@ -18,6 +18,7 @@ from typing import Protocol
 
 import torch
 
+from deepinfer.engine.speculative import Drafter, Proposal
 from deepinfer.outputs import Logprob
 from deepinfer.sampler import sample, top_logprobs
 from deepinfer.sampling_params import SamplingParams
@@ -44,7 +45,8 @@ class SampleRow:
 
 @dataclass
 class RowInput:
-    """One sequence's chunk: tokens from position `start`, in its `slot` with its `block_table`."""
+    """One sequence's chunk: tokens from position `start`, in its `slot` with its `block_table`; the last
+    `num_drafts` of them are drafts to verify (speculative decoding)."""
 
     seq_id: int
     slot: int
@@ -52,6 +54,7 @@ class RowInput:
     start: int
     token_ids: list[int]
     sample: SampleRow | None
+    num_drafts: int = 0
 
 
 @dataclass
@@ -63,13 +66,15 @@ class StepInput:
 
 @dataclass
 class StepOutput:
-    """Per sampled row, in order: the token and, when asked for, its log-probabilities; `error` if the step failed;
-    `ended`: sequences the token constraint ends (see TokenConstraint.accept)."""
+    """Per sampled row, in order: its tokens (one, or with drafts the accepted ones and the target's next) and,
+    when asked for, their log-probabilities; `error` if the step failed; `ended`: sequences the token constraint
+    ends (see TokenConstraint.accept); `proposals`: the next drafts of each drafting sequence, by seq_id."""
 
-    token_ids: list[int]
-    logprobs: list[dict[int, Logprob] | None]
+    token_ids: list[list[int]]
+    logprobs: list[list[dict[int, Logprob] | None]]
     error: str | None = None
     ended: dict[int, str | None] = field(default_factory=dict)
+    proposals: dict[int, Proposal] = field(default_factory=dict)
 
 
 class TokenConstraint(Protocol):
@@ -90,10 +95,12 @@ class TokenConstraint(Protocol):
 
 class ModelRunner:
     def __init__(self, compiled, cache: PagedCache, eos_token_ids: tuple[int, ...], batch_invariant: bool,
-                 constraint: TokenConstraint | None = None, overlap_constraint: bool = True) -> None:
+                 constraint: TokenConstraint | None = None, overlap_constraint: bool = True,
+                 drafter: Drafter | None = None) -> None:
         self.compiled, self.cache, self.eos_token_ids = compiled, cache, eos_token_ids
         self.batch_invariant = batch_invariant
         self.constraint = constraint
+        self.drafter = drafter
         # One thread fills the masks while the forward runs; one, so fills stay in step order.
         self._filler = ThreadPoolExecutor(1, thread_name_prefix="mask-fill") if constraint and overlap_constraint \
             else None
@@ -113,21 +120,23 @@ class ModelRunner:
         rows = [row for row in step.rows if row.seq_id not in self.failed]
         out = StepOutput([], [])
         try:
-            tokens = self._execute(rows, out.ended)
+            tokens = self._execute(rows, out.ended, out.proposals)
         except Exception as e:  # a failing step fails its requests, not the engine
             logger.exception("a step of %d sequences failed", len(rows))
             self.failed.update(row.seq_id for row in rows)
             tokens, out.error = {}, f"{type(e).__name__}: {e}"
         for row in step.rows:
             if row.sample is not None:
-                token, logprobs = tokens.get(row.seq_id, (0, None))
-                self.last_sampled[row.seq_id] = token
-                out.token_ids.append(token)
+                token_ids, logprobs = tokens.get(row.seq_id, ([0], [None]))
+                self.last_sampled[row.seq_id] = token_ids[-1]
+                out.token_ids.append(token_ids)
                 out.logprobs.append(logprobs)
         return out
 
-    def _execute(self, rows: list[RowInput], ended: dict[int, str | None]) -> dict[int, tuple[int, dict | None]]:
-        """Forward and sample; (token, logprobs) per sampled sequence. The constraint's verdicts go to `ended`."""
+    def _execute(self, rows: list[RowInput], ended: dict[int, str | None],
+                 proposals: dict[int, Proposal]) -> dict[int, tuple[list[int], list[dict | None]]]:
+        """Forward and sample; (tokens, logprobs) per sampled sequence. The constraint's verdicts go to `ended`,
+        the drafter's next drafts to `proposals`."""
         if not rows:
             return {}
         batch = [(self._state(row), self._resolve(row)) for row in rows]
@@ -136,22 +145,40 @@ class ModelRunner:
             else (lambda: None)
         pending = self._filler.submit(fill) if self._filler is not None else None  # the overlap: masks during the forward
         # Asked only when wanted: a target without batch-invariant kernels then refuses, rather than run without.
-        logits = self.compiled.step(batch, **({"batch_invariant": True} if self.batch_invariant else {}))
+        kwargs = {"batch_invariant": True} if self.batch_invariant else {}
+        num_logits = [1 + row.num_drafts for row in rows]
+        if self.drafter is not None:
+            kwargs["num_logits"] = num_logits
+        logits = self.compiled.step(batch, **kwargs)
         allowed = pending.result() if pending is not None else fill()
         if allowed is not None and allowed.dtype == torch.int32:
             allowed = unpack_bitmask(allowed, logits.shape[-1])
-        out = {}
+        first = [0, *torch.tensor(num_logits).cumsum(0).tolist()]  # each row's first logits row
+        out, drafting = {}, []
         for j, (i, row) in enumerate(sampled):
             s = row.sample
             outputs = s.output_token_ids + ([self.last_sampled[row.seq_id]] if s.num_pending else [])
-            masked = logits[i] if allowed is None else logits[i].masked_fill(~allowed[j], float("-inf"))
-            position = len(s.prompt_token_ids) + len(outputs)
-            token = sample(masked, s.params, s.seed, position, outputs, s.prompt_token_ids, self.eos_token_ids)
-            top = top_logprobs(logits[i], token, s.params.logprobs) if s.params.logprobs is not None else None
-            out[row.seq_id] = (token, top)
+            if row.num_drafts:
+                row_logits = logits[first[i]: first[i] + 1 + row.num_drafts]
+                tokens, tops = self.drafter.verify(row_logits, s, outputs, row.token_ids[-row.num_drafts:])
+                state = batch[i][0]
+                self.compiled.rollback(state, row.start + len(tokens), self.drafter.config.num_speculative_tokens)
+                out[row.seq_id] = (tokens, tops)
+            else:
+                row_logits = logits[first[i]]
+                masked = row_logits if allowed is None else row_logits.masked_fill(~allowed[j], float("-inf"))
+                position = len(s.prompt_token_ids) + len(outputs)
+                token = sample(masked, s.params, s.seed, position, outputs, s.prompt_token_ids, self.eos_token_ids)
+                top = top_logprobs(row_logits, token, s.params.logprobs) if s.params.logprobs is not None else None
+                out[row.seq_id] = ([token], [top])
+            if self.drafter is not None and s.params.structured_outputs is None:
+                drafting.append((batch[i][0], s, outputs + out[row.seq_id][0], row.seq_id))
         if self.constraint is not None and sampled:
-            tokens = [out[row.seq_id][0] for _, row in sampled]
+            tokens = [out[row.seq_id][0][0] for _, row in sampled]
             ended.update(self.constraint.accept([row.sample for _, row in sampled], tokens) or {})
+        if drafting:
+            made = self.drafter.propose([(state, s, outputs) for state, s, outputs, _ in drafting])
+            proposals.update({seq_id: p for (*_, seq_id), p in zip(drafting, made, strict=True)})
         return out
 
     def _state(self, row: RowInput) -> SequenceState:

@@ -4,32 +4,47 @@ Each step, running sequences go first, oldest first: a decode takes one token of
 (`max_num_batched_tokens`), a prefill in progress the next chunk of its prompt that fits. When the cache has no
 block left for one, the newest running sequence is preempted: its slot and blocks are freed and it waits at the
 head of the queue to recompute its prompt and outputs, so no request is lost. Then waiting sequences are admitted
-in arrival order while the budget, `max_num_seqs` and the cache allow.
+in arrival order while the budget, `max_num_seqs` and the cache allow; one that is not `ready` yet (its grammar
+still compiling) keeps its place in the queue while those behind it go.
+
+With speculative decoding a decoding sequence also feeds drafts after its last token: the step's verification
+budget (deepinfer/engine/speculative.py) gives each decoding sequence one token and shares the rest among their
+drafts, by confidence or by a static length (deepinfer/dspark.py). A draft counts as computed once accepted.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
+import torch
+
+from deepinfer.dspark import allocate_by_confidence, allocate_static
 from deepinfer.engine.block_manager import BlockManager
 from deepinfer.engine.sequence import Sequence, SequenceStatus
+from deepinfer.engine.speculative import SpeculativeConfig
 
 
 @dataclass
 class ScheduledChunk:
-    """Tokens start .. start + length - 1 of `seq` in this step; `samples` when the chunk reaches its last token."""
+    """Tokens start .. start + length - 1 of `seq` in this step; `samples` when the chunk reaches its last token.
+    The last `len(drafts)` of them are drafts to verify."""
 
     seq: Sequence
     start: int
     length: int
     samples: bool
+    drafts: list[int] = field(default_factory=list)
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 speculative: SpeculativeConfig | None = None, ready: Callable[[Sequence], bool] | None = None) -> None:
         self.block_manager = block_manager
+        self.ready = ready  # whether a waiting sequence may start (None: all may)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.speculative = speculative
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.freed: list[int] = []  # ids of sequences whose caches were released since the last step
@@ -45,16 +60,22 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         """The chunks of the next step (possibly none, while every sequence waits for tokens in flight)."""
         budget, chunks = self.max_num_batched_tokens, []
+        drafts = self._drafts() if self.speculative is not None else {}
         for seq in list(self.running):
             length = min(seq.num_to_compute, budget)
             if seq.status is not SequenceStatus.RUNNING or length == 0:
                 continue  # preempted above to make room, or done once its last tokens are seen
-            if not self._make_room(seq, length):
+            verified = drafts.get(seq.seq_id, [])[: budget - length]
+            if not self._make_room(seq, length + len(verified)):
                 continue
-            chunks.append(self._take(seq, length))
-            budget -= length
+            chunks.append(self._take(seq, length, verified))
+            budget -= length + len(verified)
+        held: list[Sequence] = []  # not ready: back at the head of the queue, in order, after this loop
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.ready is not None and not self.ready(seq):
+                held.append(self.waiting.popleft())
+                continue
             length = min(seq.num_to_compute, budget)
             # A sequence preempted while its last token was in flight resumes once that token is seen.
             if seq.num_inflight or not self.block_manager.can_allocate(seq, length):
@@ -64,7 +85,29 @@ class Scheduler:
             self.running.append(seq)
             chunks.append(self._take(seq, length))
             budget -= length
+        self.waiting.extendleft(reversed(held))
         return chunks
+
+    def _drafts(self) -> dict[int, list[int]]:
+        """The drafts each decoding sequence verifies this step, by seq_id."""
+        spec = self.speculative
+        decoding = [s for s in self.running if s.status is SequenceStatus.RUNNING and s.num_to_compute == 1]
+        if not decoding:
+            return {}
+        k = spec.num_speculative_tokens
+        confidences = torch.zeros(len(decoding), k)
+        available = torch.zeros(len(decoding), dtype=torch.int64)
+        for i, seq in enumerate(decoding):
+            if seq.proposal is not None:
+                # Never past max_tokens: the step's tokens are the verified drafts and one more.
+                available[i] = max(0, min(len(seq.proposal.tokens), seq.max_tokens - seq.num_outputs - 1, k))
+                confidences[i, : len(seq.proposal.confidences)] = torch.tensor(seq.proposal.confidences[:k])
+        budget = min(spec.verify_budget or self.max_num_batched_tokens, self.max_num_batched_tokens)
+        if spec.schedule == "static":
+            counts = allocate_static(k, available, budget)
+        else:
+            counts = allocate_by_confidence(confidences, available, budget)
+        return {seq.seq_id: seq.proposal.tokens[:n] for seq, n in zip(decoding, counts.tolist(), strict=True) if n}
 
     def _make_room(self, seq: Sequence, length: int) -> bool:
         """Preempt the newest running sequences until `seq` can have its blocks; False if `seq` itself went."""
@@ -75,20 +118,21 @@ class Scheduler:
                 return False
         return True
 
-    def _take(self, seq: Sequence, length: int) -> ScheduledChunk:
-        self.block_manager.allocate(seq, length)
+    def _take(self, seq: Sequence, length: int, drafts: list[int] | None = None) -> ScheduledChunk:
+        drafts = drafts or []
+        self.block_manager.allocate(seq, length + len(drafts))
         start = seq.num_computed_tokens
         seq.num_computed_tokens += length
         samples = seq.num_computed_tokens == seq.num_tokens
         if samples:
             seq.num_inflight += 1
-        return ScheduledChunk(seq, start, length, samples)
+        return ScheduledChunk(seq, start, length + len(drafts), samples, drafts)
 
     def preempt(self, seq: Sequence) -> None:
         """Free the caches of running `seq` and queue it first, to recompute them later."""
         self.running.remove(seq)
         self._release(seq)
-        seq.status, seq.num_computed_tokens = SequenceStatus.WAITING, 0
+        seq.status, seq.num_computed_tokens, seq.proposal = SequenceStatus.WAITING, 0, None
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

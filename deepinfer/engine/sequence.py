@@ -9,9 +9,13 @@ from __future__ import annotations
 
 from enum import Enum, auto
 from itertools import count
+from typing import TYPE_CHECKING
 
 from deepinfer.outputs import Logprob
 from deepinfer.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepinfer.engine.speculative import Proposal
 
 PLACEHOLDER = -1  # an input token still being sampled by the step in flight
 
@@ -46,6 +50,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
+        self.proposal: Proposal | None = None  # drafts for the next step (speculative decoding)
 
     @property
     def num_tokens(self) -> int:

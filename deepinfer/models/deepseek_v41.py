@@ -42,9 +42,22 @@ class DeepseekV41Flash:
         config = DeepseekV41Config.from_pretrained(path)
         return cls(config, load_checkpoint(path, config), model_dir=os.fspath(path))
 
-    def graph(self) -> Graph:
-        """The text model as a DSL graph: `input_ids` [N] -> `logits` [rows, vocab] (fp32)."""
-        return _Declaration(self.config, self.params()).build()
+    def graph(self, dspark: bool = False) -> Graph:
+        """The text model as a DSL graph: `input_ids` [N] -> `logits` [rows, vocab] (fp32).
+
+        With `dspark` it also writes every token's DSpark main keys into the draft layers' windows and outputs
+        them as `draft_keys` [N, draft layers, head_dim].
+        """
+        return _Declaration(self.config, self.params()).build(dspark)
+
+    def draft_graph(self) -> Graph:
+        """The DSpark draft layers as a DSL graph over blocks, one block per chunk of the forward: `input_ids` [N]
+        (each block's last accepted token, then noise tokens) -> `hidden` [N, hidden] (the collapsed streams,
+        before the output norm) and `logits` [N, vocab] (fp32, without the Markov term; deepinfer/dspark.py).
+        A block attends to the `sliding_window` main keys before its first position and to all of itself."""
+        if not self.config.num_nextn_predict_layers:
+            raise ValueError("this model has no DSpark draft layers (num_nextn_predict_layers is 0)")
+        return _Declaration(self.config, self.params()).build_drafts()
 
     def params(self) -> dict[str, torch.Tensor]:
         """The graph's parameters: checkpoint weights plus what the declaration derives from them (stacked
@@ -54,11 +67,14 @@ class DeepseekV41Flash:
         params = dict(self.weights)
         cfg = self.config
         params["hc_stream0"] = torch.nn.functional.one_hot(torch.tensor(0), cfg.hc_mult).float()
-        for layer in range(cfg.num_hidden_layers):
-            prefix = f"layers.{layer}.ffn.experts"
+        blocks = [f"layers.{i}" for i in range(cfg.num_hidden_layers)]
+        blocks += [f"mtp.{i}" for i in range(cfg.num_nextn_predict_layers)]
+        for block in blocks:
+            prefix = f"{block}.ffn.experts"
+            count = cfg.n_routed_experts if block.startswith("layers") else cfg.dspark_n_routed_experts
             for w in ("w1", "w2", "w3"):
                 for kind in ("weight", "scale"):
-                    names = [f"{prefix}.{j}.{w}.{kind}" for j in range(cfg.n_routed_experts)]
+                    names = [f"{prefix}.{j}.{w}.{kind}" for j in range(count)]
                     if names[0] in params:
                         params[f"{prefix}.{w}.{kind}"] = torch.stack([_uniform(params.pop(n)) for n in names])
         if cfg.engram_layer_ids:
@@ -111,7 +127,7 @@ class _Declaration:
     def linear(self, x: Value, module: str) -> Value:
         return self.b.linear(x, self.p(f"{module}.weight"), self.scale(module))
 
-    def build(self) -> Graph:
+    def build(self, dspark: bool = False) -> Graph:
         cfg, b = self.cfg, self.b
         ids = b.input("input_ids", (num_tokens,), "int64")
         h = b.broadcast_streams(b.embedding(ids, self.p("embed.weight")), copies=cfg.hc_mult)
@@ -121,18 +137,64 @@ class _Declaration:
             pad = int(token_map[cfg.engram_pad_id])
             ngrams = b.engram_ngrams(ids, self.p("engram.token_map"), n=cfg.engram_max_ngram_size, pad_id=pad)
         engram = engram_layers(cfg)
-        pre = self.p("hc_stream0")
+        pre, features = self.p("hc_stream0"), []
         for layer in range(cfg.num_hidden_layers):
             if layer in engram:
                 h = self.engram(h, ngrams, layer, engram[layer])
-            h, pre = self.block(h, pre, layer)
+            if layer in cfg.dspark_target_layer_ids:
+                features.append(b.hc_mean(h))  # the streams entering the layer's attention
+            h, pre = self.block(h, pre, f"layers.{layer}", lambda x, layer=layer: self.attention(x, layer))
         x = b.rms_norm(b.hc_collapse(h, pre), self.p("norm.weight"), eps=cfg.rms_norm_eps)
         b.output("logits", b.linear(b.select_rows(x), self.p("head.weight"), self.scale("head")))
+        if dspark:
+            self.main_keys(features)
         return b.graph
 
-    def block(self, h: Value, pre: Value, layer: int) -> tuple[Value, Value]:
+    def main_keys(self, features: list[Value]) -> None:
+        """DSpark's main keys: the target layers' features projected (`main_proj`, `main_norm`), then per draft
+        layer through its `wkv` and `kv_norm`, main rope at the token's position and fp8, into its window."""
+        b, cfg, eps = self.b, self.cfg, self.cfg.rms_norm_eps
+        main = b.rms_norm(self.linear(b.concat(*features), "mtp.0.main_proj"), self.p("mtp.0.main_norm.weight"),
+                          eps=eps)
+        keys = []
+        for i in range(cfg.num_nextn_predict_layers):
+            name = f"mtp.{i}.attn"
+            kv = b.rms_norm(self.linear(main, f"{name}.wkv"), self.p(f"{name}.kv_norm.weight"), eps=eps)
+            kv = b.fp8_round(b.rope(kv, **self.main_rope()), block=32)
+            b.kv_window_store(kv, layer=cfg.num_hidden_layers + i, window=cfg.sliding_window + 1)
+            keys.append(kv)
+        b.output("draft_keys", b.stack(*keys))
+
+    def build_drafts(self) -> Graph:
+        cfg, b = self.cfg, self.b
+        ids = b.input("input_ids", (num_tokens,), "int64")
+        h = b.broadcast_streams(b.embedding(ids, self.p("embed.weight")), copies=cfg.hc_mult)
+        pre = self.p("hc_stream0")
+        for i in range(cfg.num_nextn_predict_layers):
+            h, pre = self.block(h, pre, f"mtp.{i}", lambda x, i=i: self.draft_attention(x, i))
+        hidden = b.hc_collapse(h, pre)
+        last = f"mtp.{cfg.num_nextn_predict_layers - 1}"
+        x = b.rms_norm(hidden, self.p(f"{last}.norm.weight"), eps=cfg.rms_norm_eps)
+        b.output("hidden", hidden)
+        b.output("logits", b.linear(x, self.p("head.weight"), self.scale("head")))
+        return b.graph
+
+    def main_rope(self) -> dict:
+        return {"params": rope_params(self.cfg.rope_parameters["main"]), "rope_dim": self.cfg.qk_rope_head_dim}
+
+    def draft_attention(self, x: Value, i: int) -> Value:
+        """A draft layer's attention: its block's queries over the window of main keys before the block and the
+        block's own keys (not stored), all visible to all."""
+        b, cfg, name = self.b, self.cfg, f"mtp.{i}.attn"
+        q, kv = self.qkv(x, name, self.main_rope())
+        window = b.kv_window_block(kv, layer=cfg.num_hidden_layers + i, window=cfg.sliding_window + 1)
+        o = b.sparse_attention(q, window, self.p(f"{name}.attn_sink"), window_size=cfg.sliding_window + 1,
+                               scale=cfg.head_dim**-0.5, causal=False)
+        return self.output_projection(o, name, self.main_rope())
+
+    def block(self, h: Value, pre: Value, name: str, attention) -> tuple[Value, Value]:
         """One layer: attention then MoE, each between hyper-connection mixes. Returns (streams, FFN pre)."""
-        b, cfg, name = self.b, self.cfg, f"layers.{layer}"
+        b, cfg = self.b, self.cfg
 
         def mixes(h: Value, site: str) -> tuple[Value, Value, Value]:
             return b.hc_mixes(h, self.p(f"{name}.hc_{site}_fn"), self.p(f"{name}.hc_{site}_scale"),
@@ -141,10 +203,10 @@ class _Declaration:
 
         attn_pre, post, comb = mixes(h, "attn")
         x = b.rms_norm(b.hc_collapse(h, pre), self.p(f"{name}.attn_norm.weight"), eps=cfg.rms_norm_eps)
-        h = b.hc_expand(self.attention(x, layer), h, post, comb)
+        h = b.hc_expand(attention(x), h, post, comb)
         ffn_pre, post, comb = mixes(h, "ffn")
         x = b.rms_norm(b.hc_collapse(h, attn_pre), self.p(f"{name}.ffn_norm.weight"), eps=cfg.rms_norm_eps)
-        h = b.hc_expand(self.moe(x, layer), h, post, comb)
+        h = b.hc_expand(self.moe(x, name), h, post, comb)
         return h, ffn_pre
 
     def attention(self, x: Value, layer: int) -> Value:
@@ -152,10 +214,7 @@ class _Declaration:
         ratio, eps = cfg.compress_ratios[layer], cfg.rms_norm_eps
         rope = {"params": rope_params(cfg.rope_parameters["compress" if ratio else "main"]),
                 "rope_dim": cfg.qk_rope_head_dim}
-        qr = b.rms_norm(self.linear(x, f"{name}.wq_a"), self.p(f"{name}.q_norm.weight"), eps=eps)
-        q = b.rope(b.reshape(self.linear(qr, f"{name}.wq_b"), shape=(cfg.num_attention_heads, cfg.head_dim)), **rope)
-        kv = b.rms_norm(self.linear(x, f"{name}.wkv"), self.p(f"{name}.kv_norm.weight"), eps=eps)
-        kv = b.fp8_round(b.rope(kv, **rope), block=32)
+        q, kv, qr = self.qkv(x, name, rope, with_qr=True)
         window = b.kv_window_append(kv, layer=layer, window=cfg.sliding_window)
         compressed = topk = None
         if ratio:
@@ -166,6 +225,21 @@ class _Declaration:
             compressed, topk = self.compressed, self.topk
         o = b.sparse_attention(q, window, self.p(f"{name}.attn_sink"), compressed, topk,
                                window_size=cfg.sliding_window, scale=cfg.head_dim**-0.5)
+        return self.output_projection(o, name, rope)
+
+    def qkv(self, x: Value, name: str, rope: dict, with_qr: bool = False) -> tuple[Value, ...]:
+        """Queries [N, heads, head_dim] and the K=V latent [N, head_dim] (roped, fp8-rounded) of attention `name`;
+        also the normed query latent with `with_qr` (the indexer reads it)."""
+        b, cfg, eps = self.b, self.cfg, self.cfg.rms_norm_eps
+        qr = b.rms_norm(self.linear(x, f"{name}.wq_a"), self.p(f"{name}.q_norm.weight"), eps=eps)
+        q = b.rope(b.reshape(self.linear(qr, f"{name}.wq_b"), shape=(cfg.num_attention_heads, cfg.head_dim)), **rope)
+        kv = b.rms_norm(self.linear(x, f"{name}.wkv"), self.p(f"{name}.kv_norm.weight"), eps=eps)
+        kv = b.fp8_round(b.rope(kv, **rope), block=32)
+        return (q, kv, qr) if with_qr else (q, kv)
+
+    def output_projection(self, o: Value, name: str, rope: dict) -> Value:
+        """Attention output [N, heads, head_dim]: inverse rope, then `wo_a` per group and `wo_b`."""
+        b, cfg = self.b, self.cfg
         o = b.reshape(b.rope(o, inverse=True, **rope), shape=(cfg.num_attention_heads * cfg.head_dim,))
         o = b.grouped_linear(o, self.p(f"{name}.wo_a.weight"), self.scale(f"{name}.wo_a"), groups=cfg.o_groups)
         return self.linear(o, f"{name}.wo_b")
@@ -200,10 +274,11 @@ class _Declaration:
             candidates = self.candidates
         self.topk = b.topk_select(scores, candidates, topk=cfg.index_topk)
 
-    def moe(self, x: Value, layer: int) -> Value:
-        b, cfg, name = self.b, self.cfg, f"layers.{layer}.ffn"
+    def moe(self, x: Value, block: str) -> Value:
+        b, cfg, name = self.b, self.cfg, f"{block}.ffn"
+        topk = cfg.dspark_num_experts_per_tok if block.startswith("mtp") else cfg.num_experts_per_tok
         weights, experts = b.moe_gate(x, self.p(f"{name}.gate.weight"), self.p(f"{name}.gate.bias"),
-                                      topk=cfg.num_experts_per_tok, func=cfg.scoring_func, temp=cfg.gate_temp,
+                                      topk=topk, func=cfg.scoring_func, temp=cfg.gate_temp,
                                       normalize=cfg.norm_topk_prob, scaling=cfg.routed_scaling_factor)
         stacked = [self.p(f"{name}.experts.{w}.weight") for w in ("w1", "w2", "w3")]
         scales = [self.scale(f"{name}.experts.{w}") for w in ("w1", "w2", "w3")]

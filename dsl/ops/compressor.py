@@ -1,7 +1,8 @@
 """The compressor of a KV-source layer: pools `ratio` consecutive tokens into one entry.
 
 Partial groups wait in the sequence's cache across forwards; a group becomes an entry once complete. A sequence
-of p tokens has completed p // ratio entries and holds p % ratio rows of its partial group.
+of p tokens has completed p // ratio entries and its cache holds (at least) the p % ratio rows of its partial group:
+every token's rows are written, so a sequence taken back to fewer tokens still finds its group's rows.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor | None = None, *, layer: 
             cgate = gate[c.rows].float()
             if pending:
                 kept_kv, kept_gate = storage.read_partial(c.state, layer, pending)
+            storage.write_partial(c.state, layer, ckv, cgate)
+            if pending:
                 ckv, cgate = torch.cat([kept_kv.to(ckv.device), ckv]), torch.cat([kept_gate.to(ckv.device), cgate])
             usable = ckv.shape[0] // ratio * ratio
-            storage.write_partial(c.state, layer, ckv[usable:], cgate[usable:])
             groups = ckv[:usable].reshape(-1, ratio, ckv.shape[-1])
             weights = cgate[:usable].reshape(-1, ratio, ckv.shape[-1]).softmax(dim=1)
             pooled = (groups * weights).sum(dim=1)

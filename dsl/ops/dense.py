@@ -78,6 +78,22 @@ def add(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return x + y
 
 
+def _concat_type(*xs: TensorType) -> tuple[TensorType]:
+    return (TensorType((*xs[0].shape[:-1], sum(x.shape[-1] for x in xs)), "float32"),)
+
+
+@op("concat", _concat_type)
+def concat(*xs: torch.Tensor) -> torch.Tensor:
+    """Each token's vectors side by side: [N, D_1], [N, D_2], ... -> fp32 [N, D_1 + D_2 + ...]."""
+    return torch.cat([x.float() for x in xs], dim=-1)
+
+
+@op("stack", lambda *xs: (TensorType((xs[0].shape[0], len(xs), *xs[0].shape[1:]), "float32"),))
+def stack(*xs: torch.Tensor) -> torch.Tensor:
+    """k values of one shape per token stacked along a new dim 1: [N, ...] x k -> fp32 [N, k, ...]."""
+    return torch.stack([x.float() for x in xs], dim=1)
+
+
 @op("broadcast_streams", lambda x, *, copies: (TensorType((x.shape[0], copies, *x.shape[1:]), x.dtype),))
 def broadcast_streams(x: torch.Tensor, *, copies: int) -> torch.Tensor:
     """Copy each token's vector into `copies` residual streams: [N, D] -> [N, copies, D]."""
@@ -90,4 +106,5 @@ def select_rows(x: torch.Tensor, *, ctx) -> torch.Tensor:
     return x if ctx.logit_rows is None else x[ctx.logit_rows]
 
 
-__all__ = ["embedding", "linear", "grouped_linear", "rms_norm", "reshape", "add", "broadcast_streams", "same_as_first"]
+__all__ = ["embedding", "linear", "grouped_linear", "rms_norm", "reshape", "add", "concat", "stack", "broadcast_streams",
+           "same_as_first"]

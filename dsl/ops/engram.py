@@ -15,16 +15,17 @@ def _ngrams_type(ids: TensorType, token_map: TensorType, *, n: int, **attrs) -> 
 @op("engram_ngrams", _ngrams_type, uses_context=True)
 def engram_ngrams(ids: torch.Tensor, token_map: torch.Tensor, *, n: int, pad_id: int, ctx) -> torch.Tensor:
     """For each token, the compressed ids of tokens p, p - 1, ..., p - n + 1 ([N, n] int64); positions before
-    the sequence start get `pad_id`. Keeps each sequence's last n - 1 compressed ids for later forwards."""
+    the sequence start get `pad_id`. Keeps each sequence's compressed ids (the last n - 1 at least) for later forwards."""
     out = torch.empty(ids.shape[0], n, dtype=torch.long, device=ids.device)
     for c in ctx.chunks:
-        history = c.state.storage.read_history(c.state)
-        if history is None:
-            history = torch.full((n - 1,), pad_id, dtype=torch.long, device=ids.device)
-        seq = torch.cat([history.to(ids.device), token_map[ids[c.rows].long()]])  # [n - 1 + T]
+        known = min(c.start_pos, n - 1)
+        history = c.state.storage.read_history(c.state, known).to(ids.device) if known else ids.new_zeros(0)
+        pad = torch.full((n - 1 - known,), pad_id, dtype=torch.long, device=ids.device)
+        mapped = token_map[ids[c.rows].long()]
+        seq = torch.cat([pad, history, mapped])  # [n - 1 + T]
         for shift in range(n):
             out[c.rows, shift] = seq[n - 1 - shift : n - 1 - shift + c.length]
-        c.state.storage.write_history(c.state, seq[seq.shape[0] - (n - 1):])
+        c.state.storage.write_history(c.state, mapped)
     return out
 
 

@@ -42,6 +42,12 @@ def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * h.float()).sum(dim=1)
 
 
+@op("hc_mean", lambda h: (TensorType((h.shape[0], h.shape[2])),))
+def hc_mean(h: torch.Tensor) -> torch.Tensor:
+    """The mean of the streams [N, hc, D] -> fp32 [N, D] (what DSpark reads of a target layer)."""
+    return h.float().mean(dim=1)
+
+
 @op("hc_expand", lambda y, h, post, comb: (TensorType(h.shape),))
 def hc_expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New streams: out[:, k] = post[:, k] * y + sum_j comb[:, j, k] * h[:, j]. y [N, D], h [N, hc, D]."""

@@ -1,0 +1,137 @@
+"""DSpark speculative decoding in the engine: its settings, verification of drafts, and proposing the next ones.
+
+Each step a decoding sequence feeds its last token followed by the drafts the scheduler gave it budget for; the
+runner samples the target's token at every one of those positions with the request's hashed noise (the noise of a
+position does not depend on drafting), keeps the drafts up to the first one that differs from the target's token,
+and always gains the target's token after them. Output is therefore exactly what decoding without drafts gives,
+greedy or seeded, whenever the logits of a position do not depend on how many tokens a forward holds (the engine's
+batch-invariant mode). The rejected positions are taken back (`CompiledModel.rollback`), and the draft layers
+propose the next drafts from the last token, each sampled with the same sampler and the noise of its position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from deepinfer.dspark import DraftHead, block_tokens
+from deepinfer.outputs import Logprob
+from deepinfer.sampler import sample, top_logprobs
+from dsl.context import SequenceState
+
+SCHEDULES = ("confidence", "static")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`LLM(speculative_config={...})`.
+
+    - `method`: "dspark" (the model's draft layers).
+    - `num_speculative_tokens`: drafts proposed per step, at most the model's `dspark_block_size`.
+    - `schedule`: "confidence" gives the step's spare budget to the drafts with the highest cumulative products of
+      confidences (a request verifies 0 to `num_speculative_tokens`); "static" verifies `num_speculative_tokens`
+      drafts per request while the budget lasts (for comparison).
+    - `verify_budget`: tokens per step for the decoding requests (each gets one, drafts share the rest); None: the
+      scheduler's `max_num_batched_tokens`.
+    - `confidence_temperature`: the confidence head's sigmoid temperature.
+    """
+
+    method: str = "dspark"
+    num_speculative_tokens: int = 5
+    schedule: str = "confidence"
+    verify_budget: int | None = None
+    confidence_temperature: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.method != "dspark":
+            raise ValueError(f"speculative_config method must be 'dspark' (the model's draft layers), "
+                             f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"speculative_config schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        b = self.verify_budget
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ValueError(f"verify_budget must be an integer >= 1 or None, got {b!r}")
+        t = self.confidence_temperature
+        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
+            raise ValueError(f"confidence_temperature must be a number > 0, got {t!r}")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
+        """From `LLM`'s `speculative_config` dict (None: no drafting); unknown keys are an error."""
+        if values is None or isinstance(values, SpeculativeConfig):
+            return values
+        if not isinstance(values, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(values).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ValueError(f"unknown speculative_config keys {unknown}; known: {sorted(names)}")
+        return cls(**values)
+
+
+@dataclass
+class Proposal:
+    """A sequence's drafts for its next step and the confidence of each (given the ones before it)."""
+
+    tokens: list[int]
+    confidences: list[float]
+
+
+class Drafter:
+    """Verifies a step's drafts and proposes the next ones, on the runner's side."""
+
+    def __init__(self, compiled, config: SpeculativeConfig, eos_token_ids: tuple[int, ...],
+                 batch_invariant: bool) -> None:
+        model_config = compiled.config
+        if config.num_speculative_tokens > model_config.dspark_block_size:
+            raise ValueError(f"num_speculative_tokens {config.num_speculative_tokens} exceeds the model's draft "
+                             f"block of {model_config.dspark_block_size} tokens")
+        self.compiled, self.config = compiled, config
+        self.head = DraftHead(compiled.params, model_config, config.confidence_temperature)
+        self.eos_token_ids, self.batch_invariant = eos_token_ids, batch_invariant
+
+    def verify(self, logits: torch.Tensor, sample_row, outputs: list[int],
+               drafts: list[int]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+        """The tokens a step gives a sequence that fed its last token then `drafts`: the target's token at every
+        position up to and including the first that differs from its draft. `logits` [len(drafts) + 1, vocab]."""
+        s = sample_row
+        tokens, logprobs = [], []
+        for j in range(len(drafts) + 1):
+            seen = outputs + tokens
+            token = sample(logits[j], s.params, s.seed, len(s.prompt_token_ids) + len(seen), seen,
+                           s.prompt_token_ids, self.eos_token_ids)
+            tokens.append(token)
+            logprobs.append(top_logprobs(logits[j], token, s.params.logprobs) if s.params.logprobs is not None
+                            else None)
+            if j == len(drafts) or token != drafts[j]:
+                break
+        return tokens, logprobs
+
+    def propose(self, rows: list[tuple[SequenceState, object, list[int]]]) -> list[Proposal]:
+        """Drafts for sequences (state after the step, sample row, outputs so far including the step's tokens)."""
+        if not rows:
+            return []
+        k, cfg = self.config.num_speculative_tokens, self.compiled.config
+        batch = [(state, block_tokens(outputs[-1], cfg, k)) for state, _, outputs in rows]
+        hidden, logits = self.compiled.draft(batch, **({"batch_invariant": True} if self.batch_invariant else {}))
+        hidden, logits = hidden.reshape(len(rows), k, -1), logits.reshape(len(rows), k, -1)
+        drafts = [[] for _ in rows]
+        confidences = torch.empty(len(rows), k, device=hidden.device)
+        device = hidden.device
+        previous = torch.tensor([outputs[-1] for _, _, outputs in rows], device=device)
+        for i in range(k):
+            emb, markov = self.head.markov(previous)
+            confidences[:, i] = self.head.confidence(hidden[:, i], emb)
+            for r, (_, s, outputs) in enumerate(rows):
+                seen = outputs + drafts[r]
+                drafts[r].append(sample(logits[r, i] + markov[r], s.params, s.seed,
+                                        len(s.prompt_token_ids) + len(seen), seen, s.prompt_token_ids,
+                                        self.eos_token_ids))
+            previous = torch.tensor([d[-1] for d in drafts], device=device)
+        return [Proposal(d, c) for d, c in zip(drafts, confidences.tolist(), strict=True)]
