@@ -22,21 +22,26 @@ def _cache_type(x: TensorType, **attrs) -> tuple[TensorType]:
     return (TensorType((context, x.shape[-1]), "cache"),)
 
 
+def _window_view(kv: torch.Tensor, layer: int, window: int, ctx) -> CacheView:
+    """Per chunk: the last `window - 1` entries the window of `layer` holds before it, then the chunk's kv [N, D]."""
+    keys, positions = [], []
+    for c in ctx.chunks:
+        new, kept = kv[c.rows], min(c.start_pos, window - 1)
+        full = torch.cat([c.state.storage.read_window(c.state, layer, kept).to(new.device), new]) if kept else new
+        keys.append(full)
+        positions.append(torch.arange(c.start_pos + c.length - full.shape[0], c.start_pos + c.length))
+    return CacheView(keys, positions)
+
+
 @op("kv_window_append", _cache_type, uses_context=True)
 def kv_window_append(kv: torch.Tensor, *, layer: int, window: int, ctx) -> CacheView:
     """Append each chunk's kv [N, D] to its sequence's window; the cache keeps the last `window - 1` entries.
 
     The returned view holds the kept entries followed by the whole chunk, with their positions.
     """
-    keys, positions = [], []
-    for c in ctx.chunks:
-        storage, new = c.state.storage, kv[c.rows]
-        kept = min(c.start_pos, window - 1)
-        full = torch.cat([storage.read_window(c.state, layer, kept).to(new.device), new]) if kept else new
-        keys.append(full)
-        positions.append(torch.arange(c.start_pos + c.length - full.shape[0], c.start_pos + c.length))
-        storage.write_window(c.state, layer, new, window)
-    return CacheView(keys, positions)
+    view = _window_view(kv, layer, window, ctx)
+    kv_window_store(kv, layer=layer, window=window, ctx=ctx)
+    return view
 
 
 @op("kv_window_store", _cache_type, uses_context=True)
@@ -51,13 +56,7 @@ def kv_window_store(kv: torch.Tensor, *, layer: int, window: int, ctx) -> None:
 def kv_window_block(kv: torch.Tensor, *, layer: int, window: int, ctx) -> CacheView:
     """A view of the `window - 1` entries the window of `layer` holds before each chunk, followed by the chunk's
     own kv [N, D], which is not stored: a DSpark draft block attends to both and leaves no trace."""
-    keys, positions = [], []
-    for c in ctx.chunks:
-        new, kept = kv[c.rows], min(c.start_pos, window - 1)
-        full = torch.cat([c.state.storage.read_window(c.state, layer, kept).to(new.device), new]) if kept else new
-        keys.append(full)
-        positions.append(torch.arange(c.start_pos + c.length - full.shape[0], c.start_pos + c.length))
-    return CacheView(keys, positions)
+    return _window_view(kv, layer, window, ctx)
 
 
 @op("cache_append", _cache_type, uses_context=True)
