@@ -60,8 +60,8 @@ def run_mode(model: str, speculative: dict | None, prompts: list[str], max_token
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    verified = [0] * 8
-    accepted = [0] * 8
+    depth = max((len(o.metrics.drafts_verified) for o in outs), default=0)
+    verified, accepted = [0] * depth, [0] * depth
     for o in outs:
         for i, (v, a) in enumerate(zip(o.metrics.drafts_verified, o.metrics.drafts_accepted, strict=True)):
             verified[i] += v

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Protocol
 
 import torch
@@ -153,7 +154,7 @@ class ModelRunner:
         allowed = pending.result() if pending is not None else fill()
         if allowed is not None and allowed.dtype == torch.int32:
             allowed = unpack_bitmask(allowed, logits.shape[-1])
-        first = [0, *torch.tensor(num_logits).cumsum(0).tolist()]  # each row's first logits row
+        first = list(accumulate(num_logits, initial=0))  # each row's first logits row
         out, drafting = {}, []
         for j, (i, row) in enumerate(sampled):
             s = row.sample
