@@ -66,7 +66,7 @@ def run_mode(model: str, speculative: dict | None, prompts: list[str], max_token
         for i, (v, a) in enumerate(zip(o.metrics.drafts_verified, o.metrics.drafts_accepted, strict=True)):
             verified[i] += v
             accepted[i] += a
-    steps = verified[0]
+    steps = verified[0] if verified else 0
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
             "acceptance": [a / v for a, v in zip(accepted, verified, strict=True) if v],
             "tokens_per_step": (steps + sum(accepted)) / steps if steps else 1.0,
