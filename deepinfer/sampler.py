@@ -153,3 +153,18 @@ def top_logprobs(logits: torch.Tensor, token_id: int, num_logprobs: int) -> dict
         value = logprobs[token_id]
         out[token_id] = Logprob(logprob=float(value), rank=int((logprobs > value).sum()) + 1)
     return out
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [R, vocab_size]: True where allowed. bitmask int32 [R, ceil(vocab_size / 32)]; bit j of word w is id
+    32 * w + j (least significant bit first)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]; >> on int32 is arithmetic, the & 1 undoes it
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def as_allowed(mask: torch.Tensor | None, vocab_size: int) -> torch.Tensor | None:
+    """A token constraint's mask as bool [R, vocab_size]: bool passes through, a packed int32 bitmask is unpacked."""
+    if mask is None or mask.dtype == torch.bool:
+        return mask
+    return unpack_bitmask(mask, vocab_size)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deepinfer.engine import EngineArgs, LLMEngine, SampleRow
-from deepinfer.engine.model_runner import unpack_bitmask
+from deepinfer.sampler import unpack_bitmask
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
 from tests.conftest import fixture_dir
@@ -30,15 +30,19 @@ class EveryThird:
     def allowed(self, row: SampleRow) -> torch.Tensor:
         return torch.arange(VOCAB) % (6 if row.index % 2 else 3) == 0
 
-    def fill(self, rows: list[SampleRow]) -> torch.Tensor:
+    def fill(self, rows: list[SampleRow], drafts: list[list[int]]) -> torch.Tensor:
+        assert drafts == [[]] * len(rows)  # no drafting here
+        return self.fill_next(rows, drafts)
+
+    def fill_next(self, rows: list[SampleRow], drafts: list[list[int]]) -> torch.Tensor:
         mask = torch.stack([self.allowed(r) for r in rows])  # [rows, vocab]
         if not self.packed:
             return mask
         bits = mask.reshape(len(rows), -1, 32).long() << torch.arange(32)
         return bits.sum(-1).to(torch.int64).bitwise_and(0xFFFFFFFF).to(torch.int32)  # two's complement words
 
-    def accept(self, rows: list[SampleRow], tokens: list[int]) -> None:
-        for row, token in zip(rows, tokens, strict=True):
+    def accept(self, rows: list[SampleRow], tokens: list[list[int]]) -> None:
+        for row, (token,) in zip(rows, tokens, strict=True):
             assert bool(self.allowed(row)[token])
             self.accepted.setdefault(row.seq_id, []).append(token)
 
@@ -107,10 +111,13 @@ class Verdicts:
     def __init__(self) -> None:
         self.seen: dict[int, int] = {}
 
-    def fill(self, rows: list[SampleRow]) -> None:
+    def fill(self, rows: list[SampleRow], drafts: list[list[int]]) -> None:
         return None
 
-    def accept(self, rows: list[SampleRow], tokens: list[int]) -> dict[int, str | None]:
+    def fill_next(self, rows: list[SampleRow], drafts: list[list[int]]) -> None:
+        return None
+
+    def accept(self, rows: list[SampleRow], tokens: list[list[int]]) -> dict[int, str | None]:
         ended = {}
         for row in rows:
             self.seen[row.seq_id] = self.seen.get(row.seq_id, 0) + 1

@@ -150,14 +150,14 @@ def test_runner_constraint_masks_per_sequence_and_reports_errors(manager, tokeni
     assert allowed[1].all() and allowed[3].all()  # unconstrained, and failed: open rows, the step goes on
     assert torch.equal(allowed[0], allowed[2]) and 2 <= allowed[0].sum() <= 10
     y, n = tokenizer.encode("y")[0], tokenizer.encode("n")[0]
-    ended = constraint.accept(rows, [y, 5, n, 7])  # the two yes/no sequences go separate ways
+    ended = constraint.accept(rows, [[y], [5], [n], [7]])  # the two yes/no sequences go separate ways
     assert list(ended) == [13] and "invalid regex" in ended[13]  # the broken one is reported once, here
     no = {tokenizer.decode([t]) for t in unpack_bitmask(constraint.fill(rows[2:3]), VOCAB)[0].nonzero().flatten()}
     assert no == {"o"}
-    assert constraint.accept(rows[2:3], [tokenizer.encode("o")[0]]) == {}  # "no" is matched; eos still to come
+    assert constraint.accept(rows[2:3], [[tokenizer.encode("o")[0]]]) == {}  # "no" is matched; eos still to come
     eos = tokenizer.eos_token_id
-    assert constraint.accept(rows[2:3], [eos]) == {12: None}  # the grammar is complete: the sequence stops
-    ended = constraint.accept(rows[:1], [tokenizer.encode("x")[0]])  # a token the grammar refuses
+    assert constraint.accept(rows[2:3], [[eos]]) == {12: None}  # the grammar is complete: the sequence stops
+    ended = constraint.accept(rows[:1], [[tokenizer.encode("x")[0]]])  # a token the grammar refuses
     assert list(ended) == [10] and "breaks the choice constraint" in ended[10]
     constraint.finish([10, 11, 12, 13])
     assert constraint.fill(rows) is not None  # sequences seen again start afresh (a new request reusing the ids)
@@ -188,7 +188,7 @@ def test_constraint_readiness_never_blocks_and_wait_ready_sleeps_on_the_compilat
         assert time.monotonic() - start < 10
     finally:
         release.set()
-    ended = constraint.accept([_Row(31, held), _Row(32, broken)], [tokenizer.encode("h")[0], 5])
+    ended = constraint.accept([_Row(31, held), _Row(32, broken)], [[tokenizer.encode("h")[0]], [5]])
     assert list(ended) == [32] and "invalid regex" in ended[32]  # ready, and failed: its request fails at once
     constraint.finish([31, 32])
 

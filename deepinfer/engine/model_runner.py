@@ -19,9 +19,9 @@ from typing import Protocol
 
 import torch
 
-from deepinfer.engine.speculative import Drafter, Proposal
+from deepinfer.engine.speculative import Drafter, Proposal, verify
 from deepinfer.outputs import Logprob
-from deepinfer.sampler import sample, top_logprobs
+from deepinfer.sampler import as_allowed
 from deepinfer.sampling_params import SamplingParams
 from dsl.cache import PagedCache
 from dsl.context import SequenceState
@@ -80,16 +80,22 @@ class StepOutput:
 
 class TokenConstraint(Protocol):
     """Per-sequence allowed tokens (structured outputs). The runner calls, in step order on one thread:
-    `fill(rows)` once per step after launching the forward: a mask for the rows about to be sampled, bool
-    [rows, vocab] (True = allowed) or a packed int32 bitmask [rows, ceil(vocab / 32)] (bit v % 32 of word v // 32),
-    or None when no row is constrained; each row's mask must allow a token. `accept(rows, tokens)` after sampling
-    them; it returns the sequences the constraint ends, by seq_id (or None for none): None when the constraint is
-    complete (the sequence stops there, finish_reason "stop"), or a message when it failed (the request fails alone,
-    finish_reason "error"). `finish(seq_ids)` for sequences that will not be sampled again."""
+    `fill(rows, drafts)` once per step after launching the forward: a mask for the positions about to be sampled,
+    1 + len(drafts[i]) rows for row i (the position after its last token, then after each of its drafts in turn),
+    bool [positions, vocab] (True = allowed) or a packed int32 bitmask [positions, ceil(vocab / 32)] (bit v % 32 of
+    word v // 32), or None when no row is constrained; each mask row a sequence can reach must allow a token.
+    `accept(rows, tokens)` after sampling, with each row's tokens of the step in order; it returns the sequences
+    the constraint ends, by seq_id (or None for none): None when the constraint is complete (the sequence stops
+    there, finish_reason "stop"), or a message when it failed (the request fails alone, finish_reason "error").
+    `fill_next(rows, drafts)` while proposing drafts: one mask row per row, the tokens allowed after its accepted
+    tokens followed by `drafts[i]`; a row allowing nothing says those drafts end or break the constraint (drafting
+    stops there and the last draft is dropped). `finish(seq_ids)` for sequences that will not be sampled again."""
 
-    def fill(self, rows: list[SampleRow]) -> torch.Tensor | None: ...
+    def fill(self, rows: list[SampleRow], drafts: list[list[int]]) -> torch.Tensor | None: ...
 
-    def accept(self, rows: list[SampleRow], tokens: list[int]) -> dict[int, str | None] | None: ...
+    def accept(self, rows: list[SampleRow], tokens: list[list[int]]) -> dict[int, str | None] | None: ...
+
+    def fill_next(self, rows: list[SampleRow], drafts: list[list[int]]) -> torch.Tensor | None: ...
 
     def finish(self, seq_ids: list[int]) -> None: ...
 
@@ -142,44 +148,38 @@ class ModelRunner:
             return {}
         batch = [(self._state(row), self._resolve(row)) for row in rows]
         sampled = [(i, row) for i, row in enumerate(rows) if row.sample is not None]
-        fill = (lambda: self.constraint.fill([row.sample for _, row in sampled])) if self.constraint and sampled \
-            else (lambda: None)
-        pending = self._filler.submit(fill) if self._filler is not None else None  # the overlap: masks during the forward
+        samples = [row.sample for _, row in sampled]
+        drafts = [row.token_ids[len(row.token_ids) - row.num_drafts:] for _, row in sampled]
+        fill = (lambda: self.constraint.fill(samples, drafts)) if self.constraint and sampled else (lambda: None)
+        # The overlap: the masks are filled while the forward runs.
+        pending = self._filler.submit(fill) if self._filler is not None else None
         # Asked only when wanted: a target without batch-invariant kernels then refuses, rather than run without.
         kwargs = {"batch_invariant": True} if self.batch_invariant else {}
         num_logits = [1 + row.num_drafts for row in rows]
         if self.drafter is not None:
             kwargs["num_logits"] = num_logits
         logits = self.compiled.step(batch, **kwargs)
-        allowed = pending.result() if pending is not None else fill()
-        if allowed is not None and allowed.dtype == torch.int32:
-            allowed = unpack_bitmask(allowed, logits.shape[-1])
+        allowed = as_allowed(pending.result() if pending is not None else fill(), logits.shape[-1])
         first = list(accumulate(num_logits, initial=0))  # each row's first logits row
+        mask_first = list(accumulate((1 + len(d) for d in drafts), initial=0))  # each sampled row's first mask row
         out, drafting = {}, []
         for j, (i, row) in enumerate(sampled):
             s = row.sample
             outputs = s.output_token_ids + ([self.last_sampled[row.seq_id]] if s.num_pending else [])
+            row_logits = logits[first[i]: first[i] + 1 + row.num_drafts]
+            row_allowed = None if allowed is None else allowed[mask_first[j]: mask_first[j + 1]]
+            out[row.seq_id] = verify(row_logits, row_allowed, s, outputs, drafts[j], self.eos_token_ids)
             if row.num_drafts:
-                row_logits = logits[first[i]: first[i] + 1 + row.num_drafts]
-                tokens, tops = self.drafter.verify(row_logits, s, outputs, row.token_ids[-row.num_drafts:])
-                state = batch[i][0]
-                self.compiled.rollback(state, row.start + len(tokens), self.drafter.config.num_speculative_tokens)
-                out[row.seq_id] = (tokens, tops)
-            else:
-                row_logits = logits[first[i]]
-                masked = row_logits if allowed is None else row_logits.masked_fill(~allowed[j], float("-inf"))
-                position = len(s.prompt_token_ids) + len(outputs)
-                token = sample(masked, s.params, s.seed, position, outputs, s.prompt_token_ids, self.eos_token_ids)
-                top = top_logprobs(row_logits, token, s.params.logprobs) if s.params.logprobs is not None else None
-                out[row.seq_id] = ([token], [top])
-            if self.drafter is not None and s.params.structured_outputs is None:
-                drafting.append((batch[i][0], s, outputs + out[row.seq_id][0], row.seq_id))
+                num_kept = row.start + len(out[row.seq_id][0])
+                self.compiled.rollback(batch[i][0], num_kept, self.drafter.config.num_speculative_tokens)
+            if self.drafter is not None:
+                drafting.append((batch[i][0], s, outputs + out[row.seq_id][0]))
         if self.constraint is not None and sampled:
-            tokens = [out[row.seq_id][0][0] for _, row in sampled]
-            ended.update(self.constraint.accept([row.sample for _, row in sampled], tokens) or {})
+            ended.update(self.constraint.accept(samples, [out[row.seq_id][0] for _, row in sampled]) or {})
         if drafting:
-            made = self.drafter.propose([(state, s, outputs) for state, s, outputs, _ in drafting])
-            proposals.update({seq_id: p for (*_, seq_id), p in zip(drafting, made, strict=True)})
+            fill_next = self.constraint.fill_next if self.constraint is not None else None
+            made = self.drafter.propose(drafting, fill_next)
+            proposals.update({s.seq_id: p for (_, s, _), p in zip(drafting, made, strict=True)})
         return out
 
     def _state(self, row: RowInput) -> SequenceState:
@@ -196,8 +196,3 @@ class ModelRunner:
     def _resolve(self, row: RowInput) -> list[int]:
         return [self.last_sampled[row.seq_id] if t < 0 else t for t in row.token_ids]
 
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bool [rows, vocab_size] of a packed int32 bitmask [rows, ceil(vocab_size / 32)]: bit v % 32 of word v // 32."""
-    ids = torch.arange(vocab_size, device=bitmask.device)
-    return ((bitmask[:, ids // 32] >> (ids % 32)) & 1).bool()

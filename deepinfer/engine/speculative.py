@@ -19,7 +19,7 @@ import torch
 
 from deepinfer.dspark import DraftHead, block_tokens
 from deepinfer.outputs import Logprob
-from deepinfer.sampler import sample, top_logprobs
+from deepinfer.sampler import as_allowed, sample, top_logprobs
 from dsl.context import SequenceState
 
 SCHEDULES = ("confidence", "static")
@@ -96,42 +96,62 @@ class Drafter:
         self.head = DraftHead(compiled.params, model_config, config.confidence_temperature)
         self.eos_token_ids, self.batch_invariant = eos_token_ids, batch_invariant
 
-    def verify(self, logits: torch.Tensor, sample_row, outputs: list[int],
-               drafts: list[int]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
-        """The tokens a step gives a sequence that fed its last token then `drafts`: the target's token at every
-        position up to and including the first that differs from its draft. `logits` [len(drafts) + 1, vocab]."""
-        s = sample_row
-        tokens, logprobs = [], []
-        for j in range(len(drafts) + 1):
-            seen = outputs + tokens
-            token = sample(logits[j], s.params, s.seed, len(s.prompt_token_ids) + len(seen), seen,
-                           s.prompt_token_ids, self.eos_token_ids)
-            tokens.append(token)
-            logprobs.append(top_logprobs(logits[j], token, s.params.logprobs) if s.params.logprobs is not None
-                            else None)
-            if j == len(drafts) or token != drafts[j]:
-                break
-        return tokens, logprobs
+    def propose(self, rows: list[tuple[SequenceState, object, list[int]]], fill_next=None) -> list[Proposal]:
+        """Drafts for sequences (state after the step, sample row, outputs so far including the step's tokens).
 
-    def propose(self, rows: list[tuple[SequenceState, object, list[int]]]) -> list[Proposal]:
-        """Drafts for sequences (state after the step, sample row, outputs so far including the step's tokens)."""
+        `fill_next` is the token constraint's (TokenConstraint.fill_next), or None: each draft is then sampled among
+        the tokens the sequence's constraint allows after the drafts before it, and a row whose drafts end or break
+        the constraint drafts no further (its last draft dropped: nothing may follow it in the verification)."""
         if not rows:
             return []
         k, cfg = self.config.num_speculative_tokens, self.compiled.config
         batch = [(state, block_tokens(outputs[-1], cfg, k)) for state, _, outputs in rows]
         hidden, logits = self.compiled.draft(batch, **({"batch_invariant": True} if self.batch_invariant else {}))
         hidden, logits = hidden.reshape(len(rows), k, -1), logits.reshape(len(rows), k, -1)
-        drafts = [[] for _ in rows]
+        drafts: list[list[int]] = [[] for _ in rows]
+        live = [True] * len(rows)
         confidences = torch.empty(len(rows), k, device=hidden.device)
         device = hidden.device
         previous = torch.tensor([outputs[-1] for _, _, outputs in rows], device=device)
+        samples = [s for _, s, _ in rows]
         for i in range(k):
             emb, markov = self.head.markov(previous)
             confidences[:, i] = self.head.confidence(hidden[:, i], emb)
+            allowed = as_allowed(fill_next(samples, drafts), logits.shape[-1]) if fill_next is not None else None
             for r, (_, s, outputs) in enumerate(rows):
+                if not live[r]:
+                    continue
+                row_logits = logits[r, i] + markov[r]
+                if allowed is not None:
+                    if not allowed[r].any():  # the drafts so far end the constraint, or break it
+                        live[r] = False
+                        if drafts[r]:
+                            drafts[r].pop()
+                        continue
+                    row_logits = row_logits.masked_fill(~allowed[r], float("-inf"))
                 seen = outputs + drafts[r]
-                drafts[r].append(sample(logits[r, i] + markov[r], s.params, s.seed,
-                                        len(s.prompt_token_ids) + len(seen), seen, s.prompt_token_ids,
-                                        self.eos_token_ids))
-            previous = torch.tensor([d[-1] for d in drafts], device=device)
-        return [Proposal(d, c) for d, c in zip(drafts, confidences.tolist(), strict=True)]
+                drafts[r].append(sample(row_logits, s.params, s.seed, len(s.prompt_token_ids) + len(seen), seen,
+                                        s.prompt_token_ids, self.eos_token_ids))
+            previous = torch.tensor([d[-1] if d else outputs[-1] for d, (_, _, outputs) in zip(drafts, rows)],
+                                    device=device)
+        return [Proposal(d, c[: len(d)]) for d, c in zip(drafts, confidences.tolist(), strict=True)]
+
+
+def verify(logits: torch.Tensor, allowed: torch.Tensor | None, sample_row, outputs: list[int], drafts: list[int],
+           eos_token_ids: tuple[int, ...]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+    """The tokens a step gives a sequence that fed its last token then `drafts`: the target's token at every
+    position up to and including the first that differs from its draft (just the one token without drafts).
+    `logits` [len(drafts) + 1, vocab]; `allowed` (bool, same shape) the constraint's mask of each position, or
+    None. Log-probabilities, when asked for, are of the raw logits (before mask and penalties)."""
+    s = sample_row
+    tokens, logprobs = [], []
+    for j in range(len(drafts) + 1):
+        seen = outputs + tokens
+        row = logits[j] if allowed is None else logits[j].masked_fill(~allowed[j], float("-inf"))
+        token = sample(row, s.params, s.seed, len(s.prompt_token_ids) + len(seen), seen, s.prompt_token_ids,
+                       eos_token_ids)
+        tokens.append(token)
+        logprobs.append(top_logprobs(logits[j], token, s.params.logprobs) if s.params.logprobs is not None else None)
+        if j == len(drafts) or token != drafts[j]:
+            break
+    return tokens, logprobs

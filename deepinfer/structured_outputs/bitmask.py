@@ -14,6 +14,8 @@ from collections.abc import Sequence
 import torch
 import xgrammar as xgr
 
+from deepinfer.sampler import unpack_bitmask  # noqa: F401  (part of this module's interface)
+
 
 def bitmask_width(vocab_size: int) -> int:
     """Words per bitmask row: ceil(vocab_size / 32)."""
@@ -64,14 +66,6 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[in
     bitmask = bitmask.to(logits.device, non_blocking=True)
     all_rows = len(rows) == logits.shape[0] == bitmask.shape[0]
     xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=logits.shape[1], indices=None if all_rows else rows)
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bool [R, vocab_size]: True where allowed. bitmask int32 [R, ceil(vocab_size / 32)]; bit j of word w is id
-    32 * w + j (least significant bit first)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [R, W, 32]; >> on int32 is arithmetic, the & 1 undoes it
-    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 def apply_bitmask_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:

@@ -1,8 +1,9 @@
 """The structured-outputs side of the model runner's `TokenConstraint` hook (deepinfer/engine/model_runner.py).
 
-The runner calls `fill(rows)` once per step, `accept(rows, tokens)` after sampling and `finish(seq_ids)` at the end;
-a row carries its `seq_id` and `params` (SamplingParams). Each sequence has its own matcher (the n samples of a
-request share the compiled grammar, through the cache). A sequence whose constraint fails (invalid, past the compile
+The runner calls `fill(rows, drafts)` once per step, `accept(rows, tokens)` after sampling, `fill_next(rows, drafts)`
+while proposing DSpark drafts and `finish(seq_ids)` at the end; a row carries its `seq_id` and `params`
+(SamplingParams). Each sequence has its own matcher (the n samples of a request share the compiled grammar, through
+the cache). A sequence whose constraint fails (invalid, past the compile
 time limit, or a sampled token the grammar refuses) gets an open row for the rest of the step and is reported by the
 next `accept` with its message: the engine fails that request alone (finish_reason "error"). A sequence whose
 grammar is complete is reported with None: it stops there (finish_reason "stop"), ignore_eos or not. The manager,
@@ -10,8 +11,13 @@ and xgrammar with it, is built on the first constrained row, so unconstrained ru
 
 The scheduler asks `is_ready` before admitting a waiting sequence, so a grammar still compiling holds back its own
 request and no other; when nothing else can run, the engine blocks in `wait_ready`. Threads: `is_ready` runs on the
-scheduler's thread for waiting sequences, fill / accept / finish on the runner's for running ones, so no sequence is
-moved between the manager's states by two threads at once.
+scheduler's thread for waiting sequences, fill / accept / fill_next / finish on the runner's for running ones, so no
+sequence is moved between the manager's states by two threads at once.
+
+With drafts, a request's verification samples 1 + len(drafts) positions, each under the mask of the grammar after the
+drafts before it (the matcher accepts them to fill the rows, then rolls them back); `accept` then advances it by the
+tokens the verification kept. Drafts are proposed under the grammar's masks too, and never past its end, so the
+stop token is always the last token of a step.
 """
 
 from __future__ import annotations
@@ -63,30 +69,46 @@ class StructuredOutputConstraint:
             return True  # done since last asked: schedule it now
         return self.manager.wait_pending(timeout)
 
-    def fill(self, rows: Sequence[Any]) -> torch.Tensor | None:
-        """int32 bitmask [len(rows), ceil(vocab / 32)] for the rows about to be sampled, None if none constrained."""
+    def fill(self, rows: Sequence[Any], drafts: Sequence[Sequence[int]] | None = None) -> torch.Tensor | None:
+        """int32 bitmask for the positions about to be sampled, None if no row is constrained: 1 + len(drafts[i])
+        rows for row i (after its last token, then after each draft in turn; see TokenConstraint)."""
         if all(row.params.structured_outputs is None for row in rows):
             return None  # nothing to fill: and the manager's fill threads, which compete with the forward, stay idle
+        mask = self.manager.fill_bitmask(self._ids(rows), drafts)
+        return None if mask is None else mask.bitmask
+
+    def fill_next(self, rows: Sequence[Any], drafts: Sequence[Sequence[int]]) -> torch.Tensor | None:
+        """int32 bitmask, one row per row: the tokens allowed after its accepted tokens and `drafts[i]`; a row
+        allowing nothing where those drafts end or break the constraint. None if no row is constrained."""
+        if all(row.params.structured_outputs is None for row in rows):
+            return None
+        mask = self.manager.fill_next_bitmask(self._ids(rows), drafts)
+        return None if mask is None else mask.bitmask
+
+    def _ids(self, rows: Sequence[Any]) -> list[Hashable | None]:
+        """Each row's matcher id: its seq_id once its grammar is compiled (waiting for it), None without one."""
         ids = []
         for row in rows:
             self.submit(row.seq_id, row.params)
             ids.append(row.seq_id if self._poll(row.seq_id, wait=True) else None)
-        mask = self.manager.fill_bitmask(ids)
-        return None if mask is None else mask.bitmask
+        return ids
 
-    def accept(self, rows: Sequence[Any], tokens: Sequence[int]) -> dict[Hashable, str | None]:
-        """Advance each constrained sequence by its sampled token. Returns the sequences this ends: {seq_id: None}
-        when the grammar is complete, {seq_id: message} when the constraint failed."""
+    def accept(self, rows: Sequence[Any], tokens: Sequence[Sequence[int]]) -> dict[Hashable, str | None]:
+        """Advance each constrained sequence by its tokens of the step, in order. Returns the sequences this ends:
+        {seq_id: None} when the grammar is complete, {seq_id: message} when the constraint failed."""
         ended: dict[Hashable, str | None] = {}
-        for row, token in zip(rows, tokens, strict=True):
+        for row, row_tokens in zip(rows, tokens, strict=True):
             seq_id = row.seq_id
             live = self._manager is not None and seq_id not in self._errors and self.manager.has_request(seq_id)
             # A row scheduled ahead of a sequence that has just completed is dropped by the engine: skip it here.
-            if live and not self.manager.is_terminated(seq_id):
+            for token in row_tokens if live else ():
+                if self.manager.is_terminated(seq_id):
+                    break
                 if not self.manager.accept(seq_id, token):
                     self._fail(seq_id, f"token {token} breaks the {row.params.structured_outputs.kind} constraint "
                                        "(a sampler that ignored the mask, or min_tokens banning the stop token)")
-                elif self.manager.is_terminated(seq_id):
+                    break
+                if self.manager.is_terminated(seq_id):
                     ended[seq_id] = None
             if self._errors.get(seq_id):
                 ended[seq_id], self._errors[seq_id] = self._errors[seq_id], ""  # reported once

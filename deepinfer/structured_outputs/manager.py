@@ -128,6 +128,26 @@ class StructuredOutputManager:
         allow_all(self._bitmask, open_rows)  # so the bitmask alone is a whole step's mask
         return BatchBitmask(self._bitmask[:num_rows], rows)
 
+    def fill_next_bitmask(self, request_ids: Sequence[Hashable | None],
+                          draft_tokens: Sequence[Sequence[int]]) -> BatchBitmask | None:
+        """One row per request: the tokens its grammar allows after its accepted tokens and then its draft tokens
+        (proposing the next draft); a row allowing nothing where the drafts end or break the grammar. None when no
+        request is constrained. The matchers' states are unchanged."""
+        if len(request_ids) > self._bitmask.shape[0]:
+            self._bitmask = allocate_bitmask(len(request_ids), self.vocab_size)
+        rows, open_rows = [], []
+        for row, (request_id, draft) in enumerate(zip(request_ids, draft_tokens, strict=True)):
+            matcher = self._matchers.get(request_id) if request_id is not None else None
+            if matcher is None:
+                open_rows.append(row)
+                continue
+            matcher.fill_after(self._bitmask, row, draft)
+            rows.append(row)
+        if not rows:
+            return None
+        allow_all(self._bitmask, open_rows)
+        return BatchBitmask(self._bitmask[: len(request_ids)], rows)
+
     def fill_bitmask_async(self, request_ids: Sequence[Hashable | None],
                            draft_tokens: Sequence[Sequence[int]] | None = None) -> Future:
         """`fill_bitmask` on the manager's filler thread, so it runs while the forward does; `.result()` is its

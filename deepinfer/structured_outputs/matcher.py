@@ -70,3 +70,19 @@ class RequestMatcher:
                 num_valid += 1
         self.rollback(num_valid)
         return num_valid
+
+    def fill_after(self, bitmask: torch.Tensor, row: int, draft_tokens: Sequence[int]) -> bool:
+        """Write into bitmask[row] the tokens allowed after `draft_tokens`; the state is unchanged. A row allowing
+        nothing (and False) when the drafts break the grammar or end it (nothing may follow a stop token)."""
+        num_valid = 0
+        for token in draft_tokens:
+            if self._matcher.is_terminated() or not self.accept(token):
+                break
+            num_valid += 1
+        live = num_valid == len(draft_tokens) and not self._matcher.is_terminated()
+        if live:
+            self._matcher.fill_next_token_bitmask(bitmask, row)
+        else:
+            bitmask[row] = 0
+        self.rollback(num_valid)
+        return live
