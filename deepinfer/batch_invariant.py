@@ -157,31 +157,61 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
 def sparse_attention(q: torch.Tensor, window: CacheView, sink: torch.Tensor, compressed: CacheView | None = None,
                      topk: torch.Tensor | None = None, *, window_size: int, scale: float, causal: bool = True,
                      ctx) -> torch.Tensor:
-    """`sparse_attention` with every query over the same number of keys in a fixed order (see the module)."""
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    for i, c in enumerate(ctx.chunks):
-        if causal:
-            qpos = ctx.positions[c.rows]  # [T]
-            wanted = qpos[:, None] - window_size + 1 + torch.arange(window_size, device=q.device)  # [T, W] positions
-            first = int(window.positions[i][0])
-            keys = window.keys[i].float()[(wanted - first).clamp(min=0)]  # [T, W, D]
-            mask = wanted >= 0
-        else:  # a draft block: every query over the whole view
-            keys = window.keys[i].float()[None].expand(c.length, -1, -1)
-            mask = torch.ones(keys.shape[:2], dtype=torch.bool, device=q.device)
-        if compressed is not None and topk is not None:
-            entries = compressed.keys[i].float()  # [L, D]
-            picks = topk[c.rows]  # [T, K], -1 = none
-            if entries.shape[0] == 0:
-                entries = entries.new_zeros(1, entries.shape[-1])
-            keys = torch.cat([keys, entries[picks.clamp(min=0)]], dim=1)  # [T, W + K, D]
-            mask = torch.cat([mask, picks >= 0], dim=1)
-        logits = torch.bmm(q[c.rows].float(), keys.transpose(1, 2)) * scale  # [T, H, S]
-        logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-        full = torch.cat([logits, sink.float()[None, :, None].expand(c.length, -1, 1)], dim=-1)
-        probs = _softmax(full, dim=-1)[..., :-1]
-        out[c.rows] = torch.bmm(probs, keys)
+    """`sparse_attention` with every query over the same number of keys in a fixed order (see the module).
+
+    Causal: a query's keys are the `window_size` positions up to its own, oldest first (masked before position 0),
+    then its `topk` picks (masked where -1), so every query of the forward has as many keys and all of them go
+    through one `bmm` (which rounds each batch element alike whatever the batch). A draft block (not causal)
+    attends to its sequence's whole view, whose length depends on the sequence alone: blocks of equal view length
+    share a `bmm`.
+    """
+    n, dev = q.shape[0], q.device
+    out = torch.empty(q.shape, dtype=torch.float32, device=dev)
+    if n == 0:
+        return out
+    lengths = torch.tensor([c.length for c in ctx.chunks], device=dev)
+    pool = torch.cat([k.float() for k in window.keys]).to(dev)  # every chunk's view, chunk after chunk
+    sizes = torch.tensor([k.shape[0] for k in window.keys], device=dev)
+    offset = torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, lengths)  # [N]: each query's view in the pool
+    if not causal:
+        for size in sorted(set(sizes.tolist())):
+            rows = torch.cat([torch.arange(c.start, c.start + c.length, device=dev)
+                              for c, k in zip(ctx.chunks, window.keys, strict=True) if k.shape[0] == size])
+            index = offset[rows, None] + torch.arange(size, device=dev)
+            out[rows] = _attend(q[rows], pool[index], torch.ones(index.shape, dtype=torch.bool, device=dev), sink,
+                                scale)
+        return out
+    first = torch.repeat_interleave(torch.tensor([int(p[0]) for p in window.positions], device=dev), lengths)
+    wanted = ctx.positions.to(dev)[:, None] - window_size + 1 + torch.arange(window_size, device=dev)  # [N, W]
+    index = offset[:, None] + (wanted - first[:, None]).clamp(min=0)  # [N, W] rows of the pool
+    mask = wanted >= 0
+    if compressed is not None and topk is not None:  # the picks index the entries, appended to the pool
+        counts = torch.tensor([e.shape[0] for e in compressed.keys], device=dev)
+        base = pool.shape[0] + torch.repeat_interleave(torch.cumsum(counts, 0) - counts, lengths)[:, None]
+        zero_row = pool.shape[0] + int(counts.sum())
+        pool = torch.cat([pool, *(e.float().to(dev) for e in compressed.keys), pool.new_zeros(1, pool.shape[-1])])
+        picks = topk.to(dev)
+        none = (picks < 0) | (torch.repeat_interleave(counts, lengths)[:, None] == 0)
+        index = torch.cat([index, torch.where(none, zero_row, base + picks.clamp(min=0))], dim=1)  # [N, W + K]
+        mask = torch.cat([mask, picks >= 0], dim=1)
+    for start in range(0, n, ATTENTION_ROWS):  # keys gathered a block of queries at a time: bounded memory
+        rows = slice(start, min(n, start + ATTENTION_ROWS))
+        out[rows] = _attend(q[rows], pool[index[rows]], mask[rows], sink, scale)
     return out
+
+
+ATTENTION_ROWS = 1024
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor,
+            scale: float) -> torch.Tensor:
+    """Attention of queries q [T, H, D] each over its own keys [T, S, D] (mask [T, S]) with the sink logit per head
+    in the denominator: fp32 [T, H, D]."""
+    logits = torch.bmm(q.float(), keys.transpose(1, 2)) * scale  # [T, H, S]
+    logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+    full = torch.cat([logits, sink.float()[None, :, None].expand(q.shape[0], -1, 1)], dim=-1)
+    probs = _softmax(full, dim=-1)[..., :-1]
+    return torch.bmm(probs, keys)
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: CacheView, *, ratio: int, ctx) -> torch.Tensor:
