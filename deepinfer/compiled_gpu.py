@@ -3,12 +3,19 @@
 `deepinfer.compile(model, target="sm90")` returns one; `.save(dir)` writes the artifact (graphs/artifact.py);
 `deepinfer.load(dir)` reads one back and runs it with torch and the CUDA driver alone (cubins launched through
 `graphs.launcher`, never compiled again). `forward` and `step` match `CompiledModel`'s.
+
+`step(..., batch_invariant=True)` runs every kernel node with its plan's batch-invariant config (graphs/plan.py)
+and the reference nodes whose picks depend on the batch's widths (the indexer's block and top-k selection) with
+the cpu target's stable-order versions (deepinfer/batch_invariant.py), which are plain torch on any device. The
+indexer's scores, and its key projection over the compressed entries, still run as torch references whose rounding
+can follow the batch: they only choose entries, so a row can differ only where two entries' scores tie that closely.
 """
 
 from __future__ import annotations
 
 import torch
 
+from deepinfer import batch_invariant as invariant
 from deepinfer.config import DeepseekV41Config
 from dsl.context import ForwardContext, SequenceState
 from dsl.graph import Graph
@@ -16,6 +23,10 @@ from graphs import artifact
 from graphs.aot import Built
 from graphs.plan import Plan
 from kernels.launch import use_launcher
+
+# Reference nodes that run batch-invariant versions: with ties, or a row width set by the batch's longest cache,
+# torch's top-k picks (and their order, which is the attention's summation order) can change with the batch.
+INVARIANT_REFERENCES = {"candidate_blocks": invariant.candidate_blocks, "topk_select": invariant.topk_select}
 
 
 class GpuCompiledModel:
@@ -53,22 +64,23 @@ class GpuCompiledModel:
 
     @torch.inference_mode()
     def step(self, batch: list[tuple[SequenceState, list[int]]], all_logits: bool = False,
-             batch_invariant: bool = False) -> torch.Tensor:
-        """One chunk of tokens per sequence; fp32 logits of each chunk's last token (or of every token)."""
-        if batch_invariant:
-            # The GPU kernels pick split-K and split-over-entries counts per token bucket, so a row's reduction
-            # order can change with the batch: refuse rather than promise what is not held.
-            raise NotImplementedError(f"batch-invariant kernels are not built for {self.target} yet: pass "
-                                      "batch_invariant=False")
+             batch_invariant: bool = False, num_logits: list[int] | None = None) -> torch.Tensor:
+        """One chunk of tokens per sequence; fp32 logits of each chunk's last token, of the last `num_logits[i]`
+        tokens of chunk i, or of every token (`all_logits`). With `batch_invariant` each row's logits are bitwise
+        independent of the batch and of chunking."""
+        if batch_invariant and not self.plan.has_invariant_configs:
+            raise ValueError("this artifact's plan has no batch-invariant configs (it predates them): compile the "
+                             "model again, or pass batch_invariant=False")
         executor = self._ready()
         lengths = [len(tokens) for _, tokens in batch]
         if any(n == 0 for n in lengths):
             raise ValueError("every sequence in a step needs at least one token")
         ids = torch.tensor([t for _, tokens in batch for t in tokens], dtype=torch.long, device="cuda")
-        rows = None if all_logits else (torch.tensor(lengths).cumsum(0) - 1).cuda()
+        rows = None if all_logits else _logit_rows(lengths, num_logits).cuda()
         ctx = ForwardContext([s for s, _ in batch], lengths, device="cuda", logit_rows=rows)
+        references = INVARIANT_REFERENCES if batch_invariant else None
         with use_launcher(self._launcher):
-            logits = executor.run({"input_ids": ids}, ctx)["logits"]
+            logits = executor.run({"input_ids": ids}, ctx, batch_invariant, references)["logits"]
         ctx.commit()
         return logits
 
@@ -77,6 +89,15 @@ class GpuCompiledModel:
         batch, tokens = input_ids.shape
         logits = self.step([(self.new_sequence(), row.tolist()) for row in input_ids], all_logits=True)
         return logits.reshape(batch, tokens, -1)
+
+
+def _logit_rows(lengths: list[int], num_logits: list[int] | None) -> torch.Tensor:
+    """The flat token rows whose logits a step returns: the last `num_logits[i]` (default 1) of each chunk."""
+    counts = num_logits or [1] * len(lengths)
+    if len(counts) != len(lengths) or any(not 1 <= k <= n for k, n in zip(counts, lengths, strict=True)):
+        raise ValueError(f"num_logits {counts} must lie in [1, chunk length] for chunks of {lengths}")
+    ends = torch.tensor(lengths).cumsum(0).tolist()
+    return torch.cat([torch.arange(e - k, e) for e, k in zip(ends, counts, strict=True)])
 
 
 def load(path, model=None) -> GpuCompiledModel:

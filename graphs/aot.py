@@ -39,7 +39,8 @@ class Built:
 
 
 def record_launches(plan: Plan, attrs_of: dict[int, dict]) -> dict[str, Launch]:
-    """Every distinct kernel launch (by `Launch.key`) the plan's kernel nodes make, for each bucket."""
+    """Every distinct kernel launch (by `Launch.key`) the plan's kernel nodes make, for each bucket and with the
+    batch-invariant config (whose launches are the same for every token count)."""
     found: dict[str, Launch] = {}
 
     def record(call: Launch) -> None:
@@ -48,8 +49,11 @@ def record_launches(plan: Plan, attrs_of: dict[int, dict]) -> dict[str, Launch]:
     with use_launcher(record):
         for node in plan.kernel_nodes():
             lowering = LOWERINGS[node.op]
-            for b in plan.buckets:
-                lowering.trace(node.static, attrs_of[node.index], node.configs[b], b, plan.dot_fp32)
+            runs = [(node.configs[b], b) for b in plan.buckets]
+            if node.invariant is not None:
+                runs.append((node.invariant, plan.buckets[0]))
+            for config, m in runs:
+                lowering.trace(node.static, attrs_of[node.index], config, m, plan.dot_fp32)
     return found
 
 

@@ -3,16 +3,20 @@
 It reads like `dsl.interpret` (the cpu target), which it mirrors node for node. Weights are placed on the device
 once, and converted once per format a kernel asks for (plain weights to bf16, or fp32 when the plan multiplies
 in fp32). Kernel launches go through whatever launcher is current: Triton's JIT, or an artifact's cubins.
+`run(..., batch_invariant=True)` gives every kernel node its batch-invariant config and runs the reference nodes
+named in `references` with those implementations instead (same signature, as `dsl.interpret`'s `kernels`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from dsl.graph import Graph
 from dsl.ops import OPS
+from dsl.ragged import Ragged
 from graphs.lowering import LOWERINGS
 from graphs.plan import Plan
 
@@ -43,29 +47,39 @@ class Executor:
             self.formatted[key] = t.contiguous()
         return self.formatted[key]
 
-    def run(self, inputs: dict[str, Any], ctx) -> dict[str, Any]:
+    def run(self, inputs: dict[str, Any], ctx, batch_invariant: bool = False,
+            references: dict[str, Callable] | None = None) -> dict[str, Any]:
         graph = self.graph
+        references = references or {}
         env: dict = {value: inputs[name] for name, value in graph.inputs.items()}
         env |= {value: self.params[name] for name, value in graph.params.items()}
         for node, entry in zip(graph.nodes, self.plan.nodes, strict=True):
             opdef = OPS[node.op]
             args = [None if v is None else env[v] for v in node.inputs]
-            if entry.template and isinstance(args[0], torch.Tensor):
-                for pos, fmt in entry.formats.items():
-                    v = node.inputs[pos]
-                    if v is not None and v.name in graph.params:
-                        args[pos] = self.param(v.name, fmt)
-                config = entry.config(args[0].shape[0], self.plan.buckets)
-                result = LOWERINGS[node.op].run(args, node.attrs, entry.static, config, ctx, self.plan.dot_fp32)
-                self.kernel_calls += 1
+            if entry.template and isinstance(args[0], (torch.Tensor, Ragged)):
+                result = self._kernel(node, entry, args, ctx, batch_invariant)
             else:
                 kwargs = dict(node.attrs, ctx=ctx) if opdef.uses_context else node.attrs
-                result = opdef.reference(*args, **kwargs)
+                result = references.get(node.op, opdef.reference)(*args, **kwargs)
             if opdef.num_outputs == 1:
                 result = (result,)
             for value, r in zip(node.outputs, result, strict=True):
                 env[value] = r
         return {name: env[v] for name, v in graph.outputs.items()}
+
+    def _kernel(self, node, entry, args: list, ctx, batch_invariant: bool) -> Any:
+        """A kernel node through its lowering; a `Ragged` first argument (compressed entries) runs on its rows."""
+        for pos, fmt in entry.formats.items():
+            v = node.inputs[pos]
+            if v is not None and v.name in self.graph.params:
+                args[pos] = self.param(v.name, fmt)
+        ragged = args[0] if isinstance(args[0], Ragged) else None
+        if ragged is not None:
+            args[0] = ragged.values
+        config = entry.config(args[0].shape[0], self.plan.buckets, batch_invariant)
+        result = LOWERINGS[node.op].run(args, node.attrs, entry.static, config, ctx, self.plan.dot_fp32)
+        self.kernel_calls += 1
+        return result if ragged is None else ragged.replace(result)
 
 
 __all__ = ["Executor"]

@@ -2,9 +2,10 @@
 
 A lowering reads a node and the weights to decide whether its kernel applies and with which static shapes
 (`static`: the tuning key's weight-fixed dims), names the weight formats the kernel wants (`formats`), runs the
-kernel on the node's runtime arguments (`run`), and makes meta-tensor arguments of a bucket's token count for
-the ahead-of-time builder (`trace`). Nodes without a lowering, or whose activations are not flat over the token
-dim N (compressed entries), run their DSL reference on the device.
+kernel on the node's runtime arguments (`run`), makes meta-tensor arguments of a bucket's token count for the
+ahead-of-time builder (`trace`), and turns a config into its batch-invariant form (`invariant`; graphs/plan.py).
+RMSNorm also runs over the compressed entries a forward completes (a `Ragged`, flat over E). Nodes without a
+lowering, or whose activations are not flat over N (or E, for RMSNorm), run their DSL reference on the device.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import kernels.triton.linear as linear
 import kernels.triton.moe as moe
 import kernels.triton.rms_norm as rms_norm
 from dsl.graph import Node
-from dsl.tensor import num_tokens
+from dsl.ops.moe import score
+from dsl.tensor import num_entries, num_tokens
 
 Params = dict[str, torch.Tensor]
 
@@ -34,6 +36,9 @@ class Lowering:
     run: Callable[..., Any]  # run(args, attrs, static, config, ctx, dot_fp32) -> node outputs
     trace: Callable[..., None]  # trace(static, attrs, config, m, dot_fp32): calls the wrapper on meta
     default_config: Callable[[dict, int], dict]
+    # A config's batch-invariant form. Any fixed config of these kernels is invariant (fixed tiles, split-K counts
+    # and K ranges; rows never share a reduction), except where a split follows the batch: the default is a copy.
+    invariant: Callable[[dict], dict] = dict
 
 
 def _param(node: Node, i: int, params: Params) -> torch.Tensor | None:
@@ -44,6 +49,13 @@ def _param(node: Node, i: int, params: Params) -> torch.Tensor | None:
 def _over_tokens(node: Node) -> bool:
     t = node.inputs[0].type
     return t is not None and t.dtype == "float32" and len(t.shape) >= 2 and t.shape[0] == num_tokens
+
+
+def _over_rows(node: Node) -> bool:
+    """Flat over the tokens N, or over the compressed entries E of a forward (a `Ragged` at run time)."""
+    t = node.inputs[0].type
+    return _over_tokens(node) or (t is not None and t.dtype in ("float32", "entries") and t.rank == 2
+                                  and t.shape[0] == num_entries)
 
 
 def _meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -60,21 +72,31 @@ def _plain(dot_fp32: bool) -> str:
 
 # ---- linear and grouped_linear ---------------------------------------------------------------------------------
 
-def _linear_static(node: Node, params: Params) -> dict | None:
-    w, s = _param(node, 1, params), _param(node, 2, params)
-    if w is None or not _over_tokens(node) or node.inputs[0].type.rank != 2:
+def _weight_format(w: torch.Tensor | None, s: torch.Tensor | None, groups: int = 1) -> str | None:
+    """"fp8" (32x32 blocks), "plain" (float), or None: packed fp4 or group-scaled fp8, which the reference runs."""
+    if w is None or w.dim() != 2:
         return None
-    groups = node.attrs.get("groups", 1)
     o, k = w.shape
     if w.dtype == torch.float8_e4m3fn:
-        if s is None or tuple(s.shape) != (-(-o // 32), -(-k // 32)) or (groups > 1 and (o // groups) % 32):
-            return None
-        fmt = "fp8"
-    elif w.is_floating_point() and s is None:
-        fmt = "plain"
-    else:
-        return None  # packed fp4 or group-scaled fp8: the reference
-    return {"n": o // groups, "k": k, "groups": groups, "fmt": fmt}
+        ok = s is not None and tuple(s.shape) == (-(-o // 32), -(-k // 32)) and (groups == 1 or (o // groups) % 32 == 0)
+        return "fp8" if ok else None
+    return "plain" if w.is_floating_point() and s is None else None
+
+
+def _weight_formats(fmt: str, weights: tuple[int, ...]) -> dict[int, str]:
+    """Input position -> format for weights at `weights`, each followed len(weights) places later by its scale."""
+    if fmt == "fp8":
+        return {i: "raw" for i in weights} | {i + len(weights): "fp32" for i in weights}
+    return {i: "plain" for i in weights}
+
+
+def _linear_static(node: Node, params: Params) -> dict | None:
+    w, s = _param(node, 1, params), _param(node, 2, params)
+    groups = node.attrs.get("groups", 1)
+    fmt = _weight_format(w, s, groups)
+    if fmt is None or not _over_tokens(node) or node.inputs[0].type.rank != 2:
+        return None
+    return {"n": w.shape[0] // groups, "k": w.shape[1], "groups": groups, "fmt": fmt}
 
 
 def _linear_run(args, attrs, static, config, ctx, dot_fp32):
@@ -90,16 +112,14 @@ def _linear_trace(static, attrs, config, m, dot_fp32):
 
 
 LINEAR = Lowering(
-    "linear", _linear_static,
-    lambda st: {1: "raw", 2: "fp32"} if st["fmt"] == "fp8" else {1: "plain"},
-    _linear_run, _linear_trace,
+    "linear", _linear_static, lambda st: _weight_formats(st["fmt"], (1,)), _linear_run, _linear_trace,
     lambda st, m: linear.default_config(m, st["n"], st["k"], st["groups"], st["fmt"] == "fp8"))  # bf16 weights
 
 
 # ---- rms_norm ----------------------------------------------------------------------------------------------------
 
 def _norm_static(node: Node, params: Params) -> dict | None:
-    if not _over_tokens(node) or (node.inputs[1] is not None and _param(node, 1, params) is None):
+    if not _over_rows(node) or (node.inputs[1] is not None and _param(node, 1, params) is None):
         return None
     return {"d": int(node.inputs[0].type.shape[-1]), "has_w": node.inputs[1] is not None,
             "eps": node.attrs["eps"]}
@@ -202,6 +222,65 @@ MOE_EXPERTS = Lowering(
     _moe_run, _moe_trace, lambda st, m: moe.default_config(m, st["fmt"] == "fp4"))
 
 
+# ---- the shared expert and the gate: their projections on the linear kernel -------------------------------------
+
+def _swiglu_static(node: Node, params: Params) -> dict | None:
+    ws = [_param(node, i, params) for i in (1, 2, 3)]
+    fmts = {_weight_format(w, _param(node, i + 3, params)) for i, w in zip((1, 2, 3), ws, strict=True)}
+    if not _over_tokens(node) or len(fmts) != 1 or None in fmts:
+        return None
+    return {"inter": ws[0].shape[0], "d": ws[0].shape[1], "fmt": fmts.pop()}
+
+
+def _swiglu_run(args, attrs, st, config, ctx, dot_fp32):
+    x, w1, w2, w3, s1, s2, s3 = args
+    x, limit = x.contiguous(), attrs["limit"]
+    gate = linear.linear(x, w1, s1, config=config["up"], dot_fp32=dot_fp32)
+    up = linear.linear(x, w3, s3, config=config["up"], dot_fp32=dot_fp32)
+    if limit > 0:
+        up, gate = up.clamp(-limit, limit), gate.clamp(max=limit)
+    return linear.linear(torch.nn.functional.silu(gate) * up, w2, s2, config=config["down"], dot_fp32=dot_fp32)
+
+
+def _swiglu_trace(st, attrs, config, m, dot_fp32):
+    inter, d, fp8 = st["inter"], st["d"], st["fmt"] == "fp8"
+    for n, k, part in ((inter, d, "up"), (d, inter, "down")):
+        w = _meta(n, k, dtype=_weight_dtype(st["fmt"], dot_fp32))
+        linear.linear(_meta(m, k), w, _meta(-(-n // 32), -(-k // 32)) if fp8 else None, config=config[part],
+                      dot_fp32=dot_fp32)
+
+
+SWIGLU = Lowering(
+    "swiglu", _swiglu_static, lambda st: _weight_formats(st["fmt"], (1, 2, 3)), _swiglu_run, _swiglu_trace,
+    lambda st, m: {"up": linear.default_config(m, st["inter"], st["d"], fp8=st["fmt"] == "fp8"),
+                   "down": linear.default_config(m, st["d"], st["inter"], fp8=st["fmt"] == "fp8")})
+
+
+def _gate_static(node: Node, params: Params) -> dict | None:
+    w = _param(node, 1, params)
+    if not _over_tokens(node) or _weight_format(w, None) != "plain" or _param(node, 2, params) is None:
+        return None
+    return {"e": w.shape[0], "d": w.shape[1]}
+
+
+def _gate_run(args, attrs, st, config, ctx, dot_fp32):
+    """dsl.ops.moe.moe_gate with its projection on the kernel, in fp32 products as there: routing is discrete."""
+    x, w, bias = args
+    scores = score(linear.linear(x.contiguous(), w, config=config, dot_fp32=True) / attrs["temp"], attrs["func"])
+    experts = (scores + bias).topk(attrs["topk"], dim=-1)[1]
+    weights = scores.gather(1, experts)
+    if attrs["normalize"] and attrs["topk"] > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * attrs["scaling"], experts
+
+
+MOE_GATE = Lowering(
+    "moe_gate", _gate_static, lambda st: {1: "fp32", 2: "fp32"}, _gate_run,
+    lambda st, attrs, config, m, f: linear.linear(_meta(m, st["d"]), _meta(st["e"], st["d"]), config=config,
+                                                  dot_fp32=True),
+    lambda st, m: linear.default_config(m, st["e"], st["d"], w_bytes=4))
+
+
 # ---- sparse attention --------------------------------------------------------------------------------------------
 
 def _attention_static(node: Node, params: Params) -> dict | None:
@@ -224,13 +303,17 @@ def _attention_trace(st, attrs, config, m, dot_fp32):
                                config=config, dot_fp32=dot_fp32)
 
 
+# Invariant: one part per token. The wrapper sizes the parts of a split from the widest entry list of the batch,
+# so a token's part boundaries (and the combine's sum) would move with its neighbours; whole, a token's entries
+# run in blocks of block_S from its first, and the blocks past its own entries are masked out exactly.
 SPARSE_ATTENTION = Lowering("sparse_attention", _attention_static, lambda st: {2: "fp32"}, _attention_run,
-                            _attention_trace, lambda st, m: attention.default_config(m, st["h"], st["d"]))
+                            _attention_trace, lambda st, m: attention.default_config(m, st["h"], st["d"]),
+                            lambda config: dict(config, split_kv=1))
 
 LOWERINGS: dict[str, Lowering] = {
     "linear": LINEAR, "grouped_linear": LINEAR, "rms_norm": RMS_NORM, "hc_mixes": HC_MIXES,
     "hc_collapse_rms_norm": HC_COLLAPSE_RMS_NORM, "hc_expand": HC_EXPAND, "moe_experts": MOE_EXPERTS,
-    "sparse_attention": SPARSE_ATTENTION,
+    "swiglu": SWIGLU, "moe_gate": MOE_GATE, "sparse_attention": SPARSE_ATTENTION,
 }
 
 __all__ = ["Lowering", "LOWERINGS"]

@@ -1,5 +1,14 @@
 """The plan: for every node of a model graph, the kernel that runs it (or its reference) and, per token-count
-bucket, the tuned or heuristic config. Saved as plan.json; the graph itself is rebuilt from the model."""
+bucket, the tuned or heuristic config, plus one batch-invariant config for every token count. Saved as plan.json;
+the graph itself is rebuilt from the model.
+
+Batch invariance (`batch_invariant=True`): a row's result must not depend on the other rows or their number. A
+kernel's reduction order is fixed by its config (tiles, split-K count and ranges, warps, stages) and, in sparse
+attention, by how a token's entries are split; the rows themselves never meet in a reduction. So one config per
+node serves every token count: the one tuned for `INVARIANT_TOKENS` (decode batches, where the mode is mostly
+used), made invariant by its lowering (`Lowering.invariant`: attention keeps a token's entries in one part, since
+its split sizes follow the batch's widest entry list).
+"""
 
 from __future__ import annotations
 
@@ -14,6 +23,7 @@ from graphs.lowering import LOWERINGS
 
 BUCKETS = (16, 64, 512, 8192)  # token-count buckets: a bucket's config serves every count up to it (and beyond
 # the last); decode batches fall in the first two
+INVARIANT_TOKENS = 64  # the token count whose config, made invariant, serves every count in batch-invariant runs
 
 
 def bucket_of(m: int, buckets: tuple[int, ...] = BUCKETS) -> int:
@@ -29,23 +39,29 @@ class NodePlan:
     formats: dict[int, str] = field(default_factory=dict)
     configs: dict[int, dict] = field(default_factory=dict)  # bucket -> config
     sources: dict[int, str] = field(default_factory=dict)  # bucket -> "tuned" | "heuristic"
+    invariant: dict | None = None  # the batch-invariant config, for every token count (None: an older plan)
 
-    def config(self, m: int, buckets: tuple[int, ...]) -> dict:
-        return self.configs[bucket_of(m, buckets)]
+    def config(self, m: int, buckets: tuple[int, ...], batch_invariant: bool = False) -> dict:
+        if not batch_invariant:
+            return self.configs[bucket_of(m, buckets)]
+        if self.invariant is None:
+            raise ValueError(f"node {self.index} ({self.op}) has no batch-invariant config: the plan predates them; "
+                             "compile the model again")
+        return self.invariant
 
     def to_json(self) -> dict:
         d = {"index": self.index, "op": self.op, "template": self.template}
         if self.template:
             d |= {"static": self.static, "formats": {str(k): v for k, v in self.formats.items()},
                   "configs": {str(k): v for k, v in self.configs.items()},
-                  "sources": {str(k): v for k, v in self.sources.items()}}
+                  "sources": {str(k): v for k, v in self.sources.items()}, "invariant_config": self.invariant}
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> NodePlan:
         ints = lambda m: {int(k): v for k, v in m.items()}  # noqa: E731
         return cls(d["index"], d["op"], d.get("template"), d.get("static", {}), ints(d.get("formats", {})),
-                   ints(d.get("configs", {})), ints(d.get("sources", {})))
+                   ints(d.get("configs", {})), ints(d.get("sources", {})), d.get("invariant_config"))
 
 
 @dataclass
@@ -57,6 +73,10 @@ class Plan:
 
     def kernel_nodes(self) -> list[NodePlan]:
         return [n for n in self.nodes if n.template]
+
+    @property
+    def has_invariant_configs(self) -> bool:
+        return all(n.invariant is not None for n in self.kernel_nodes())
 
     def to_json(self) -> dict:
         return {"target": self.target, "buckets": list(self.buckets), "dot_fp32": self.dot_fp32,
@@ -75,13 +95,15 @@ class Plan:
 
 def _template_hash(template: str) -> str:
     module = {"linear": "linear", "rms_norm": "rms_norm", "hc_mixes": "hyper", "hc_collapse_rms_norm": "hyper",
-              "hc_expand": "hyper", "moe_experts": "moe", "sparse_attention": "attention"}[template]
+              "hc_expand": "hyper", "moe_experts": "moe", "sparse_attention": "attention", "swiglu": "linear",
+              "moe_gate": "linear"}[template]
     return source_hash(importlib.import_module(f"kernels.triton.{module}"))
 
 
 def make_plan(graph: Graph, params: dict[str, torch.Tensor], target: str, buckets: tuple[int, ...] = BUCKETS,
               dot_fp32: bool = False, tuning=None) -> Plan:
-    """Choose a kernel for every node that has one, and its config per bucket (tuned when cached)."""
+    """Choose a kernel for every node that has one, its config per bucket (tuned when cached) and its
+    batch-invariant config."""
     nodes = []
     for i, node in enumerate(graph.nodes):
         entry = NodePlan(i, node.op)
@@ -94,8 +116,9 @@ def make_plan(graph: Graph, params: dict[str, torch.Tensor], target: str, bucket
                 fallback = lambda lw=lowering, st=static, b=b: lw.default_config(st, b)  # noqa: E731
                 entry.configs[b], entry.sources[b] = choose(lowering.template, static, b, target, src, fallback,
                                                             tuning)
+            entry.invariant = lowering.invariant(entry.config(INVARIANT_TOKENS, tuple(buckets)))
         nodes.append(entry)
     return Plan(target, nodes, tuple(buckets), dot_fp32)
 
 
-__all__ = ["Plan", "NodePlan", "make_plan", "bucket_of", "BUCKETS"]
+__all__ = ["Plan", "NodePlan", "make_plan", "bucket_of", "BUCKETS", "INVARIANT_TOKENS"]

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dsl.context import SequenceState
 from tests.conftest import fixture_dir, oracle, rel_l2
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,13 +61,17 @@ def test_compile_saves_an_artifact_without_a_gpu(target, arch, tmp_path) -> None
         assert f".target sm_{arch}a" in (out / "kernels" / f"{file_id}.ptx").read_text()
     templates = {n["template"] for n in plan["nodes"] if n["template"]}
     assert templates == {"linear", "rms_norm", "hc_mixes", "hc_collapse_rms_norm", "hc_expand", "moe_experts",
-                         "sparse_attention"}
+                         "swiglu", "moe_gate", "sparse_attention"}
+    kernel_nodes = [n for n in plan["nodes"] if n["template"]]
+    assert all(n["invariant_config"] is not None for n in kernel_nodes)
+    assert all(n["invariant_config"]["split_kv"] == 1 for n in kernel_nodes if n["template"] == "sparse_attention")
 
 
 def test_executor_matches_the_cpu_target_under_the_interpreter(compiled_fixture) -> None:
     """Every kernel node of the smooth fixture on Triton's interpreter (fp32 products) against the cpu target."""
+    from deepinfer.compiled_gpu import INVARIANT_REFERENCES
     from deepinfer.models import DeepseekV41Flash
-    from dsl.context import ForwardContext, SequenceState
+    from dsl.context import ForwardContext
     from dsl.passes import run_passes
     from graphs.executor import Executor
     from graphs.plan import make_plan
@@ -76,12 +81,14 @@ def test_executor_matches_the_cpu_target_under_the_interpreter(compiled_fixture)
     model = DeepseekV41Flash.from_pretrained(fixture_dir("v41-smooth"))
     graph = run_passes(model.graph())
     ids = torch.tensor(oracle("v41-smooth")["input_ids"][0, :6])
-    executor = Executor(graph, make_plan(graph, model.params(), "sm90", buckets=(16,), dot_fp32=True),
-                        model.params(), "cpu")
-    got = executor.run({"input_ids": ids}, ForwardContext([SequenceState()], [len(ids)]))["logits"]
+    plan = make_plan(graph, model.params(), "sm90", buckets=(16,), dot_fp32=True)
+    executor = Executor(graph, plan, model.params(), "cpu")
     want = compiled_fixture("v41-smooth").forward(ids[None])[0]
-    assert executor.kernel_calls > 100
-    assert rel_l2(got.numpy(), want.numpy()) < 1e-4
+    for invariant in (False, True):  # the bucket's configs, then the invariant ones with their references
+        ctx = ForwardContext([SequenceState()], [len(ids)])
+        got = executor.run({"input_ids": ids}, ctx, invariant, INVARIANT_REFERENCES if invariant else None)["logits"]
+        assert rel_l2(got.numpy(), want.numpy()) < 1e-4
+    assert executor.kernel_calls == 2 * len(plan.kernel_nodes()) > 2 * 100
 
 
 RUN_ARTIFACT = """
@@ -128,3 +135,71 @@ def test_cubin_arch_reads_both_elf_abis() -> None:
     new[:4], new[7] = b"\x7fELF", 0x41
     struct.pack_into("<I", new, 0x30, 0x900640A)
     assert (cubin_arch(bytes(old)), cubin_arch(bytes(new))) == (90, 100)
+
+
+# ---- batch-invariant configs --------------------------------------------------------------------------------------
+
+def planned(model_name: str):
+    """(graph, plan) of the smooth fixture (heuristic configs), or of a 4-layer V4.1-Flash of the real sizes and
+    checkpoint formats (meta weights), whose configs come from the committed H200 tuning."""
+    from deepinfer.config import DeepseekV41Config
+    from deepinfer.models import DeepseekV41Flash
+    from dsl.passes import run_passes
+    from graphs.plan import make_plan
+    from tests.test_autotune import meta_checkpoint_model
+
+    if model_name == "smooth":
+        model = DeepseekV41Flash.from_pretrained(fixture_dir("v41-smooth"))
+    else:
+        model = meta_checkpoint_model(DeepseekV41Config(num_hidden_layers=4))
+    graph = run_passes(model.graph())
+    return graph, make_plan(graph, model.params(), "sm90")
+
+
+def launch_keys(graph, node, config: dict, m: int) -> frozenset[str]:
+    """The kernel variants (kernel, constexprs: tiles, split counts and K ranges) a node launches for m tokens."""
+    from graphs.lowering import LOWERINGS
+    from kernels.launch import use_launcher
+
+    found = set()
+    with use_launcher(lambda call: found.add(call.key())):
+        LOWERINGS[node.op].trace(node.static, graph.nodes[node.index].attrs, config, m, False)
+    return frozenset(found)
+
+
+@pytest.mark.parametrize("model_name", ["smooth", "v41"])
+def test_invariant_configs_launch_the_same_kernels_for_every_token_count(model_name) -> None:
+    """Whatever the token count, a node's invariant config launches the same variants (so no tile or split is
+    chosen from it), attention in one part; the per-bucket configs do change with the count."""
+    from graphs.lowering import LOWERINGS
+    from graphs.plan import INVARIANT_TOKENS
+
+    graph, plan = planned(model_name)
+    counts = (1, 5, 64, 300, 4096)
+    changing = 0
+    for node in plan.kernel_nodes():
+        assert node.invariant == LOWERINGS[node.op].invariant(node.config(INVARIANT_TOKENS, plan.buckets))
+        assert node.config(7, plan.buckets, batch_invariant=True) is node.invariant
+        assert len({launch_keys(graph, node, node.invariant, m) for m in counts}) == 1, node
+        changing += len({launch_keys(graph, node, node.config(m, plan.buckets), m) for m in counts}) > 1
+        if node.template == "sparse_attention":
+            assert node.invariant["split_kv"] == 1
+    assert changing > 0
+
+
+def test_a_plan_without_invariant_configs_loads_and_says_to_recompile() -> None:
+    from deepinfer.compiled_gpu import GpuCompiledModel
+    from deepinfer.models import DeepseekV41Flash
+    from graphs.plan import Plan
+
+    graph, plan = planned("smooth")
+    saved = plan.to_json()
+    assert Plan.from_json(json.loads(json.dumps(saved))).kernel_nodes()[0].invariant == plan.kernel_nodes()[0].invariant
+    for node in saved["nodes"]:
+        node.pop("invariant_config", None)  # plan.json as written before batch-invariant configs
+    old = Plan.from_json(saved)
+    assert not old.has_invariant_configs and old.kernel_nodes()[0].configs == plan.kernel_nodes()[0].configs
+    model = DeepseekV41Flash.from_pretrained(fixture_dir("v41-smooth"))
+    compiled = GpuCompiledModel(model.config, graph, old, {}, {}, model.params())
+    with pytest.raises(ValueError, match="compile the model again"):
+        compiled.step([(SequenceState(), [1, 2])], batch_invariant=True)

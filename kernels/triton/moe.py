@@ -9,7 +9,9 @@ two products, so nothing is interleaved.
 Routing (torch, static shapes, no host sync): the (token, slot) pairs are sorted by expert and laid out in
 blocks of `block_M` slots, each block one expert's (`rows[b*block_M + i]` = pair id or -1). GEMM 1 gathers each
 pair's token row and writes route_weight * silu(min(x w1, L)) * clamp(x w3, ±L) per slot; GEMM 2 multiplies by
-w2 and scatters to the pair's row; the k pairs of a token are summed at the end.
+w2 and scatters to the pair's row; the k pairs of a token are summed at the end, in slot order. A pair's products
+do not depend on which block or slot it lands in, so under a fixed config a token's result does not depend on the
+batch (batch-invariant runs, graphs/plan.py).
 """
 
 from __future__ import annotations
