@@ -1,12 +1,15 @@
 """DSpark drafting end to end: tokens/s with drafting off, static draft lengths and confidence scheduling.
 
-    python bench/dspark_bench.py [--model DIR] [--batches 1,16,64] [--max-tokens 64] [--device cpu|cuda] [--out f.json]
+    python bench/dspark_bench.py [--model DIR] [--batches 1,16,64] [--max-tokens 64] [--min-requests 8]
+                                 [--device cpu|cuda | --target sm90] [--out f.json]
 
 Prompts are the first lines of functions from the Python standard library files the checkpoint held out of its
 training (train/README.md), so acceptance reflects text the drafter has not memorised. Every mode generates the
 same requests (greedy, batch-invariant, so the outputs are identical and checked to be); it reports per-position
 acceptance, mean tokens per verifying step and tokens/s (whole `generate` call, after a warm-up). Confidence
-scheduling is run at several verification budgets (tokens per step per running request).
+scheduling ("confidence k/budget") proposes k drafts a step and is run at several verification budgets (tokens per
+step for all running requests). A batch of b runs
+max(b, --min-requests) requests, b at a time, so a batch of 1 is not one prompt's luck.
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ def prompts_from_stdlib(count: int) -> list[str]:
     return out
 
 
-def run_mode(model: str, speculative: dict | None, prompts: list[str], max_tokens: int, device_kwargs: dict) -> dict:
-    llm = LLM(model, max_num_seqs=len(prompts), max_num_batched_tokens=max(512, 8 * len(prompts)),
+def run_mode(model: str, speculative: dict | None, prompts: list[str], batch: int, max_tokens: int,
+             device_kwargs: dict) -> dict:
+    llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=max(512, 8 * batch),
               speculative_config=speculative, **device_kwargs)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
@@ -78,23 +82,29 @@ def main() -> None:
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--min-requests", type=int, default=8,
+                    help="requests per run at least (a batch of 1 runs them one after another)")
     ap.add_argument("--budgets", default="1.5,2,3", help="confidence budgets, tokens per step per request")
+    ap.add_argument("--confidence-drafts", default="5", help="drafts proposed per step under confidence scheduling")
     ap.add_argument("--device", default="cpu", help="where the cpu target's torch code runs (cuda: the H200)")
+    ap.add_argument("--target", default="cpu", help="compile target (sm90: the Hopper kernels; --device is then moot)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results = []
     for batch in (int(b) for b in args.batches.split(",")):
-        prompts = prompts_from_stdlib(batch)
+        prompts = prompts_from_stdlib(max(batch, args.min_requests))
         modes: list[tuple[str, dict | None]] = [("off", None)]
         modes += [(f"static {n}", {"num_speculative_tokens": n, "schedule": "static"}) for n in range(1, 6)]
-        for per_seq in (float(b) for b in args.budgets.split(",")):
-            budget = max(batch + 1, round(per_seq * batch)) if batch > 1 else 6
-            modes.append((f"confidence {budget}", {"verify_budget": budget}))
-            if batch == 1:
-                break
+        for k in (int(d) for d in args.confidence_drafts.split(",")):
+            for per_seq in (float(b) for b in args.budgets.split(",")):
+                budget = max(batch + 1, round(per_seq * batch)) if batch > 1 else k + 1
+                modes.append((f"confidence {k}/{budget}", {"num_speculative_tokens": k, "verify_budget": budget}))
+                if batch == 1:
+                    break
         reference = None
         for name, spec in modes:
-            r = run_mode(args.model, spec, prompts, args.max_tokens, {"device": args.device})
+            where = {"device": args.device} if args.target == "cpu" else {"target": args.target}
+            r = run_mode(args.model, spec, prompts, batch, args.max_tokens, where)
             outputs = r.pop("outputs")
             reference = reference or outputs
             r.update(batch=batch, mode=name, same_as_off=outputs == reference)

@@ -7,6 +7,8 @@
 #                                    benchmarks (BENCH_KERNELS=1: both); SLICE_PATHS, SLICE_CASES, SLICE_BUDGET (seconds)
 #                                    pass through. Carry artifacts/slice-sm90 (`python bench/bench_slice.py
 #                                    --build-artifact artifacts/slice-sm90`, no GPU needed) so the device compiles nothing.
+#   DSPARK=1 bash bench/run_gpu.sh   DSpark drafting on the trained checkpoint (bench/dspark_bench.py) on the sm90 target
+#                                    (DSPARK_TARGET, DSPARK_BATCHES, DSPARK_TOKENS) instead of the kernel benchmarks
 # Prebuilt artifacts (.prebuilt/smooth-{bf16,fp32}, compiled on a GPU-less machine and carried to the device: an
 # ignored folder, so name it in the device call's `carry`) are what the artifact test loads when present; make them
 # with deepinfer.compile(DeepseekV41Flash.from_pretrained("tests/fixtures/v41-smooth"), target="sm90"[, dot_fp32=True])
@@ -21,7 +23,7 @@ export DEEPINFER_RESULTS_DIR=$OUT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 SECONDS=0
-[ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -m gpu -q -p no:cacheprovider -n "${JOBS:-4}" -rs tests/kernels tests/test_gpu_targets.py \
+[ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -m gpu -q -p no:cacheprovider -n "${JOBS:-4}" -rs tests \
     > "$OUT/pytest.log" 2>&1
 echo "pytest -m gpu: rc=$? in ${SECONDS}s"; grep -sE "passed|failed|error" "$OUT/pytest.log" | tail -3
 grep -sE "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
@@ -40,6 +42,14 @@ if [ "${SLICE:-0}" = 1 ]; then
         ${SLICE_CASES:+--cases "$SLICE_CASES"} > "$OUT/slice.log" 2>&1
     echo "slice: rc=$? in ${SECONDS}s"; grep -E "^(device|sm90|eager|compile|artifact|Traceback)" "$OUT/slice.log"
     sed -n '/^case /,$p' "$OUT/slice.log"
+    [ "${BENCH_KERNELS:-0}" = 1 ] || exit 0
+fi
+if [ "${DSPARK:-0}" = 1 ]; then
+    SECONDS=0
+    timeout "${DSPARK_TIMEOUT:-300}" python3 bench/dspark_bench.py --target "${DSPARK_TARGET:-sm90}" \
+        --batches "${DSPARK_BATCHES:-1,16,64}" --max-tokens "${DSPARK_TOKENS:-32}" --out "$OUT/dspark.json" \
+        > "$OUT/dspark.log" 2>&1
+    echo "dspark: rc=$? in ${SECONDS}s"; grep -E "^(batch|Traceback|[A-Za-z]*Error)" "$OUT/dspark.log"
     [ "${BENCH_KERNELS:-0}" = 1 ] || exit 0
 fi
 SECONDS=0

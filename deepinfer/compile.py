@@ -24,9 +24,10 @@ def compile(model: DeepseekV41Flash, target: str = "cpu", *, dot_fp32: bool = Fa
     GPU targets ("sm90", "sm100") build cubins ahead of time, on any machine (no GPU needed) and return a
     `GpuCompiledModel`: `.save(dir)` writes the artifact, `deepinfer.load(dir)` runs it. `dot_fp32` makes the
     kernels multiply in fp32 (exactness checks) instead of bf16; `buckets` are the token-count buckets that get
-    a config and cubins each (default `graphs.plan.BUCKETS`). `drafting` adds the DSpark draft layers (cpu
-    target): every step writes their main keys, and `CompiledModel.draft` runs them. `device` is where the cpu
-    target's torch code runs ("cuda": the references on a GPU, eagerly; for comparisons and the engine there).
+    a config and cubins each (default `graphs.plan.BUCKETS`). `drafting` adds the DSpark draft layers: every step
+    writes their main keys, and `draft()` runs them (on GPU targets the draft graph is planned and built too).
+    `device` is where the cpu target's torch code runs ("cuda": the references on a GPU, eagerly; for comparisons
+    and the engine there).
     """
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; targets are {', '.join(TARGETS)}")
@@ -34,9 +35,7 @@ def compile(model: DeepseekV41Flash, target: str = "cpu", *, dot_fp32: bool = Fa
         raise NotImplementedError(f"target {target!r} ({TARGETS[target]}) has no kernels in this build yet; "
                                   f"built targets: {', '.join(BUILT_TARGETS)}")
     if target in ("sm90", "sm100"):
-        if drafting:
-            raise NotImplementedError(f"DSpark drafting runs on the cpu target only in this build, not {target!r}")
-        return _compile_gpu(model, target, dot_fp32, buckets)
+        return _compile_gpu(model, target, dot_fp32, buckets, drafting)
     graph = run_passes(model.graph(dspark=drafting))
     draft_graph = run_passes(model.draft_graph()) if drafting else None
     params = {name: _for_cpu(t).to(device) for name, t in model.params().items()}
@@ -50,18 +49,23 @@ def _for_cpu(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _compile_gpu(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets: tuple[int, ...] | None):
+def _compile_gpu(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets: tuple[int, ...] | None,
+                 drafting: bool):
     from deepinfer.compiled_gpu import GpuCompiledModel
     from graphs.aot import build, record_launches
     from graphs.plan import BUCKETS, make_plan
 
-    graph = run_passes(model.graph())
+    graphs = [run_passes(model.graph(dspark=drafting))] + ([run_passes(model.draft_graph())] if drafting else [])
     params = model.params()
-    plan = make_plan(graph, params, target, tuple(buckets or BUCKETS), dot_fp32)
-    built = build(record_launches(plan, {i: node.attrs for i, node in enumerate(graph.nodes)}), target)
+    plans = [make_plan(g, params, target, tuple(buckets or BUCKETS), dot_fp32) for g in graphs]
+    launches = {}
+    for graph, plan in zip(graphs, plans, strict=True):  # the draft graph's launches mostly repeat the main one's
+        launches |= record_launches(plan, {i: node.attrs for i, node in enumerate(graph.nodes)})
+    built = build(launches, target)
     specs = {key: b.spec for key, b in built.items()}
     cubins = {key: b.cubin for key, b in built.items()}
-    return GpuCompiledModel(model.config, graph, plan, specs, cubins, params, model.model_dir, built)
+    draft = (graphs[1], plans[1]) if drafting else None
+    return GpuCompiledModel(model.config, graphs[0], plans[0], specs, cubins, params, model.model_dir, built, draft)
 
 
 def load(path, model: DeepseekV41Flash | None = None):

@@ -27,37 +27,56 @@ from kernels.launch import use_launcher
 # Reference nodes that run batch-invariant versions: with ties, or a row width set by the batch's longest cache,
 # torch's top-k picks (and their order, which is the attention's summation order) can change with the batch.
 INVARIANT_REFERENCES = {"candidate_blocks": invariant.candidate_blocks, "topk_select": invariant.topk_select}
+# The draft blocks' attention, which the kernel does not serve: all of a forward's blocks of one view length at once.
+DRAFT_REFERENCES = {"sparse_attention": invariant.sparse_attention}
 
 
 class GpuCompiledModel:
+    """`draft`, when compiled with DSpark drafting, is the draft layers' graph and plan: `step` then also writes their
+    main keys, `draft()` runs them and `rollback()` takes back rejected tokens, as on the cpu target."""
+
     def __init__(self, config: DeepseekV41Config, graph: Graph, plan: Plan, specs: dict[str, dict],
                  cubins: dict[str, bytes], params: dict[str, torch.Tensor], model_dir: str | None = None,
-                 built: dict[str, Built] | None = None) -> None:
+                 built: dict[str, Built] | None = None, draft: tuple[Graph, Plan] | None = None) -> None:
         self.config, self.graph, self.plan = config, graph, plan
         self.target = plan.target
-        self.specs, self.cubins, self.params, self.model_dir = specs, cubins, params, model_dir
+        self.specs, self.cubins, self.model_dir = specs, cubins, model_dir
+        self.draft_graph, self.draft_plan = draft if draft is not None else (None, None)
+        self.device = torch.device("cuda")
+        self._host_params = params
         self._built = built
-        self._executor = None
+        self._executors = None
         self._launcher = None
 
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        """The weights, on the GPU once the model has run (on the host before)."""
+        return self._executors[0].params if self._executors is not None else self._host_params
+
     def save(self, path) -> None:
-        """Write the artifact: manifest.json, plan.json, tuning.json, kernels/*.cubin with launch specs."""
+        """Write the artifact: manifest.json, plan.json (draft_plan.json too with drafting), tuning.json,
+        kernels/*.cubin with launch specs."""
         if self._built is None:
             raise ValueError("only a freshly compiled model can be saved; a loaded one is already on disk")
-        artifact.save(path, self.plan, self._built, self.config.to_dict(), self.model_dir)
+        artifact.save(path, self.plan, self._built, self.config.to_dict(), self.model_dir, self.draft_plan)
 
     def _ready(self):
+        """(main executor, draft executor or None), made on first use."""
         if self.target != "sm90":
             raise RuntimeError(f"a {self.target} artifact runs on a {self.target} GPU; this build runs sm90 only")
         if not torch.cuda.is_available():
             raise RuntimeError("running a GPU artifact needs a CUDA device")
-        if self._executor is None:
+        if self._executors is None:
             from graphs.executor import Executor
             from graphs.launcher import CubinLauncher
 
             self._launcher = CubinLauncher(self.specs, self.cubins)
-            self._executor = Executor(self.graph, self.plan, self.params, "cuda")
-        return self._executor
+            main = Executor(self.graph, self.plan, self._host_params, "cuda")
+            draft = None
+            if self.draft_graph is not None:  # the same weights on the device, converted once for both
+                draft = Executor(self.draft_graph, self.draft_plan, main.params, "cuda", formatted=main.formatted)
+            self._executors = (main, draft)
+        return self._executors
 
     def new_sequence(self) -> SequenceState:
         return SequenceState()
@@ -71,7 +90,7 @@ class GpuCompiledModel:
         if batch_invariant and not self.plan.has_invariant_configs:
             raise ValueError("this artifact's plan has no batch-invariant configs (it predates them): compile the "
                              "model again, or pass batch_invariant=False")
-        executor = self._ready()
+        executor, _ = self._ready()
         lengths = [len(tokens) for _, tokens in batch]
         if any(n == 0 for n in lengths):
             raise ValueError("every sequence in a step needs at least one token")
@@ -83,6 +102,33 @@ class GpuCompiledModel:
             logits = executor.run({"input_ids": ids}, ctx, batch_invariant, references)["logits"]
         ctx.commit()
         return logits
+
+    @torch.inference_mode()
+    def draft(self, batch: list[tuple[SequenceState, list[int]]],
+              batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the DSpark draft layers over one block per sequence at its next positions, leaving the sequences as
+        they were: fp32 (hidden [total tokens, hidden_size], logits [total tokens, vocab]). The blocks' attention
+        (every query over the whole view) runs as torch on the device; drafts only need to be good, not invariant:
+        verification keeps the output exact."""
+        if self.draft_graph is None:
+            raise RuntimeError("this model was compiled without DSpark drafting: compile(..., drafting=True)")
+        _, executor = self._ready()
+        lengths = [len(tokens) for _, tokens in batch]
+        if any(n == 0 for n in lengths):
+            raise ValueError("every block needs at least one token")
+        ids = torch.tensor([t for _, tokens in batch for t in tokens], dtype=torch.long, device="cuda")
+        ctx = ForwardContext([s for s, _ in batch], lengths, device="cuda")
+        references = DRAFT_REFERENCES | (INVARIANT_REFERENCES if batch_invariant else {})
+        with use_launcher(self._launcher):
+            out = executor.run({"input_ids": ids}, ctx, batch_invariant, references)
+        return out["hidden"], out["logits"]
+
+    def rollback(self, state: SequenceState, num_tokens: int, spare: int) -> None:
+        """Take back the tokens of `state` from `num_tokens` on, at most `spare` (what its caches' rings keep)."""
+        if not state.num_tokens - spare <= num_tokens <= state.num_tokens:
+            raise ValueError(f"cannot take a sequence of {state.num_tokens} tokens back to {num_tokens}: at most "
+                             f"{spare} tokens can be taken back")
+        state.num_tokens = num_tokens
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, vocab] (fp32) of B fresh sequences of T tokens each."""
@@ -106,16 +152,20 @@ def load(path, model=None) -> GpuCompiledModel:
     from deepinfer.models.deepseek_v41 import DeepseekV41Flash
     from dsl.passes import run_passes
 
-    manifest, plan, specs, cubins = artifact.read(path)
+    manifest, plan, specs, cubins, draft_plan = artifact.read(path)
     if model is None:
         if not manifest.get("model_dir"):
             raise ValueError(f"{path} names no checkpoint: pass the model")
         model = DeepseekV41Flash.from_pretrained(manifest["model_dir"])
     if artifact.config_hash(model.config.to_dict()) != manifest["model_config_hash"]:
         raise ValueError(f"{path} was compiled for another model config")
-    graph = run_passes(model.graph())
+    graph = run_passes(model.graph(dspark=draft_plan is not None))
     plan.check_graph(graph)
-    return GpuCompiledModel(model.config, graph, plan, specs, cubins, model.params(), model.model_dir)
+    draft = None
+    if draft_plan is not None:
+        draft = (run_passes(model.draft_graph()), draft_plan)
+        draft_plan.check_graph(draft[0])
+    return GpuCompiledModel(model.config, graph, plan, specs, cubins, model.params(), model.model_dir, draft=draft)
 
 
 __all__ = ["GpuCompiledModel", "load"]

@@ -20,15 +20,17 @@ from dsl.unpaged_cache import UNPAGED
 class DraftHead:
     """The output side of the last draft layer: Markov embedding and head, confidence projection."""
 
-    def __init__(self, params: dict[str, torch.Tensor], config: DeepseekV41Config, temperature: float = 1.0) -> None:
+    def __init__(self, params: dict[str, torch.Tensor], config: DeepseekV41Config, temperature: float = 1.0,
+                 device: torch.device | str | None = None) -> None:
+        """`device`: where the draft layers' hidden states will be (default: where the weights are)."""
         if not config.num_nextn_predict_layers:
             raise ValueError("this model has no DSpark draft layers (num_nextn_predict_layers is 0)")
         if not temperature > 0:
             raise ValueError(f"the confidence temperature must be > 0, got {temperature!r}")
         last = f"mtp.{config.num_nextn_predict_layers - 1}"
-        self.embed = params[f"{last}.markov_head.embed.weight"]  # [vocab, rank]
-        self.head = params[f"{last}.markov_head.head.weight"]  # [vocab, rank]
-        self.proj = params[f"{last}.confidence_head.proj.weight"]  # [1, hidden + rank]
+        self.embed = params[f"{last}.markov_head.embed.weight"].to(device)  # [vocab, rank]
+        self.head = params[f"{last}.markov_head.head.weight"].to(device)  # [vocab, rank]
+        self.proj = params[f"{last}.confidence_head.proj.weight"].to(device)  # [1, hidden + rank]
         self.temperature = temperature
 
     def markov(self, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

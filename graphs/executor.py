@@ -22,11 +22,13 @@ from graphs.plan import Plan
 
 
 class Executor:
-    def __init__(self, graph: Graph, plan: Plan, params: dict[str, torch.Tensor], device: str | torch.device) -> None:
+    def __init__(self, graph: Graph, plan: Plan, params: dict[str, torch.Tensor], device: str | torch.device,
+                 formatted: dict[tuple[str, str], torch.Tensor] | None = None) -> None:
+        """`formatted`: another executor's converted weights, shared (a DSpark draft graph beside its model's)."""
         plan.check_graph(graph)
         self.graph, self.plan, self.device = graph, plan, torch.device(device)
         self.params = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
-        self.formatted: dict[tuple[str, str], torch.Tensor] = {}
+        self.formatted: dict[tuple[str, str], torch.Tensor] = {} if formatted is None else formatted
         for node in plan.kernel_nodes():  # convert now: a forward allocates no weights
             for pos, fmt in node.formats.items():
                 v = graph.nodes[node.index].inputs[pos]

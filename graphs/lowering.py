@@ -287,6 +287,8 @@ def _attention_static(node: Node, params: Params) -> dict | None:
     t = node.inputs[0].type
     if t is None or t.rank != 3 or t.shape[0] != num_tokens or _param(node, 2, params) is None:
         return None
+    if not node.attrs.get("causal", True):
+        return None  # a DSpark draft block attends to its whole view: the kernel's lists are causal windows
     return {"h": int(t.shape[1]), "d": int(t.shape[2])}
 
 

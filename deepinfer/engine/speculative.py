@@ -93,7 +93,8 @@ class Drafter:
             raise ValueError(f"num_speculative_tokens {config.num_speculative_tokens} exceeds the model's draft "
                              f"block of {model_config.dspark_block_size} tokens")
         self.compiled, self.config = compiled, config
-        self.head = DraftHead(compiled.params, model_config, config.confidence_temperature)
+        self.head = DraftHead(compiled.params, model_config, config.confidence_temperature,
+                              getattr(compiled, "device", None))
         self.eos_token_ids, self.batch_invariant = eos_token_ids, batch_invariant
 
     def propose(self, rows: list[tuple[SequenceState, object, list[int]]], fill_next=None) -> list[Proposal]:
