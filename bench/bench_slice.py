@@ -7,7 +7,7 @@ layer; an encoder (ratio 2) that owns a compressor and an indexer, as layer 2 of
 owns them for the decoder half and picks candidate blocks, as layer 20; and a plain decoder reading both, as layers
 21-23; plus embedding and head. Weights are random, made on the device in the checkpoint's storage formats (fp8
 32x32 blocks for the attention projections, indexer query and shared expert; fp4 routed experts; the rest bf16/fp32).
-Sequences keep their caches as tensors of their own (`SequenceState` without pools).
+Sequences keep their caches in one `PagedCache`, as the engine does (`--unpaged`: tensors of each sequence's own).
 
     python bench/bench_slice.py [--out slice.json] [--artifact DIR] [--paths sm90,eager,compile] [--budget 300]
     python bench/bench_slice.py --small          # every dimension shrunk: runs on a CPU in seconds (the sm90 plan's
@@ -33,6 +33,8 @@ if not torch.cuda.is_available() and "--build-artifact" not in sys.argv:  # the 
     os.environ.setdefault("TRITON_INTERPRET", "1")  # the interpreter, which must be chosen before Triton is imported
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from slice_caches import Caches  # noqa: E402
+
 import deepinfer  # noqa: E402
 from deepinfer.config import DeepseekV41Config  # noqa: E402
 from deepinfer.default_model import _init  # noqa: E402
@@ -44,6 +46,7 @@ from dsl.interpret import interpret  # noqa: E402
 from dsl.ops import OPS  # noqa: E402
 from dsl.ops.dense import weight_values  # noqa: E402
 from dsl.ops.moe import swiglu_expert  # noqa: E402
+from dsl.passes import run_passes  # noqa: E402
 from dsl.quant import quantize_fp8_block  # noqa: E402
 
 HBM_TBS, BF16_TFLOPS = 4.28, 754.0  # DESIGN.md's measured H200 ceilings
@@ -189,7 +192,6 @@ def sm90_step(model: DeepseekV41Flash, artifact: str | None, device: str):
             print(f"artifact {artifact} not used ({e}); compiling", flush=True)
             compiled = None
         return (compiled or deepinfer.compile(model, target="sm90")).step
-    from dsl.passes import run_passes
     from graphs.executor import Executor
     from graphs.plan import make_plan
 
@@ -248,21 +250,16 @@ def compiled_kernels(graph) -> dict:
 
 # ---- measuring ------------------------------------------------------------------------------------------------------
 
-def clone_state(state: SequenceState) -> SequenceState:
-    copy = lambda v: v.clone() if isinstance(v, torch.Tensor) else type(v)(copy(x) for x in v) \
-        if isinstance(v, (tuple, list)) else v  # noqa: E731
-    return SequenceState(num_tokens=state.num_tokens, caches={k: copy(v) for k, v in state.caches.items()})
-
-
-def measure(step, case: Case, context: SequenceState | None, vocab: int, device: str, target_s: float) -> dict:
+def measure(step, case: Case, context: SequenceState | None, caches: Caches, vocab: int, device: str,
+            target_s: float) -> dict:
     """Median µs of a step: one untimed warm-up, then as many runs as fit in about `target_s` (1 to 5)."""
     gen = torch.Generator().manual_seed(case.batch * 7919 + case.tokens)
-    states = [clone_state(context) for _ in range(case.batch)] if case.kind == "decode" else None
+    states = caches.copies(context, case.batch) if case.kind == "decode" else None
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def run():
-        batch_states = states if states is not None else [SequenceState() for _ in range(case.batch)]
+        batch_states = states if states is not None else [caches.fresh(2 + i) for i in range(case.batch)]
         batch = [(s, torch.randint(0, vocab, (case.tokens,), generator=gen).tolist()) for s in batch_states]
         sync()
         start = time.perf_counter()
@@ -325,13 +322,14 @@ def make_step(path: str, model: DeepseekV41Flash, artifact: str | None, device: 
                           if path == "compile" else None)
 
 
-def run_path(path: str, model: DeepseekV41Flash, todo: list[Case], shared: dict, args, device: str, start: float):
+def run_path(path: str, model: DeepseekV41Flash, todo: list[Case], shared: dict, caches: Caches, args, device: str,
+             start: float):
     """Set up one path, check its logits against the first path's on the shared context, then time every case."""
     config = model.config
     try:
         t0 = time.perf_counter()
         step = make_step(path, model, args.artifact, device)
-        state = SequenceState()
+        state = caches.fresh(1 if "context" in shared else 0)
         logits = step([(state, shared["ids"])]).float()  # the context prefill: a warm-up and a correctness check
         shared.setdefault("context", state)
         ref = shared.setdefault("logits", logits)
@@ -347,7 +345,7 @@ def run_path(path: str, model: DeepseekV41Flash, todo: list[Case], shared: dict,
             record(path, c, {"status": "skipped (budget)"}, args.out)
             continue
         try:
-            result = measure(step, c, shared["context"], config.vocab_size, device, 2.0 if path == "sm90" else 1.0)
+            result = measure(step, c, shared["context"], caches, config.vocab_size, device, 2.0 if path == "sm90" else 1.0)
             record(path, c, result | {"setup_s": ready_s, "rel_l2": float(f"{rel:.3g}")}, args.out)
         except torch.cuda.OutOfMemoryError as e:
             record(path, c, {"status": "OOM", "error": str(e)[:300]}, args.out)
@@ -365,6 +363,7 @@ def main() -> int:
     p.add_argument("--paths", default="sm90,eager,compile", help="which of sm90, eager, compile to run, in order")
     p.add_argument("--cases", default="", help='only these, e.g. "decode B=1,prefill 1024" (default: all)')
     p.add_argument("--budget", type=float, default=300, help="seconds; measurements past it are skipped")
+    p.add_argument("--unpaged", action="store_true", help="sequences keep caches of their own, not shared pools")
     p.add_argument("--build-artifact", metavar="DIR", help="only compile the sm90 artifact of the slice into DIR")
     args = p.parse_args()
     if args.build_artifact:
@@ -384,8 +383,10 @@ def main() -> int:
     gen = torch.Generator().manual_seed(1)  # one sequence's context: each path prefills it, the first one's is cloned
     shared = {"ids": torch.randint(0, config.vocab_size, (cases(args.small)[0].context,), generator=gen).tolist()}
     paths = [x for x in args.paths.split(",") if x]
+    longest = max([cases(args.small)[0].context + 8, *(c.tokens for c in todo)])  # decode runs add a token each
+    caches = Caches(run_passes(model.graph()), not args.unpaged, max(c.batch for c in todo), longest, device)
     for path in paths:
-        run_path(path, model, todo, shared, args, device, start)
+        run_path(path, model, todo, shared, caches, args, device, start)
         if device == "cuda":
             torch.cuda.empty_cache()
     print_table(ROWS, roofs, paths)

@@ -80,10 +80,18 @@ class CacheSpec:
         return sum(block_size // ratio * fmt.entry_bytes(dim) for _, _, dim, ratio, fmt in self.compressed)
 
 
+def _decode(fmt: EntryFormat, parts: list[torch.Tensor]) -> torch.Tensor:
+    """fp32 values [M, D] of M stored entries (none included)."""
+    if parts[0].shape[0]:
+        return fmt.decode(*parts)
+    return torch.zeros(0, parts[0].shape[-1] * (2 if fmt.kind == "fp4" else 1), device=parts[0].device)
+
+
 class PagedCache:
     """The pools: `num_slots` sequence slots and `num_blocks` blocks of `block_size` positions (see the module).
 
-    A sequence's `SequenceState` names its slot and block table; the methods read and write one sequence's caches.
+    A sequence's `SequenceState` names its slot and block table. The `*_rows` methods read and write entries of any
+    number of sequences at once (the batched cache ops); the others one sequence's, through them.
     """
 
     def __init__(self, spec: CacheSpec, num_slots: int, num_blocks: int, block_size: int,
@@ -102,71 +110,119 @@ class PagedCache:
                              for layer, dim, ratio in spec.partials}
             self.history = torch.empty(num_slots, spec.history + spec.spare if spec.history else 0, dtype=torch.long)
 
+    # Rows of the pools, any number at once (the batched cache ops use these directly): ring caches are addressed by
+    # (slot, position) pairs, compressed caches by (block table row, entry index). Pairs a write gives twice must
+    # bring equal values (a scatter keeps one of them, in no set order).
+
+    def window_rows(self, layer: int, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """fp32 entries [M, D] of the window of `layer` at (slot, position) pairs [M]."""
+        fmt, parts = self.windows[layer]
+        return _decode(fmt, [p[slots, positions % p.shape[1]] for p in parts])
+
+    def write_window_rows(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
+        """Store values [M, D] in the window of `layer` at (slot, position) pairs [M]."""
+        fmt, parts = self.windows[layer]
+        rows = positions % parts[0].shape[1]
+        for part, encoded in zip(parts, fmt.encode(values), strict=True):
+            part[slots, rows] = encoded
+
+    def _place(self, name: str, layer: int, tables: torch.Tensor, run: torch.Tensor,
+               index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block and row [M] of entries index [M] of the sequences whose block tables are rows run [M] of tables."""
+        _, ratio, _ = self.compressed[(name, layer)]
+        per_block = self.block_size // ratio
+        return tables[run, index // per_block], index % per_block
+
+    def entry_rows(self, name: str, layer: int, tables: torch.Tensor, run: torch.Tensor,
+                   index: torch.Tensor) -> torch.Tensor:
+        """fp32 compressed entries [M, D] at entry indices index [M] of the sequences of block tables tables[run]."""
+        fmt, _, parts = self.compressed[(name, layer)]
+        blocks, rows = self._place(name, layer, tables, run, index)
+        return _decode(fmt, [p[blocks, rows] for p in parts])
+
+    def write_entry_rows(self, name: str, layer: int, tables: torch.Tensor, run: torch.Tensor, index: torch.Tensor,
+                         values: torch.Tensor) -> None:
+        """Store compressed entries values [M, D] at entry indices index [M] of the sequences of tables[run]."""
+        fmt, _, parts = self.compressed[(name, layer)]
+        blocks, rows = self._place(name, layer, tables, run, index)
+        for part, encoded in zip(parts, fmt.encode(values), strict=True):
+            part[blocks, rows] = encoded
+
+    def partial_rows(self, layer: int, slots: torch.Tensor,
+                     positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv and gate [M, D] of the compressor of `layer` kept at (slot, position) pairs [M]."""
+        pool = self.partials[layer]
+        rows = positions % pool.shape[2]
+        return pool[0, slots, rows], pool[1, slots, rows]
+
+    def write_partial_rows(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
+                           gate: torch.Tensor) -> None:
+        """Keep kv and gate [M, D] for the compressor of `layer` at (slot, position) pairs [M]."""
+        pool = self.partials[layer]
+        rows = positions % pool.shape[2]
+        pool[0, slots, rows] = kv
+        pool[1, slots, rows] = gate
+
+    def history_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Compressed token ids [M] at (slot, position) pairs [M]."""
+        return self.history[slots, positions % self.history.shape[1]]
+
+    def write_history_rows(self, slots: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor) -> None:
+        """Keep compressed token ids [M] at (slot, position) pairs [M]."""
+        self.history[slots, positions % self.history.shape[1]] = ids
+
+    # One sequence's rows, through the above.
+
+    def _span(self, state: SequenceState, count: int, before: bool, ring: int | None = None) -> tuple:
+        """(slots, positions) [count] of the `count` positions just before the state's next token, or from it on;
+        with `ring`, only the last `ring` of them (the earlier ones share their rows)."""
+        first = state.num_tokens - count if before else state.num_tokens
+        positions = torch.arange(first, first + count, device=self.device)[-ring if ring else 0:]
+        return torch.full_like(positions, state.slot), positions
+
     def read_window(self, state: SequenceState, layer: int, count: int) -> torch.Tensor:
         """fp32 window entries [count, D] of `layer` at the `count` positions before the state's next token."""
-        fmt, parts = self.windows[layer]
-        positions = torch.arange(state.num_tokens - count, state.num_tokens, device=self.device)
-        return fmt.decode(*(p[state.slot, positions % p.shape[1]] for p in parts))
+        return self.window_rows(layer, *self._span(state, count, before=True))
 
     def write_window(self, state: SequenceState, layer: int, values: torch.Tensor, window: int) -> None:
         """Store a chunk's entries values [T, D] (positions from the state's next token on) in the ring, which
         holds the `window` (plus spare) latest positions (the spec sized it so)."""
-        fmt, parts = self.windows[layer]
-        size, end = parts[0].shape[1], state.num_tokens + values.shape[0]
-        values = values[max(0, values.shape[0] - size):]  # earlier ones would be overwritten within the chunk
-        rows = torch.arange(end - values.shape[0], end, device=self.device) % size
-        for part, encoded in zip(parts, fmt.encode(values), strict=True):
-            part[state.slot, rows] = encoded
+        slots, positions = self._span(state, values.shape[0], before=False, ring=self.windows[layer][1][0].shape[1])
+        self.write_window_rows(layer, slots, positions, values[values.shape[0] - positions.shape[0]:])
 
-    def _locate(self, state: SequenceState, name: str, layer: int, first: int, count: int) -> tuple:
-        _, ratio, _ = self.compressed[(name, layer)]
-        per_block = self.block_size // ratio
-        indices = torch.arange(first, first + count, device=self.device)
-        table = torch.tensor(state.block_table, dtype=torch.long, device=self.device)
-        return table[indices // per_block], indices % per_block
+    def _table(self, state: SequenceState, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.tensor([state.block_table], dtype=torch.long, device=self.device),
+                torch.zeros(count, dtype=torch.long, device=self.device))
 
     def write_entries(self, state: SequenceState, name: str, layer: int, first: int, values: torch.Tensor) -> None:
         """Store compressed entries values [E, D] at entry indices first .. first + E - 1."""
-        fmt, _, parts = self.compressed[(name, layer)]
-        blocks, rows = self._locate(state, name, layer, first, values.shape[0])
-        for part, encoded in zip(parts, fmt.encode(values), strict=True):
-            part[blocks, rows] = encoded
+        index = torch.arange(first, first + values.shape[0], device=self.device)
+        self.write_entry_rows(name, layer, *self._table(state, values.shape[0]), index, values)
 
     def read_entries(self, state: SequenceState, name: str, layer: int, count: int) -> torch.Tensor:
         """The first `count` compressed entries, fp32 [count, D]."""
-        fmt, _, parts = self.compressed[(name, layer)]
-        blocks, rows = self._locate(state, name, layer, 0, count)
-        return fmt.decode(*(p[blocks, rows] for p in parts))
-
-    def _ring_rows(self, ring: int, state: SequenceState, count: int, before: bool) -> torch.Tensor:
-        """Ring rows of `count` positions: those just before the state's next token, or from it on."""
-        first = state.num_tokens - count if before else state.num_tokens
-        return torch.arange(first, first + count, device=self.device) % ring
+        index = torch.arange(count, device=self.device)
+        return self.entry_rows(name, layer, *self._table(state, count), index)
 
     def read_partial(self, state: SequenceState, layer: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """kv and gate [count, D] of the `count` positions before the state's next token (its partial group)."""
-        pool = self.partials[layer]
-        rows = self._ring_rows(pool.shape[2], state, count, before=True)
-        return pool[0, state.slot, rows], pool[1, state.slot, rows]
+        return self.partial_rows(layer, *self._span(state, count, before=True))
 
     def write_partial(self, state: SequenceState, layer: int, kv: torch.Tensor, gate: torch.Tensor) -> None:
         """Keep kv and gate [T, D] of a chunk's tokens (positions from the state's next token on); the ring holds
         the latest `ratio - 1` (plus spare)."""
-        pool = self.partials[layer]
-        ring = pool.shape[2]
-        rows = self._ring_rows(ring, state, kv.shape[0], before=False)[-ring:]
-        pool[0, state.slot, rows] = kv[kv.shape[0] - rows.shape[0]:]
-        pool[1, state.slot, rows] = gate[gate.shape[0] - rows.shape[0]:]
+        slots, positions = self._span(state, kv.shape[0], before=False, ring=self.partials[layer].shape[2])
+        kept = kv.shape[0] - positions.shape[0]
+        self.write_partial_rows(layer, slots, positions, kv[kept:], gate[kept:])
 
     def read_history(self, state: SequenceState, count: int) -> torch.Tensor:
         """The compressed token ids of the `count` positions before the state's next token."""
-        return self.history[state.slot, self._ring_rows(self.history.shape[1], state, count, before=True)]
+        return self.history_rows(*self._span(state, count, before=True))
 
     def write_history(self, state: SequenceState, ids: torch.Tensor) -> None:
         """Keep the compressed ids [T] of a chunk's tokens (positions from the state's next token on)."""
-        ring = self.history.shape[1]
-        rows = self._ring_rows(ring, state, ids.shape[0], before=False)[-ring:]
-        self.history[state.slot, rows] = ids[ids.shape[0] - rows.shape[0]:]
+        slots, positions = self._span(state, ids.shape[0], before=False, ring=self.history.shape[1])
+        self.write_history_rows(slots, positions, ids[ids.shape[0] - positions.shape[0]:])
 
     def nbytes(self) -> int:
         """Bytes the pools hold."""

@@ -4,11 +4,17 @@ A forward runs over the flat concatenation of one chunk of tokens from each of s
 that attend, pool or hash across tokens need to know where each chunk lies, at which positions, and where the
 sequence's caches from earlier forwards live: its slot and block table in a `PagedCache` (dsl/cache.py), or,
 for a state made without one, tensors of its own (dsl/unpaged_cache.py).
+
+When every sequence of a forward lives in the same pools (the engine's case), `ForwardContext.paged` describes the
+whole batch as tensors, and the cache ops read and write every chunk at once with a few tensor ops whatever the
+number of sequences; otherwise they go chunk by chunk.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -53,8 +59,25 @@ class Chunk:
         return slice(self.start, self.start + self.length)
 
 
+def to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor of host ints on `device`, copied without waiting for the device's queued work."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
+
+
+def segments(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For runs of counts[i] items laid end to end (`total` their sum, known to the host: no sync), each item's run
+    and its index within the run: ([total], [total])."""
+    run = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts, output_size=total)
+    begin = torch.cumsum(counts, 0) - counts
+    return run, torch.arange(total, device=counts.device) - begin[run]
+
+
 class ForwardContext:
-    """One forward's layout: chunks, absolute positions [N], and which rows need logits."""
+    """One forward's layout: chunks, absolute positions [N], and which rows need logits.
+
+    As host ints: `starts` (each chunk's first position) and `lengths`; as tensors on the device: `chunk_starts`,
+    `chunk_lengths`, `chunk_rows` (each chunk's first row) [B] and `row_chunks` [N] (each row's chunk).
+    """
 
     def __init__(self, states: list[SequenceState], lengths: list[int], device: torch.device | str = "cpu",
                  logit_rows: torch.Tensor | None = None) -> None:
@@ -64,12 +87,72 @@ class ForwardContext:
             self.chunks.append(Chunk(state, start, length))
             start += length
         self.num_tokens = start
-        self.positions = torch.cat(
-            [torch.arange(c.start_pos, c.start_pos + c.length, dtype=torch.long) for c in self.chunks]
-        ).to(device) if self.chunks else torch.zeros(0, dtype=torch.long, device=device)
+        self.device = torch.device(device)
+        self.starts = [c.start_pos for c in self.chunks]
+        self.lengths = [c.length for c in self.chunks]
+        meta = torch.tensor([self.starts, self.lengths, [c.start for c in self.chunks]], dtype=torch.long)
+        meta = meta.reshape(3, len(self.chunks))
+        run = torch.repeat_interleave(torch.arange(len(self.chunks)), meta[1], output_size=start)
+        self.positions = (torch.arange(start) + (meta[0] - meta[2])[run]).to(self.device, non_blocking=True)
+        self.chunk_starts, self.chunk_lengths, self.chunk_rows = meta.to(self.device, non_blocking=True)
+        self.row_chunks = run.to(self.device, non_blocking=True)
         self.logit_rows = logit_rows
+        self._memo: dict = {}
+
+    def memo(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """`make()`, once per forward for each `key`: the index tensors every layer of a kind shares."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+    @property
+    def compute_per_chunk(self) -> bool:
+        """Whether the ops that compute over caches (the indexer's scores, the compressor's pooling, the reference
+        attention) go chunk by chunk: on the CPU, whose results (and the fixtures made from them) come from per-chunk
+        calls that a batched GEMM or softmax would round differently; elsewhere they run on the whole batch."""
+        return self.device.type == "cpu"
+
+    @cached_property
+    def paged(self) -> PagedBatch | None:
+        """The batch in its pools when every sequence has a slot of the same `PagedCache` (distinct slots), else
+        None. Read by the cache ops during the forward, before `commit`."""
+        states = [c.state for c in self.chunks]
+        cache = states[0].cache if states else None
+        if cache is None or any(s.cache is not cache for s in states) or len({s.slot for s in states}) < len(states):
+            return None
+        return PagedBatch(self, cache)
 
     def commit(self) -> None:
         """Advance every sequence past the tokens of this forward; call once, after the forward."""
         for c in self.chunks:
             c.state.num_tokens += c.length
+
+
+class PagedBatch:
+    """A forward's sequences in one `PagedCache`: `slots` [B] and block tables `tables` [B, W] (zero-padded rows) on
+    the pools' device, beside the context's layout (`ctx`)."""
+
+    def __init__(self, ctx: ForwardContext, cache: PagedCache) -> None:
+        self.ctx, self.cache = ctx, cache
+        states = [c.state for c in ctx.chunks]
+        self.slots = to_device([s.slot for s in states], cache.device)
+        width = max([1, *(len(s.block_table) for s in states)])
+        self.tables = to_device([s.block_table + [0] * (width - len(s.block_table)) for s in states], cache.device)
+
+    def ring_targets(self, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where to store the forward's N rows in a ring of `ring` positions per slot: the slots [N] and which row of
+        the values each takes [N]. Where two tokens of a chunk share a ring row, both take the later one's values,
+        so one scatter of all N rows writes the same values in any order."""
+        def make() -> tuple[torch.Tensor, torch.Tensor]:
+            ctx = self.ctx
+            rows = torch.arange(ctx.num_tokens, device=ctx.device)
+            left = ctx.chunk_rows[ctx.row_chunks] + ctx.chunk_lengths[ctx.row_chunks] - 1 - rows  # [N] rows after it
+            return self.slots[ctx.row_chunks], rows + left // ring * ring
+        return self.ctx.memo(("ring", ring), make)
+
+    def before(self, counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The last counts[i] positions before chunk i's first token, chunk after chunk (`total` in all): their
+        chunks, slots and positions, each [total]."""
+        run, index = segments(counts, total)
+        positions = self.ctx.chunk_starts[run] - counts[run] + index
+        return run, self.slots[run], positions

@@ -1,36 +1,132 @@
-"""Sliding-window caches and sparse attention with a sink over window plus selected compressed entries."""
+"""Sliding-window caches and sparse attention with a sink over window plus selected compressed entries.
+
+The cache ops read and write every chunk of a forward at once when its sequences share pools (`ctx.paged`), else
+chunk by chunk. Either way they hand the attention a `CacheView`.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from dsl.context import ForwardContext, segments, to_device
 from dsl.ops.registry import op
 from dsl.tensor import TensorType, context
 
+if TYPE_CHECKING:
+    from dsl.cache import PagedCache
+
 
 @dataclass
-class CacheView:
-    """A per-chunk view of a cache after this forward's writes: keys [L_i, D] and, for windows, positions [L_i]."""
+class PagedEntries:
+    """Where a compressed cache's entries lie: cache (`name`, `layer`) of `cache`, chunk i's under block table row i
+    of `tables` [B, W]."""
 
-    keys: list[torch.Tensor]
-    positions: list[torch.Tensor] | None = None
+    cache: PagedCache
+    name: str
+    layer: int
+    tables: torch.Tensor
+
+    def rows(self, run: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """fp32 entries [M, D]: entry index[m] of chunk run[m]."""
+        return self.cache.entry_rows(self.name, self.layer, self.tables, run, index)
+
+
+class CacheView:
+    """A cache after this forward's writes, as attention and the indexer read it: per chunk i, L_i keys [L_i, D] and,
+    for windows, their positions, consecutive from first[i].
+
+    Three forms: per-chunk lists (`CacheView(keys, positions)`); flat, chunk after chunk (`values` [sum L_i, D], as
+    the batched window ops make it); or, for a paged compressed cache, only where the entries lie (`paged`), read and
+    decoded when asked for: `rows` then reads only the entries wanted. `keys`, `positions`, `flat` and `rows` serve
+    every form. `length` and `first_t` [B] are device copies of `lengths` and `first`, when the maker has them.
+    """
+
+    def __init__(self, keys: list[torch.Tensor] | None = None, positions: list[torch.Tensor] | None = None, *,
+                 values: torch.Tensor | None = None, lengths: list[int] | None = None, first: list[int] | None = None,
+                 length: torch.Tensor | None = None, first_t: torch.Tensor | None = None,
+                 paged: PagedEntries | None = None) -> None:
+        self._keys, self._positions, self._values, self.paged = keys, positions, values, paged
+        self.lengths = lengths if lengths is not None else [k.shape[0] for k in keys]
+        if first is None and positions is not None:
+            first = [int(p[0]) if p.numel() else 0 for p in positions]
+        self.first, self.length, self.first_t = first, length, first_t
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Per chunk: keys [L_i, D]."""
+        if self._keys is None:
+            self._keys = list(self.flat().split(self.lengths))
+        return self._keys
+
+    @property
+    def positions(self) -> list[torch.Tensor] | None:
+        """Per chunk: positions [L_i] (a window's), on the CPU; None for a compressed cache."""
+        if self._positions is None and self.first is not None:
+            self._positions = [torch.arange(f, f + n) for f, n in zip(self.first, self.lengths, strict=True)]
+        return self._positions
+
+    def layout(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per chunk [B] on `device`: L_i, the offset of its rows in `flat()`, and its first position (0 if none)."""
+        if self.length is None:
+            self.length = to_device(self.lengths, device)
+        if self.first_t is None:
+            self.first_t = to_device(self.first or [0] * len(self.lengths), device)
+        return self.length, torch.cumsum(self.length, 0) - self.length, self.first_t
+
+    def flat(self) -> torch.Tensor:
+        """Every chunk's keys, chunk after chunk: [sum L_i, D]."""
+        if self._values is None:
+            if self.paged is not None:
+                length, _, _ = self.layout(self.paged.tables.device)
+                self._values = self.paged.rows(*segments(length, sum(self.lengths)))
+            else:
+                self._values = torch.cat(self._keys)
+        return self._values
+
+    def rows(self, run: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """Keys [M, D]: entry index[m] of chunk run[m], for 0 <= index[m] < L_i; where L_i is 0, any row."""
+        if self.paged is not None and self._values is None:
+            return self.paged.rows(run, index)
+        _, offset, _ = self.layout(run.device)
+        flat = self.flat()
+        return flat[(offset[run] + index).clamp(max=flat.shape[0] - 1)]
 
 
 def _cache_type(x: TensorType, **attrs) -> tuple[TensorType]:
     return (TensorType((context, x.shape[-1]), "cache"),)
 
 
-def _window_view(kv: torch.Tensor, layer: int, window: int, ctx) -> CacheView:
+def _window_view(kv: torch.Tensor, layer: int, window: int, ctx: ForwardContext) -> CacheView:
     """Per chunk: the last `window - 1` entries the window of `layer` holds before it, then the chunk's kv [N, D]."""
-    keys, positions = [], []
-    for c in ctx.chunks:
-        new, kept = kv[c.rows], min(c.start_pos, window - 1)
-        full = torch.cat([c.state.storage.read_window(c.state, layer, kept).to(new.device), new]) if kept else new
-        keys.append(full)
-        positions.append(torch.arange(c.start_pos + c.length - full.shape[0], c.start_pos + c.length))
-    return CacheView(keys, positions)
+    kept = [min(s, window - 1) for s in ctx.starts]
+    lengths = [k + n for k, n in zip(kept, ctx.lengths, strict=True)]
+    first = [s - k for s, k in zip(ctx.starts, kept, strict=True)]
+    batch = ctx.paged
+    if batch is None:
+        keys = []
+        for c, k in zip(ctx.chunks, kept, strict=True):
+            new = kv[c.rows]
+            keys.append(torch.cat([c.state.storage.read_window(c.state, layer, k).to(new.device), new]) if k else new)
+        return CacheView(keys, lengths=lengths, first=first)
+    length, first_t, slots, positions, kept_rows, new_rows = ctx.memo(("window", window),
+                                                                      lambda: _window_layout(ctx, window, sum(kept)))
+    values = kv.new_empty(sum(lengths), kv.shape[-1], dtype=torch.promote_types(kv.dtype, torch.float32))
+    values[kept_rows] = batch.cache.window_rows(layer, slots, positions).to(values.device)
+    values[new_rows] = kv.to(values.dtype)
+    return CacheView(values=values, lengths=lengths, first=first, length=length, first_t=first_t)
+
+
+def _window_layout(ctx: ForwardContext, window: int, total_kept: int) -> tuple[torch.Tensor, ...]:
+    """The batched window view's index tensors, shared by every window of size `window`: per chunk [B] its length
+    and first position; per kept entry [total_kept] its slot, position and row in the view; per token [N] its row."""
+    kept = ctx.chunk_starts.clamp(max=window - 1)
+    length, first = kept + ctx.chunk_lengths, ctx.chunk_starts - kept
+    base = torch.cumsum(length, 0) - length - first  # [B]: row of position 0 in each chunk's part of the view
+    run, slots, positions = ctx.paged.before(kept, total_kept)
+    return length, first, slots, positions, base[run] + positions, base[ctx.row_chunks] + ctx.positions
 
 
 @op("kv_window_append", _cache_type, uses_context=True)
@@ -48,8 +144,13 @@ def kv_window_append(kv: torch.Tensor, *, layer: int, window: int, ctx) -> Cache
 def kv_window_store(kv: torch.Tensor, *, layer: int, window: int, ctx) -> None:
     """Store each chunk's kv [N, D] in its sequence's window of `layer` (the cache keeps the last `window - 1`
     entries) without attending: DSpark's main keys, which the draft layers read later."""
-    for c in ctx.chunks:
-        c.state.storage.write_window(c.state, layer, kv[c.rows], window)
+    batch = ctx.paged
+    if batch is None:
+        for c in ctx.chunks:
+            c.state.storage.write_window(c.state, layer, kv[c.rows], window)
+        return
+    slots, rows = batch.ring_targets(batch.cache.windows[layer][1][0].shape[1])
+    batch.cache.write_window_rows(layer, slots, ctx.positions, kv[rows])
 
 
 @op("kv_window_block", _cache_type, uses_context=True)
@@ -62,14 +163,64 @@ def kv_window_block(kv: torch.Tensor, *, layer: int, window: int, ctx) -> CacheV
 @op("cache_append", _cache_type, uses_context=True)
 def cache_append(entries, *, layer: int, name: str, ctx) -> CacheView:
     """Append new compressed entries (Ragged) to each sequence's `name` cache of `layer`; view the whole cache."""
-    keys = []
-    for c, new, first in zip(ctx.chunks, entries.split(), entries.first, strict=True):
-        storage = c.state.storage
-        if new.shape[0]:
-            storage.write_entries(c.state, name, layer, first, new)
-        whole = storage.read_entries(c.state, name, layer, first + new.shape[0]).to(new.device) if first else new
-        keys.append(whole)
-    return CacheView(keys)
+    lengths = [f + n for f, n in zip(entries.first, entries.counts, strict=True)]
+    batch = ctx.paged
+    if batch is None:
+        keys = []
+        for c, new, first in zip(ctx.chunks, entries.split(), entries.first, strict=True):
+            storage = c.state.storage
+            if new.shape[0]:
+                storage.write_entries(c.state, name, layer, first, new)
+            whole = storage.read_entries(c.state, name, layer, first + new.shape[0]).to(new.device) if first else new
+            keys.append(whole)
+        return CacheView(keys, lengths=lengths)
+    length, run, index = ctx.memo(("entries", tuple(entries.first), tuple(entries.counts)),
+                                  lambda: _entries_layout(entries, ctx.device))
+    if entries.values.shape[0]:
+        batch.cache.write_entry_rows(name, layer, batch.tables, run, index, entries.values)
+    return CacheView(lengths=lengths, length=length, paged=PagedEntries(batch.cache, name, layer, batch.tables))
+
+
+def _entries_layout(entries, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per chunk [B] its cache's length after the append; per new entry [E] its chunk and entry index."""
+    counts, first = to_device(entries.counts, device), to_device(entries.first, device)
+    run, index = segments(counts, entries.values.shape[0])
+    return first + counts, run, first[run] + index
+
+
+def visible_entries(window: CacheView, compressed: CacheView | None, topk: torch.Tensor | None, *, window_size: int,
+                    ctx: ForwardContext, dtype: torch.dtype, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each token attends to, as one pool of keys and per-token entry lists: (kv [P, D] in `dtype`, idx int64
+    [N, S], -1 = none). A token sees the window entries whose positions lie in (pos - window_size, pos], oldest
+    first (a contiguous run of at most `window_size`; with `causal` False its chunk's whole view), then its picks
+    `topk` [N, K] (-1 = none) in order.
+
+    The compressed entries come in whole (every chunk's cache) or only as picked (one row per token and pick),
+    whichever is smaller."""
+    dev, run = ctx.device, ctx.row_chunks
+    length, offset, first = window.layout(dev)
+    if causal:
+        oldest, newest = torch.maximum(ctx.positions - window_size + 1, first[run]), ctx.positions  # [N]
+    else:
+        oldest, newest, window_size = first[run], (first + length - 1)[run], max(window.lengths, default=0)
+    seen = oldest[:, None] + torch.arange(window_size, device=dev)  # [N, window_size] positions
+    lists = [torch.where(seen <= newest[:, None], (offset - first)[run][:, None] + seen, -1)]
+    pools = [window.flat().to(dtype)]
+    total = sum(compressed.lengths) if compressed is not None and topk is not None else 0
+    if total:
+        picks = topk.to(dev)  # [N, K]
+        entries, entry_offset, _ = compressed.layout(dev)
+        valid = (picks >= 0) & (entries[run] > 0)[:, None]
+        base = pools[0].shape[0]
+        if compressed.paged is not None and picks.numel() < total:
+            pools.append(compressed.rows(run[:, None].expand_as(picks).reshape(-1), picks.clamp(min=0).reshape(-1)))
+            slots = torch.arange(picks.numel(), device=dev).reshape(picks.shape)
+            lists.append(torch.where(valid, base + slots, -1))
+        else:
+            pools.append(compressed.flat())
+            lists.append(torch.where(valid, base + entry_offset[run][:, None] + picks, -1))
+        pools[1] = pools[1].to(dtype)
+    return torch.cat(pools), torch.cat(lists, dim=1)
 
 
 def _attention_type(q: TensorType, *rest, **attrs) -> tuple[TensorType]:
@@ -85,6 +236,13 @@ def sparse_attention(q: torch.Tensor, window: CacheView, sink: torch.Tensor, com
     softmax denominator only. With `causal` False every key of the window view is visible to every query of the
     chunk (a DSpark draft block). Returns fp32 [N, H, D]."""
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    if not ctx.compute_per_chunk:
+        kv, idx = visible_entries(window, compressed, topk, window_size=window_size, ctx=ctx, dtype=torch.float32,
+                                  causal=causal)
+        for begin in range(0, q.shape[0], ATTENTION_ROWS):  # keys gathered for a block of queries: bounded memory
+            rows = slice(begin, begin + ATTENTION_ROWS)
+            out[rows] = _attend(q[rows].float(), kv[idx[rows].clamp(min=0)], idx[rows] >= 0, sink, scale)
+        return out
     for i, c in enumerate(ctx.chunks):
         qc = q[c.rows].float()  # [T, H, D]
         qpos = ctx.positions[c.rows]
@@ -105,3 +263,16 @@ def sparse_attention(q: torch.Tensor, window: CacheView, sink: torch.Tensor, com
         probs = torch.softmax(full - full.amax(-1, keepdim=True), dim=-1)[..., :-1]
         out[c.rows] = torch.einsum("hts,sd->thd", probs, kv)
     return out
+
+
+ATTENTION_ROWS = 512
+
+
+def _attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """Queries q [T, H, D] each over their own keys [T, S, D] (present where mask [T, S]), the sink logit sink [H] in
+    the denominator: fp32 [T, H, D]. The batched form of the per-chunk loop above."""
+    logits = torch.einsum("thd,tsd->ths", q, keys) * scale
+    logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+    full = torch.cat([logits, sink.float()[None, :, None].expand(q.shape[0], -1, 1)], dim=-1)
+    probs = torch.softmax(full - full.amax(-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.einsum("ths,tsd->thd", probs, keys)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from dsl.context import ForwardContext, PagedBatch, segments
 from dsl.ops.registry import op
 from dsl.ragged import Ragged
 from dsl.tensor import TensorType, num_entries
@@ -18,6 +19,11 @@ def _entries_type(kv: TensorType, *rest, **attrs) -> tuple[TensorType]:
     return (TensorType((num_entries, kv.shape[-1]), "entries"),)
 
 
+def _pool(groups: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """Entries [G, D] of groups [G, ratio, D], weighted by the softmax over each group of gates [G, ratio, D]."""
+    return (groups * gates.softmax(dim=1)).sum(dim=1)
+
+
 @op("compress_pool", _entries_type, uses_context=True)
 def compress_pool(kv: torch.Tensor, gate: torch.Tensor | None = None, *, layer: int, ratio: int, ctx) -> Ragged:
     """Pool kv [N, D] in groups of `ratio` tokens, weighted by the softmax over the group of gate [N, D].
@@ -25,25 +31,60 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor | None = None, *, layer: 
     Ratio 1 passes every token through (no gate). Returns the completed entries (fp32, pre-norm and pre-rope)
     of each sequence, with their absolute entry indices.
     """
-    values, counts, first = [], [], []
+    first = [s // ratio for s in ctx.starts]
+    counts = [(s % ratio + n) // ratio for s, n in zip(ctx.starts, ctx.lengths, strict=True)]
+    if ratio == 1:
+        return Ragged(kv.float(), counts, first)
+    if ctx.paged is not None:
+        return Ragged(_pool_batch(kv.float(), gate.float(), layer, ratio, ctx, ctx.paged, sum(counts)), counts, first)
+    values = []
     for c in ctx.chunks:
-        storage, done, pending = c.state.storage, c.start_pos // ratio, c.start_pos % ratio
-        ckv = kv[c.rows].float()
-        if ratio == 1:
-            pooled = ckv
-        else:
-            cgate = gate[c.rows].float()
-            if pending:
-                kept_kv, kept_gate = storage.read_partial(c.state, layer, pending)
-            storage.write_partial(c.state, layer, ckv, cgate)
-            if pending:
-                ckv, cgate = torch.cat([kept_kv.to(ckv.device), ckv]), torch.cat([kept_gate.to(ckv.device), cgate])
-            usable = ckv.shape[0] // ratio * ratio
-            groups = ckv[:usable].reshape(-1, ratio, ckv.shape[-1])
-            weights = cgate[:usable].reshape(-1, ratio, ckv.shape[-1]).softmax(dim=1)
-            pooled = (groups * weights).sum(dim=1)
-        values.append(pooled)
-        counts.append(pooled.shape[0])
-        first.append(done)
-    flat = torch.cat(values) if values else kv.new_zeros(0, kv.shape[-1], dtype=torch.float32)
-    return Ragged(flat, counts, first)
+        storage, pending = c.state.storage, c.start_pos % ratio
+        ckv, cgate = kv[c.rows].float(), gate[c.rows].float()
+        if pending:
+            kept_kv, kept_gate = storage.read_partial(c.state, layer, pending)
+        storage.write_partial(c.state, layer, ckv, cgate)
+        if pending:
+            ckv, cgate = torch.cat([kept_kv.to(ckv.device), ckv]), torch.cat([kept_gate.to(ckv.device), cgate])
+        usable = ckv.shape[0] // ratio * ratio
+        values.append(_pool(ckv[:usable].reshape(-1, ratio, ckv.shape[-1]),
+                            cgate[:usable].reshape(-1, ratio, ckv.shape[-1])))
+    return Ragged(torch.cat(values) if values else kv.new_zeros(0, kv.shape[-1], dtype=torch.float32), counts, first)
+
+
+def _pool_batch(kv: torch.Tensor, gate: torch.Tensor, layer: int, ratio: int, ctx: ForwardContext,
+                batch: PagedBatch, total: int) -> torch.Tensor:
+    """`compress_pool` of every chunk at once: read the partial groups, store the chunks' rows, pool the `total`
+    completed groups. kv, gate [N, D] fp32 -> [total, D]."""
+    cache = batch.cache
+    ring = cache.partials[layer].shape[2]
+    slots, positions, source = ctx.memo(("pool", ratio), lambda: _pool_layout(ctx, batch, ratio, total))
+    kept_kv, kept_gate = cache.partial_rows(layer, slots, positions)  # [P, D], read before this forward's rows land
+    slots, rows = batch.ring_targets(ring)
+    cache.write_partial_rows(layer, slots, ctx.positions, kv[rows], gate[rows])
+    groups, gates = torch.cat([kv, kept_kv.to(kv.device)])[source], torch.cat([gate, kept_gate.to(kv.device)])[source]
+    if not ctx.compute_per_chunk:
+        return _pool(groups, gates)
+    # The CPU's softmax rounds by the size of its input: pool each chunk's groups in a call of their own.
+    pooled, begin = kv.new_empty(total, kv.shape[-1]), 0
+    for s, length in zip(ctx.starts, ctx.lengths, strict=True):
+        end = begin + (s % ratio + length) // ratio
+        if end > begin:
+            pooled[begin:end] = _pool(groups[begin:end], gates[begin:end])
+        begin = end
+    return pooled
+
+
+def _pool_layout(ctx: ForwardContext, batch: PagedBatch, ratio: int,
+                 total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the partial groups lie (slots, positions [P]) and, for the `total` completed groups, the rows [G, ratio]
+    of their members in the forward's rows followed by the P kept ones."""
+    pending = ctx.chunk_starts % ratio
+    _, slots, positions = batch.before(pending, sum(s % ratio for s in ctx.starts))
+    # Group k of chunk c holds positions (first_c + k) * ratio + m: kept rows before the chunk, then its own rows.
+    run, k = segments((pending + ctx.chunk_lengths) // ratio, total)
+    start, kept_offset = ctx.chunk_starts[run, None], (torch.cumsum(pending, 0) - pending)[run, None]
+    grouped = start - pending[run, None] + k[:, None] * ratio + torch.arange(ratio, device=ctx.device)  # [G, ratio]
+    source = torch.where(grouped < start, ctx.num_tokens + kept_offset + grouped - (start - pending[run, None]),
+                         ctx.chunk_rows[run, None] + grouped - start)
+    return slots, positions, source

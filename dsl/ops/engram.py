@@ -16,6 +16,8 @@ def _ngrams_type(ids: TensorType, token_map: TensorType, *, n: int, **attrs) -> 
 def engram_ngrams(ids: torch.Tensor, token_map: torch.Tensor, *, n: int, pad_id: int, ctx) -> torch.Tensor:
     """For each token, the compressed ids of tokens p, p - 1, ..., p - n + 1 ([N, n] int64); positions before
     the sequence start get `pad_id`. Keeps each sequence's compressed ids (the last n - 1 at least) for later forwards."""
+    if ctx.paged is not None:
+        return _ngrams_batch(token_map[ids.long()], n, pad_id, ctx)
     out = torch.empty(ids.shape[0], n, dtype=torch.long, device=ids.device)
     for c in ctx.chunks:
         known = min(c.start_pos, n - 1)
@@ -27,6 +29,25 @@ def engram_ngrams(ids: torch.Tensor, token_map: torch.Tensor, *, n: int, pad_id:
             out[c.rows, shift] = seq[n - 1 - shift : n - 1 - shift + c.length]
         c.state.storage.write_history(c.state, mapped)
     return out
+
+
+def _ngrams_batch(mapped: torch.Tensor, n: int, pad_id: int, ctx) -> torch.Tensor:
+    """`engram_ngrams` of every chunk at once, from the compressed ids mapped [N]: one gather from the chunks' ids,
+    the history read from the pools and the pad, then the chunks' ids stored."""
+    batch, rows = ctx.paged, ctx.num_tokens
+    known = ctx.chunk_starts.clamp(max=n - 1)
+    _, slots, positions = batch.before(known, sum(min(s, n - 1) for s in ctx.starts))
+    history = batch.cache.history_rows(slots, positions).to(mapped.device)  # [K], read before the chunks' ids land
+    source = torch.cat([mapped.long(), history.long(), torch.full((1,), pad_id, device=mapped.device)])
+    shift = torch.arange(n, device=ctx.device)
+    wanted = ctx.positions[:, None] - shift  # [N, n] positions
+    run = ctx.row_chunks[:, None]
+    start, known_offset = ctx.chunk_starts[run], (torch.cumsum(known, 0) - known)[run]
+    in_history = torch.where(wanted >= 0, rows + known_offset + wanted - (start - known[run]), source.shape[0] - 1)
+    index = torch.where(wanted >= start, torch.arange(rows, device=ctx.device)[:, None] - shift, in_history)
+    slots, targets = batch.ring_targets(batch.cache.history.shape[1])
+    batch.cache.write_history_rows(slots, ctx.positions, mapped[targets])
+    return source[index]
 
 
 def _hash_type(ngrams: TensorType, *, primes: tuple, **attrs) -> tuple[TensorType]:

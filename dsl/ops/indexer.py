@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dsl.context import to_device
 from dsl.ops.attention import CacheView
 from dsl.ops.registry import op
 from dsl.tensor import TensorType, context
@@ -20,8 +21,13 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: CacheView, *, rat
     Entries not yet complete at the query's position ((p + 1) // ratio <= s) score -inf. Returns fp32
     [N, C] with C the longest cache of the batch; rows of shorter caches are padded with -inf.
     """
-    width = max((k.shape[0] for k in keys.keys), default=0)
-    out = torch.full((q.shape[0], width), float("-inf"), dtype=torch.float32, device=q.device)
+    width = max(keys.lengths, default=0)
+    out = torch.full((q.shape[0] + 1, width), float("-inf"), dtype=torch.float32, device=q.device)
+    if not ctx.compute_per_chunk:
+        groups = ctx.memo(("scores", ratio, tuple(keys.lengths)), lambda: _score_layout(ctx, keys.lengths, ratio))
+        for rows, safe, run, index, hidden in groups:
+            _score_group(out, rows, safe, keys.rows(run, index), hidden, q, weights)
+        return out[:-1]
     heads, dim = q.shape[1], q.shape[2]
     for i, c in enumerate(ctx.chunks):
         k = keys.keys[i].float()  # [L, d]
@@ -31,7 +37,45 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: CacheView, *, rat
         w = weights[c.rows].float() * heads**-0.5
         scores = (s * w.unsqueeze(-1)).sum(dim=1)  # [T, L]
         out[c.rows, : k.shape[0]] = mask_incomplete(scores, ctx.positions[c.rows], ratio)
+    return out[:-1]
+
+
+def _score_layout(ctx, entries: list[int], ratio: int) -> list[tuple[torch.Tensor, ...]]:
+    """The chunks with entries in groups, each computed as one batched GEMM padded to its longest chunk (T tokens)
+    and cache (L entries). Chunks go by the powers of two just above their token and entry counts, so a group does
+    at most 4x the work of its chunks. Per group of G: the rows [G, T] of its tokens (N for padding), the same
+    clamped to real rows, which entry each key column reads ([G * L] chunk, index) and what scores -inf [G, T, L]:
+    padding and entries not yet complete at the token's position."""
+    buckets: dict[tuple[int, int], list[int]] = {}
+    for i, (t, e) in enumerate(zip(ctx.lengths, entries, strict=True)):
+        if e:
+            buckets.setdefault(((t - 1).bit_length(), (e - 1).bit_length()), []).append(i)
+    out = []
+    for chunks in buckets.values():
+        group, dev = to_device(chunks, ctx.device), ctx.device
+        length, cached = ctx.chunk_lengths[group], to_device([entries[i] for i in chunks], dev)  # [G]
+        t = torch.arange(max(ctx.lengths[i] for i in chunks), device=dev)
+        s = torch.arange(max(entries[i] for i in chunks), device=dev)
+        rows = torch.where(t < length[:, None], ctx.chunk_rows[group, None] + t, ctx.num_tokens)  # [G, T]
+        safe = rows.clamp(max=ctx.num_tokens - 1)
+        index = torch.minimum(s, (cached - 1)[:, None])  # [G, L]
+        visible = torch.minimum((ctx.positions[safe] + 1) // ratio, cached[:, None])  # [G, T]
+        out.append((rows, safe, group[:, None].expand_as(index).reshape(-1), index.reshape(-1),
+                    s >= visible[..., None]))
     return out
+
+
+def _score_group(out: torch.Tensor, rows: torch.Tensor, safe: torch.Tensor, keys: torch.Tensor, hidden: torch.Tensor,
+                 q: torch.Tensor, weights: torch.Tensor) -> None:
+    """Scores of a group of G chunks (`_score_layout`) in one batched GEMM of queries [G, T * H, d] by keys
+    [G, L, d], written to their rows of out [N + 1, C] (padding rows go to the last)."""
+    (groups, tokens), heads, dim = rows.shape, q.shape[1], q.shape[2]
+    k = keys.float().reshape(groups, -1, dim)  # [G, L, d]
+    scores = torch.matmul(q[safe].float().reshape(groups, tokens * heads, dim), k.transpose(1, 2))
+    scores = scores.relu_().reshape(groups, tokens, heads, -1) * dim**-0.5  # [G, T, H, L]
+    w = weights[safe].float() * heads**-0.5  # [G, T, H]
+    scores = (scores * w.unsqueeze(-1)).sum(dim=2)  # [G, T, L]
+    out[rows, : k.shape[1]] = scores.masked_fill(hidden, float("-inf"))
 
 
 def mask_incomplete(scores: torch.Tensor, positions: torch.Tensor, ratio: int) -> torch.Tensor:

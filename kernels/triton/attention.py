@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from dsl.ops.attention import visible_entries
 from kernels.launch import launch
 from kernels.triton.lang import tl, triton
 
@@ -88,7 +89,8 @@ def sparse_attention_combine_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, H: tl.c
 
 def default_config(num_tokens: int, heads: int, head_dim: int, num_sms: int = 132) -> dict:
     """One program per token and 16 heads; few tokens split the entries too (a fixed count per bucket), so the
-    GPU has work: the split is chosen per token-count bucket, so batch-invariant runs must fix it."""
+    GPU has work. The parts' sizes follow the batch's widest entry list, so a token's result can change with its
+    neighbours: batch-invariant runs take a config's whole form, split_kv 1 (graphs/lowering.py)."""
     block_d = triton.next_power_of_2(head_dim)
     programs = num_tokens * triton.cdiv(heads, 16)
     split = 1
@@ -144,34 +146,13 @@ def gather_indices(window, compressed, topk: torch.Tensor | None, *, window_size
                    dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
     """The DSL's cache views as one key pool and per-token entry lists: (kv [P, D], idx int32 [N, S]).
 
-    `window` and `compressed` are `dsl.ops.attention.CacheView`s (per chunk: keys, and positions for the
-    window), `topk` [N, K] the selected compressed entries (-1 = none). A token sees the window entries whose
-    positions lie in (pos - window_size, pos], a contiguous run of at most `window_size`, then its picks.
+    `window` and `compressed` are `dsl.ops.attention.CacheView`s, `topk` [N, K] the selected compressed entries
+    (-1 = none). A token sees the window entries whose positions lie in (pos - window_size, pos], a contiguous run of
+    at most `window_size`, then its picks (`dsl.ops.attention.visible_entries`: a few tensor ops for any batch; the
+    pools' entries are decoded as they are gathered).
     """
-    dev = window.keys[0].device if window.keys else ctx.positions.device
-    pools, lists, offset = [], [], 0
-    span = torch.arange(window_size, device=dev)
-    for i, c in enumerate(ctx.chunks):
-        keys, pos = window.keys[i], window.positions[i].to(dev)
-        qpos = ctx.positions[c.rows].to(dev)
-        first = torch.searchsorted(pos, qpos - window_size + 1)  # the oldest visible entry
-        j = first[:, None] + span[None, :]  # [L, window_size]
-        last = torch.searchsorted(pos, qpos, right=True)  # one past the newest visible entry
-        parts = [torch.where(j < last[:, None], j + offset, -1)]
-        pools.append(keys)
-        offset += keys.shape[0]
-        if compressed is not None and topk is not None and compressed.keys[i].shape[0]:
-            picks = topk[c.rows].to(dev)
-            parts.append(torch.where(picks >= 0, picks + offset, -1))
-            pools.append(compressed.keys[i])
-            offset += compressed.keys[i].shape[0]
-        lists.append(torch.cat(parts, dim=1))
-    width = max((x.shape[1] for x in lists), default=0)
-    idx = torch.full((ctx.num_tokens, width), -1, dtype=torch.int32, device=dev)
-    for c, x in zip(ctx.chunks, lists, strict=True):
-        idx[c.rows, : x.shape[1]] = x.to(torch.int32)
-    kv = torch.cat([p.to(dtype) for p in pools]) if pools else torch.empty(0, 0, dtype=dtype, device=dev)
-    return kv.contiguous(), idx
+    kv, idx = visible_entries(window, compressed, topk, window_size=window_size, ctx=ctx, dtype=dtype)
+    return kv.contiguous(), idx.to(torch.int32)
 
 
 def sparse_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=None, topk: torch.Tensor | None = None,
