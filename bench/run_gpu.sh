@@ -23,7 +23,8 @@ export DEEPINFER_RESULTS_DIR=$OUT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 SECONDS=0
-[ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -m gpu -q -p no:cacheprovider -n "${JOBS:-4}" -rs tests \
+[ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -m gpu -q -p no:cacheprovider -n "${JOBS:-4}" -rs tests/kernels tests/test_gpu_*.py \
+    tests/test_paged_batched.py tests/test_autotune.py \
     > "$OUT/pytest.log" 2>&1
 echo "pytest -m gpu: rc=$? in ${SECONDS}s"; grep -sE "passed|failed|error" "$OUT/pytest.log" | tail -3
 grep -sE "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20

@@ -62,20 +62,43 @@ def _softplus(x: torch.Tensor, beta: float = 1.0, threshold: float = 20.0) -> to
     return torch.where(x * beta > threshold, x, torch.log1p(torch.exp(x * beta)) / beta)
 
 
+def _sum(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`sum`; on a GPU over one dim, in a fixed order: a tree of elementwise adds (zeros padding the dim to a power
+    of two add exactly). CUDA's reduction kernels split a row's sum by how many rows there are, so a row's bits
+    would follow the batch; the CPU's reductions over the last dim were found invariant as they are."""
+    if x.device.type == "cpu" or not isinstance(dim, int):
+        return torch.sum(x, dim, keepdim, dtype=dtype) if dim is not None else torch.sum(x, dtype=dtype)
+    x = (x if dtype is None else x.to(dtype)).movedim(dim, -1)
+    width = 1 << max(0, x.shape[-1] - 1).bit_length()
+    x = torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x.movedim(-1, dim) if keepdim else x.squeeze(-1)
+
+
+def _mean(x: torch.Tensor, dim=None, keepdim: bool = False, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`mean` through `_sum`."""
+    if x.device.type == "cpu" or not isinstance(dim, int):
+        return torch.mean(x, dim, keepdim, dtype=dtype) if dim is not None else torch.mean(x, dtype=dtype)
+    return _sum(x, dim, keepdim, dtype=dtype) / x.shape[dim]
+
+
 def _softmax(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None, **kwargs) -> torch.Tensor:
     x = x if dtype is None else x.to(dtype)
     e = torch.exp(x - x.amax(dim, keepdim=True))
-    return e / e.sum(dim, keepdim=True)
+    return e / _sum(e, dim, keepdim=True)
 
 
 class InvariantElementwise(TorchFunctionMode):
     """Within it, sigmoid, silu, softplus and softmax are computed from functions whose bits do not depend on the
-    tensor's size."""
+    tensor's size, and on a GPU sums and means over a dim in a fixed order (`_sum`)."""
 
     REPLACEMENTS: ClassVar[dict[Callable, Callable]] = {
         torch.sigmoid: _sigmoid, torch.Tensor.sigmoid: _sigmoid, torch.nn.functional.silu: _silu,
         torch.nn.functional.softplus: _softplus, torch.softmax: _softmax, torch.Tensor.softmax: _softmax,
-        torch.nn.functional.softmax: _softmax,
+        torch.nn.functional.softmax: _softmax, torch.sum: _sum, torch.Tensor.sum: _sum, torch.mean: _mean,
+        torch.Tensor.mean: _mean,
     }
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -5,8 +5,9 @@
 `graphs.launcher`, never compiled again). `forward` and `step` match `CompiledModel`'s.
 
 `step(..., batch_invariant=True)` runs every kernel node with its plan's batch-invariant config (graphs/plan.py)
-and the reference nodes whose picks depend on the batch's widths (the indexer's block and top-k selection) with
-the cpu target's stable-order versions (deepinfer/batch_invariant.py), which are plain torch on any device. The
+and the reference nodes whose picks depend on the batch's widths (the indexer's block and top-k selection), or whose
+sums CUDA splits by size (Engram's gate, the compressor's pooling), with the cpu target's invariant versions
+(deepinfer/batch_invariant.py), which are plain torch on any device. The
 indexer's scores, and its key projection over the compressed entries, still run as torch references whose rounding
 can follow the batch: they only choose entries, so a row can differ only where two entries' scores tie that closely.
 """
@@ -26,7 +27,11 @@ from kernels.launch import use_launcher
 
 # Reference nodes that run batch-invariant versions: with ties, or a row width set by the batch's longest cache,
 # torch's top-k picks (and their order, which is the attention's summation order) can change with the batch.
-INVARIANT_REFERENCES = {"candidate_blocks": invariant.candidate_blocks, "topk_select": invariant.topk_select}
+# Engram's gate and the compressor's pooling reduce over a dim with torch, whose CUDA kernels split a row's sum by
+# the tensor's size: their invariant versions sum in a fixed order (bench/invariance_probe.py found them).
+INVARIANT_REFERENCES = {"candidate_blocks": invariant.candidate_blocks, "topk_select": invariant.topk_select,
+                        "engram_gate": invariant.KERNELS["engram_gate"],
+                        "compress_pool": invariant.KERNELS["compress_pool"]}
 # The draft blocks' attention, which the kernel does not serve: all of a forward's blocks of one view length at once.
 DRAFT_REFERENCES = {"sparse_attention": invariant.sparse_attention}
 

@@ -50,12 +50,15 @@ class Executor:
         return self.formatted[key]
 
     def run(self, inputs: dict[str, Any], ctx, batch_invariant: bool = False,
-            references: dict[str, Callable] | None = None) -> dict[str, Any]:
+            references: dict[str, Callable] | None = None,
+            trace: Callable[[int, tuple], None] | None = None) -> dict[str, Any]:
+        """The graph's outputs. `references` replaces nodes' reference implementations by op name; `trace(index,
+        outputs)` sees every node's outputs as they are made (bench/invariance_probe.py)."""
         graph = self.graph
         references = references or {}
         env: dict = {value: inputs[name] for name, value in graph.inputs.items()}
         env |= {value: self.params[name] for name, value in graph.params.items()}
-        for node, entry in zip(graph.nodes, self.plan.nodes, strict=True):
+        for index, (node, entry) in enumerate(zip(graph.nodes, self.plan.nodes, strict=True)):
             opdef = OPS[node.op]
             args = [None if v is None else env[v] for v in node.inputs]
             if entry.template and isinstance(args[0], (torch.Tensor, Ragged)):
@@ -65,6 +68,8 @@ class Executor:
                 result = references.get(node.op, opdef.reference)(*args, **kwargs)
             if opdef.num_outputs == 1:
                 result = (result,)
+            if trace is not None:
+                trace(index, result)
             for value, r in zip(node.outputs, result, strict=True):
                 env[value] = r
         return {name: env[v] for name, v in graph.outputs.items()}

@@ -84,3 +84,19 @@ def test_invariant_logits_stay_within_bf16_tolerance_of_the_reference(sm90_model
     got, want = logits.cpu().numpy().reshape(o["full_logits"].shape), o["full_logits"]
     assert rel_l2(got, want) < 2.5e-2  # the bf16 scale of test_gpu_targets: ~1.5e-2, 96-98% argmax agreement
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
+
+
+@pytest.mark.gpu
+def test_engram_and_compressed_layers_decode_alike_one_token_or_a_block_per_step() -> None:
+    """DSpark verification feeds a decoding sequence 1 to 6 tokens a step: on the trained checkpoint (Engram, and
+    compressed layers whose pooling reduces with torch on the GPU) the logits match one token a step, and batches."""
+    import deepinfer
+    from deepinfer.default_model import trained_model
+
+    model = deepinfer.compile(trained_model(), target="sm90")
+    ids = torch.randint(4, 8192, (50,), generator=torch.Generator().manual_seed(0)).tolist()
+
+    def step(batch):
+        return model.step(batch, all_logits=True, batch_invariant=True)
+
+    check_invariance(step, ids[:46], ids[46:50], batches=[5], chunkings=[[30] + [4] * 4, [30] + [1] * 16])
