@@ -193,33 +193,36 @@ def sparse_attention(q: torch.Tensor, window: CacheView, sink: torch.Tensor, com
     if n == 0:
         return out
     lengths = torch.tensor([c.length for c in ctx.chunks], device=dev)
-    pool = torch.cat([k.float() for k in window.keys]).to(dev)  # every chunk's view, chunk after chunk
-    sizes = torch.tensor([k.shape[0] for k in window.keys], device=dev)
+    pool = window.flat().float().to(dev)  # every chunk's view, chunk after chunk
+    sizes = torch.tensor(window.lengths, device=dev)
     offset = torch.repeat_interleave(torch.cumsum(sizes, 0) - sizes, lengths)  # [N]: each query's view in the pool
     if not causal:
-        for size in sorted(set(sizes.tolist())):
+        for size in sorted(set(window.lengths)):
             rows = torch.cat([torch.arange(c.start, c.start + c.length, device=dev)
-                              for c, k in zip(ctx.chunks, window.keys, strict=True) if k.shape[0] == size])
+                              for c, length in zip(ctx.chunks, window.lengths, strict=True) if length == size])
             index = offset[rows, None] + torch.arange(size, device=dev)
             out[rows] = _attend(q[rows], pool[index], torch.ones(index.shape, dtype=torch.bool, device=dev), sink,
                                 scale)
         return out
-    first = torch.repeat_interleave(torch.tensor([int(p[0]) for p in window.positions], device=dev), lengths)
+    first = torch.repeat_interleave(torch.tensor(window.first, device=dev), lengths)
     wanted = ctx.positions.to(dev)[:, None] - window_size + 1 + torch.arange(window_size, device=dev)  # [N, W]
     index = offset[:, None] + (wanted - first[:, None]).clamp(min=0)  # [N, W] rows of the pool
     mask = wanted >= 0
-    if compressed is not None and topk is not None:  # the picks index the entries, appended to the pool
-        counts = torch.tensor([e.shape[0] for e in compressed.keys], device=dev)
-        base = pool.shape[0] + torch.repeat_interleave(torch.cumsum(counts, 0) - counts, lengths)[:, None]
-        zero_row = pool.shape[0] + int(counts.sum())
-        pool = torch.cat([pool, *(e.float().to(dev) for e in compressed.keys), pool.new_zeros(1, pool.shape[-1])])
+    picked = None
+    if compressed is not None and topk is not None:  # only the picked entries are read
         picks = topk.to(dev)
-        none = (picks < 0) | (torch.repeat_interleave(counts, lengths)[:, None] == 0)
-        index = torch.cat([index, torch.where(none, zero_row, base + picks.clamp(min=0))], dim=1)  # [N, W + K]
+        present = (picks >= 0) & (torch.tensor(compressed.lengths, device=dev)[ctx.row_chunks.to(dev), None] > 0)
+        picked = torch.zeros(*picks.shape, pool.shape[-1], device=dev)  # absent picks: zero keys, masked
+        if bool(present.any()):
+            run = ctx.row_chunks.to(dev)[:, None].expand_as(picks)
+            picked[present] = compressed.rows(run[present], picks[present]).float().to(dev)
         mask = torch.cat([mask, picks >= 0], dim=1)
     for start in range(0, n, ATTENTION_ROWS):  # keys gathered a block of queries at a time: bounded memory
         rows = slice(start, min(n, start + ATTENTION_ROWS))
-        out[rows] = _attend(q[rows], pool[index[rows]], mask[rows], sink, scale)
+        keys = pool[index[rows]]  # [T, W, D]
+        if picked is not None:
+            keys = torch.cat([keys, picked[rows]], dim=1)  # [T, W + K, D]
+        out[rows] = _attend(q[rows], keys, mask[rows], sink, scale)
     return out
 
 
