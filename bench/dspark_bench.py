@@ -8,7 +8,8 @@ training (train/README.md), so acceptance reflects text the drafter has not memo
 same requests (greedy, batch-invariant, so the outputs are identical and checked to be); it reports per-position
 acceptance, mean tokens per verifying step and tokens/s (whole `generate` call, after a warm-up). Confidence
 scheduling ("confidence k/budget") proposes k drafts a step and is run at several verification budgets (tokens per
-step for all running requests). A batch of b runs
+step for all running requests); `--regex` constrains every request (structured outputs drafting under the grammar's
+masks). A batch of b runs
 max(b, --min-requests) requests, b at a time, so a batch of 1 is not one prompt's luck.
 """
 
@@ -23,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "deepinfer" / "checkpoints" / "v41-tiny-stdlib"
 
@@ -55,10 +56,11 @@ def prompts_from_stdlib(count: int) -> list[str]:
 
 
 def run_mode(model: str, speculative: dict | None, prompts: list[str], batch: int, max_tokens: int,
-             device_kwargs: dict) -> dict:
+             device_kwargs: dict, regex: str | None = None) -> dict:
     llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=max(512, 8 * batch),
               speculative_config=speculative, **device_kwargs)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    constraint = StructuredOutputsParams(regex=regex) if regex else None
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, structured_outputs=constraint)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -88,6 +90,7 @@ def main() -> None:
     ap.add_argument("--confidence-drafts", default="5", help="drafts proposed per step under confidence scheduling")
     ap.add_argument("--device", default="cpu", help="where the cpu target's torch code runs (cuda: the H200)")
     ap.add_argument("--target", default="cpu", help="compile target (sm90: the Hopper kernels; --device is then moot)")
+    ap.add_argument("--regex", default=None, help="constrain every request to this regex (structured outputs)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results = []
@@ -104,7 +107,7 @@ def main() -> None:
         reference = None
         for name, spec in modes:
             where = {"device": args.device} if args.target == "cpu" else {"target": args.target}
-            r = run_mode(args.model, spec, prompts, batch, args.max_tokens, where)
+            r = run_mode(args.model, spec, prompts, batch, args.max_tokens, where, args.regex)
             outputs = r.pop("outputs")
             reference = reference or outputs
             r.update(batch=batch, mode=name, same_as_off=outputs == reference)

@@ -45,6 +45,21 @@ def trained():
     return LLM(trained_model(), max_num_seqs=8), LLM(trained_model(), max_num_seqs=8, speculative_config=DRAFTING)
 
 
+@pytest.mark.parametrize("drafts", [1, 2, 3])
+def test_a_grammar_ending_at_the_last_draft_ends_the_request_there(trained, drafts: int) -> None:
+    """Short static blocks often end the grammar at their last draft: that draft is dropped, so the stop token
+    is the step's last token and nothing follows it (ignore_eos: only the grammar's end stops the request)."""
+    off = trained[0]
+    on = LLM(trained_model(), max_num_seqs=8,
+             speculative_config={"num_speculative_tokens": drafts, "schedule": "static"})
+    prompts = ["def f(x):\n", "class Stack:\n    def pop(self):\n", "def run(self):\n", "import os\n"]
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True,
+                            structured_outputs=_so(regex=r"( {4}[^\n]{0,70}\n){2}"))
+    want, got = off.generate(prompts, params, use_tqdm=False), on.generate(prompts, params, use_tqdm=False)
+    for w, g in zip(want, got, strict=True):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids and g.outputs[0].finish_reason == "stop"
+
+
 def test_constrained_drafting_on_the_trained_checkpoint(trained) -> None:
     """Same tokens as without drafts, valid, ended by the grammar (ignore_eos or not), and drafts accepted."""
     off, on = trained

@@ -135,6 +135,11 @@ class Drafter:
                                         s.prompt_token_ids, self.eos_token_ids))
             previous = torch.tensor([d[-1] if d else outputs[-1] for d, (_, _, outputs) in zip(drafts, rows)],
                                     device=device)
+        if fill_next is not None:  # the last draft may end the constraint too: nothing may follow it either
+            allowed = as_allowed(fill_next(samples, drafts), logits.shape[-1])
+            for r, d in enumerate(drafts):
+                if allowed is not None and live[r] and d and not allowed[r].any():
+                    d.pop()
         return [Proposal(d, c[: len(d)]) for d, c in zip(drafts, confidences.tolist(), strict=True)]
 
 
