@@ -33,7 +33,8 @@ class Caches:
     def copies(self, context: SequenceState, n: int) -> list[SequenceState]:
         """n sequences holding `context`'s caches, in slots 2 .. n + 1."""
         if self.cache is None:  # `UnpagedCache` keeps a tensor per cache
-            return [SequenceState(num_tokens=context.num_tokens, caches={k: v.clone() for k, v in context.caches.items()})
+            return [SequenceState(num_tokens=context.num_tokens,
+                                  caches={k: v.clone() for k, v in context.caches.items()})
                     for _ in range(n)]
         c, states = self.cache, [self.fresh(2 + i) for i in range(n)]
         rings = [p for _, parts in c.windows.values() for p in parts] + [c.history]

@@ -75,5 +75,9 @@ def rope(x: torch.Tensor, *, params: RopeParams, rope_dim: int, inverse: bool = 
 @op("rope_entries", same_as_first)
 def rope_entries(x: Ragged, *, params: RopeParams, rope_dim: int, ratio: int) -> Ragged:
     """Rotate compressed entries at their group's first position: entry j of ratio r sits at j * r."""
-    positions = torch.cat([torch.arange(f, f + n, dtype=torch.long) for f, n in zip(x.first, x.counts, strict=True)])
-    return x.replace(rotate(x.values, positions.to(x.values.device) * ratio, params, rope_dim, inverse=False))
+    counts = torch.tensor(x.counts, dtype=torch.long)
+    offsets = torch.tensor(x.first, dtype=torch.long) - (torch.cumsum(counts, 0) - counts)  # entry index - row
+    total = x.values.shape[0]
+    positions = torch.arange(total) + torch.repeat_interleave(offsets, counts, output_size=total)
+    return x.replace(rotate(x.values, positions.to(x.values.device, non_blocking=True) * ratio, params, rope_dim,
+                            inverse=False))

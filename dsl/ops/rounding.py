@@ -7,6 +7,8 @@ skipped when it is not a multiple of the block (small test configs).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dsl.ops.registry import op, same_as_first
@@ -28,19 +30,26 @@ def pow2_ceil(t: torch.Tensor) -> torch.Tensor:
     return torch.exp2(k.float())
 
 
+@functools.cache
+def _fp4_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per device, once: the thresholds between e2m1 codes and the code -> value grid (16 codes, sign in bit 3).
+    A value on a midpoint belongs to the upper code only when that keeps the code even."""
+    mids = torch.tensor(_FP4_MIDPOINTS, dtype=torch.float32)
+    tie_up = torch.tensor(_FP4_TIE_UP)
+    thresholds = torch.where(tie_up, mids, torch.nextafter(mids, torch.full_like(mids, float("inf"))))
+    grid = torch.tensor(FP4_GRID + tuple(-v for v in FP4_GRID), dtype=torch.float32)
+    return thresholds.to(device), grid.to(device)
+
+
 def fp4_codes(q: torch.Tensor) -> torch.Tensor:
     """e2m1 codes (uint8, sign in bit 3) of fp32 values already clamped to [-6, 6]."""
-    mids = torch.tensor(_FP4_MIDPOINTS, dtype=torch.float32, device=q.device)
-    tie_up = torch.tensor(_FP4_TIE_UP, device=q.device)
-    # A value on a midpoint belongs to the upper code only when that keeps the code even.
-    thresholds = torch.where(tie_up, mids, torch.nextafter(mids, torch.full_like(mids, float("inf"))))
+    thresholds, _ = _fp4_tables(q.device)
     codes = (q.abs().unsqueeze(-1) >= thresholds).sum(-1).to(torch.uint8)
     return codes | (torch.signbit(q).to(torch.uint8) << 3)
 
 
 def fp4_values(codes: torch.Tensor) -> torch.Tensor:
-    grid = torch.tensor(FP4_GRID + tuple(-v for v in FP4_GRID), dtype=torch.float32, device=codes.device)
-    return grid[codes.long()]
+    return _fp4_tables(codes.device)[1][codes.long()]
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor | None:
