@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer import batch_invariant as invariant
+from deepinfer.compiled import CompiledModel
 from deepinfer.config import DeepseekV41Config
 from dsl.context import ForwardContext, SequenceState
 from dsl.graph import Graph
@@ -128,12 +129,7 @@ class GpuCompiledModel:
             out = executor.run({"input_ids": ids}, ctx, batch_invariant, references)
         return out["hidden"], out["logits"]
 
-    def rollback(self, state: SequenceState, num_tokens: int, spare: int) -> None:
-        """Take back the tokens of `state` from `num_tokens` on, at most `spare` (what its caches' rings keep)."""
-        if not state.num_tokens - spare <= num_tokens <= state.num_tokens:
-            raise ValueError(f"cannot take a sequence of {state.num_tokens} tokens back to {num_tokens}: at most "
-                             f"{spare} tokens can be taken back")
-        state.num_tokens = num_tokens
+    rollback = CompiledModel.rollback
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, vocab] (fp32) of B fresh sequences of T tokens each."""
