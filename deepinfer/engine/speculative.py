@@ -7,6 +7,8 @@ and always gains the target's token after them. Output is therefore exactly what
 greedy or seeded, whenever the logits of a position do not depend on how many tokens a forward holds (the engine's
 batch-invariant mode). The rejected positions are taken back (`CompiledModel.rollback`), and the draft layers
 propose the next drafts from the last token, each sampled with the same sampler and the noise of its position.
+With a token constraint (structured outputs) each verified position is sampled under its own mask row, and drafts
+are proposed under the constraint's masks and never past its end.
 """
 
 from __future__ import annotations
