@@ -8,8 +8,9 @@
 and the reference nodes whose picks depend on the batch's widths (the indexer's block and top-k selection), or whose
 sums CUDA splits by size (Engram's gate, the compressor's pooling), with the cpu target's invariant versions
 (deepinfer/batch_invariant.py), which are plain torch on any device. The
-indexer's scores, and its key projection over the compressed entries, still run as torch references whose rounding
-can follow the batch: they only choose entries, so a row can differ only where two entries' scores tie that closely.
+indexer's scores run on their kernel (kernels/triton/indexer.py), whose order is fixed per entry; its key projection
+over the compressed entries still runs as a torch reference whose rounding can follow the batch: the keys only choose
+entries, so a row can differ only where two entries' scores tie that closely.
 """
 
 from __future__ import annotations

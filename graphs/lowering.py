@@ -18,6 +18,7 @@ import torch
 
 import kernels.triton.attention as attention
 import kernels.triton.hyper as hyper
+import kernels.triton.indexer as indexer
 import kernels.triton.linear as linear
 import kernels.triton.moe as moe
 import kernels.triton.rms_norm as rms_norm
@@ -312,10 +313,36 @@ SPARSE_ATTENTION = Lowering("sparse_attention", _attention_static, lambda st: {2
                             _attention_trace, lambda st, m: attention.default_config(m, st["h"], st["d"]),
                             lambda config: dict(config, split_kv=1))
 
+
+# ---- the indexer's scores ----------------------------------------------------------------------------------------
+
+def _scores_static(node: Node, params: Params) -> dict | None:
+    t = node.inputs[0].type
+    if t is None or t.rank != 3 or t.shape[0] != num_tokens:
+        return None
+    return {"h": int(t.shape[1]), "d": int(t.shape[2])}
+
+
+def _scores_run(args, attrs, st, config, ctx, dot_fp32):
+    q, weights, keys = args
+    return indexer.index_scores_op(q, weights, keys, ratio=attrs["ratio"], ctx=ctx, config=config, dot_fp32=dot_fp32)
+
+
+def _scores_trace(st, attrs, config, m, dot_fp32):
+    dtype, pos = torch.float32 if dot_fp32 else torch.bfloat16, _meta(m, dtype=torch.int32)
+    indexer.index_scores(_meta(m, st["h"], st["d"], dtype=dtype), _meta(m, st["h"]), _meta(1, st["d"], dtype=dtype),
+                         pos, pos, pos, ratio=attrs["ratio"], width=1, config=config, dot_fp32=dot_fp32)
+
+
+# Every config is invariant: a token's entries run in blocks counted from its chunk's first, whatever the batch.
+INDEX_SCORES = Lowering("index_scores", _scores_static, lambda st: {}, _scores_run, _scores_trace,
+                        lambda st, m: indexer.default_config(m, st["h"], st["d"]))
+
 LOWERINGS: dict[str, Lowering] = {
     "linear": LINEAR, "grouped_linear": LINEAR, "rms_norm": RMS_NORM, "hc_mixes": HC_MIXES,
     "hc_collapse_rms_norm": HC_COLLAPSE_RMS_NORM, "hc_expand": HC_EXPAND, "moe_experts": MOE_EXPERTS,
     "swiglu": SWIGLU, "moe_gate": MOE_GATE, "sparse_attention": SPARSE_ATTENTION,
+    "index_scores": INDEX_SCORES,
 }
 
 __all__ = ["Lowering", "LOWERINGS"]

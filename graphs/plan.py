@@ -96,7 +96,7 @@ class Plan:
 def _template_hash(template: str) -> str:
     module = {"linear": "linear", "rms_norm": "rms_norm", "hc_mixes": "hyper", "hc_collapse_rms_norm": "hyper",
               "hc_expand": "hyper", "moe_experts": "moe", "sparse_attention": "attention", "swiglu": "linear",
-              "moe_gate": "linear"}[template]
+              "moe_gate": "linear", "index_scores": "indexer"}[template]
     return source_hash(importlib.import_module(f"kernels.triton.{module}"))
 
 

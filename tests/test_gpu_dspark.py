@@ -14,25 +14,35 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.default_model import trained_model
 from graphs import artifact
 from tests.test_dspark import check_lossless_and_accepts
+from tests.test_gpu_targets import run_python
 
 DRAFTING = {"method": "dspark", "num_speculative_tokens": 5}
 
 
+BUILD = """
+import deepinfer
+from deepinfer.default_model import trained_model
+model = trained_model()
+deepinfer.compile(model, "sm90", buckets=(16,), drafting=True).save({out!r})
+deepinfer.compile(model, "sm90", buckets=(16,)).save({plain!r})
+"""
+
+
 def test_a_drafting_artifact_holds_the_draft_plan(tmp_path) -> None:
+    """Built for real (a fresh process, no interpreter, an empty cubin cache), then read back here."""
+    out, plain = tmp_path / "drafting", tmp_path / "plain"
+    run_python(BUILD.format(out=str(out), plain=str(plain)), CUDA_VISIBLE_DEVICES="",
+               DEEPINFER_CACHE=str(tmp_path / "cache"))
+    assert json.loads((out / "manifest.json").read_text())["drafting"] is True
+    _, plan, _, _, draft_plan = artifact.read(out)
+    assert draft_plan is not None and draft_plan.kernel_nodes()
+    assert not any(n.template for n in draft_plan.nodes if n.op == "sparse_attention")  # the blocks: torch
     model = trained_model()
-    compiled = deepinfer.compile(model, "sm90", drafting=True)
-    assert compiled.draft_plan is not None and compiled.draft_plan.kernel_nodes()
-    assert not any(n.template for n in compiled.draft_plan.nodes if n.op == "sparse_attention")  # blocks: torch
-    compiled.save(tmp_path)
-    assert json.loads((tmp_path / "manifest.json").read_text())["drafting"] is True
-    draft_plan = artifact.read(tmp_path)[4]
-    assert draft_plan is not None and draft_plan.to_json() == compiled.draft_plan.to_json()
-    loaded = deepinfer.load(tmp_path, model)  # rebuilds both graphs and checks the plans against them
+    loaded = deepinfer.load(out, model)  # rebuilds both graphs and checks the plans against them
     assert loaded.draft_graph is not None and len(loaded.draft_graph.nodes) == len(draft_plan.nodes)
-    plain = deepinfer.compile(model, "sm90")
-    plain.save(tmp_path / "plain")
-    assert artifact.read(tmp_path / "plain")[4] is None
-    assert deepinfer.load(tmp_path / "plain", model).draft_graph is None
+    assert loaded.plan.to_json() == plan.to_json()
+    assert artifact.read(plain)[4] is None
+    assert deepinfer.load(plain, model).draft_graph is None
 
 
 @pytest.mark.gpu

@@ -5,6 +5,7 @@
     hyper.py      hyper-connection mixes (Sinkhorn), collapse + RMSNorm, stream update
     moe.py        routed experts: grouped GEMMs over fp4 (dequantized in registers) or bf16 weights
     attention.py  sparse attention with sink over gathered window + selected compressed entries
+    indexer.py    the sparse indexer's scores of queries against their chunk's compressed keys
 
 Each wrapper checks its inputs, allocates outputs, returns early on empty input and launches through
 `kernels.launch`; the DSL op of the same name (`dsl/ops`) is its reference. Tensors on the CPU run under
