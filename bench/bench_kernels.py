@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kernels.triton.attention as attention  # noqa: E402
 import kernels.triton.hyper as hyper  # noqa: E402
+import kernels.triton.indexer as indexer  # noqa: E402
 import kernels.triton.linear as linear  # noqa: E402
 import kernels.triton.moe as moe  # noqa: E402
 import kernels.triton.rms_norm as rms_norm  # noqa: E402
@@ -217,6 +218,29 @@ def bench_attention(tokens: list[int]) -> None:
                base="torch eager (gather+softmax)", base_us=base)
 
 
+def bench_indexer(tokens: list[int], entries: int = 2048) -> None:
+    """Decode: each token against its own sequence's `entries` compressed keys (8192 tokens at ratio 4)."""
+    h, d = 64, 128
+    for m in tokens:
+        q = torch.randn(m, h, d, device="cuda").bfloat16()
+        w = torch.randn(m, h, device="cuda")
+        keys = torch.randn(m * entries, d, device="cuda").bfloat16()
+        start = (torch.arange(m, device="cuda") * entries).int()
+        length = torch.full((m,), entries, dtype=torch.int32, device="cuda")
+        pos = torch.full((m,), 4 * entries + 3, dtype=torch.int32, device="cuda")
+        cfg = tuned("index_scores", {"h": h, "d": d}, m, indexer)
+
+        def torch_scores():
+            s = torch.einsum("thd,tld->thl", q.float(), keys.view(m, entries, d).float()).relu_() * d**-0.5
+            return (s * (w * h**-0.5)[..., None]).sum(1)
+
+        ours = time_us(lambda: indexer.index_scores(q, w, keys, start, length, pos, ratio=4, width=entries,
+                                                    config=cfg))
+        record("index_scores decode", f"T={m} H={h} D={d} L={entries}", ours,
+               nbytes=m * (entries * d * 2 + h * d * 2 + h * 4 + entries * 4), flops=2 * m * h * entries * d,
+               base="torch eager (einsum)", base_us=time_us(torch_scores))
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_results.json")
@@ -228,7 +252,7 @@ def main() -> int:
     print("device:", torch.cuda.get_device_name(), flush=True)
     tokens = [1, 16, 64]
     for part in (ceilings, lambda: bench_linear(tokens), bench_prefill_gemm, lambda: bench_norms([1, 64, 4096]),
-                 lambda: bench_moe(tokens), lambda: bench_attention(tokens)):
+                 lambda: bench_moe(tokens), lambda: bench_attention(tokens), lambda: bench_indexer(tokens)):
         try:
             part()
         except Exception as e:  # one failing family must not hide the others' numbers
