@@ -345,8 +345,7 @@ def run_path(path: str, model: DeepseekV41Flash, todo: list[Case], shared: dict,
             record(path, c, {"status": "skipped (budget)"}, args.out)
             continue
         try:
-            result = measure(step, c, shared["context"], caches, config.vocab_size, device,
-                             2.0 if path == "sm90" else 1.0)
+            result = measure(step, c, shared["context"], caches, config.vocab_size, device, 1.0 + (path == "sm90"))
             record(path, c, result | {"setup_s": ready_s, "rel_l2": float(f"{rel:.3g}")}, args.out)
         except torch.cuda.OutOfMemoryError as e:
             record(path, c, {"status": "OOM", "error": str(e)[:300]}, args.out)
