@@ -117,31 +117,28 @@ class Drafter:
         device = hidden.device
         previous = torch.tensor([outputs[-1] for _, _, outputs in rows], device=device)
         samples = [s for _, s, _ in rows]
-        for i in range(k):
+        for i in range(k + 1):  # the check after the last draft only drops it if it ends the constraint
+            allowed = as_allowed(fill_next(samples, drafts), logits.shape[-1]) if fill_next is not None else None
+            for r, d in enumerate(drafts):  # a row allowing nothing: its drafts end the constraint, or break it
+                if allowed is not None and live[r] and not allowed[r].any():
+                    live[r] = False
+                    if d:
+                        d.pop()
+            if i == k:
+                break
             emb, markov = self.head.markov(previous)
             confidences[:, i] = self.head.confidence(hidden[:, i], emb)
-            allowed = as_allowed(fill_next(samples, drafts), logits.shape[-1]) if fill_next is not None else None
             for r, (_, s, outputs) in enumerate(rows):
                 if not live[r]:
                     continue
                 row_logits = logits[r, i] + markov[r]
                 if allowed is not None:
-                    if not allowed[r].any():  # the drafts so far end the constraint, or break it
-                        live[r] = False
-                        if drafts[r]:
-                            drafts[r].pop()
-                        continue
                     row_logits = row_logits.masked_fill(~allowed[r], float("-inf"))
                 seen = outputs + drafts[r]
                 drafts[r].append(sample(row_logits, s.params, s.seed, len(s.prompt_token_ids) + len(seen), seen,
                                         s.prompt_token_ids, self.eos_token_ids))
             previous = torch.tensor([d[-1] if d else outputs[-1] for d, (_, _, outputs) in zip(drafts, rows)],
                                     device=device)
-        if fill_next is not None:  # the last draft may end the constraint too: nothing may follow it either
-            allowed = as_allowed(fill_next(samples, drafts), logits.shape[-1])
-            for r, d in enumerate(drafts):
-                if allowed is not None and live[r] and d and not allowed[r].any():
-                    d.pop()
         return [Proposal(d, c[: len(d)]) for d, c in zip(drafts, confidences.tolist(), strict=True)]
 
 
