@@ -34,6 +34,7 @@ if not torch.cuda.is_available() and "--build-artifact" not in sys.argv:  # the 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from slice_caches import Caches  # noqa: E402
+from slice_compile import compiled_kernels  # noqa: E402
 
 import deepinfer  # noqa: E402
 from deepinfer.config import DeepseekV41Config  # noqa: E402
@@ -182,16 +183,19 @@ def interpret_step(graph, params: dict, device: str, kernels: dict | None = None
     return step
 
 
-def sm90_step(model: DeepseekV41Flash, artifact: str | None, device: str):
-    """The sm90 target: the saved artifact (or a fresh compile) run by GpuCompiledModel; on a machine without a GPU,
-    the same plan through the executor with its Triton kernels under the interpreter."""
+def sm90_step(model: DeepseekV41Flash, artifact: str | None, device: str, cuda_graphs: bool = True):
+    """The sm90 target: the saved artifact (or a fresh compile) run by GpuCompiledModel, its static segments replayed
+    as CUDA graphs or not; on a machine without a GPU, the same plan through the executor with its Triton kernels
+    under the interpreter."""
     if device == "cuda":
         try:
             compiled = deepinfer.load(artifact, model) if artifact else None
         except (OSError, ValueError) as e:  # absent, or made from another graph: compile here (slower)
             print(f"artifact {artifact} not used ({e}); compiling", flush=True)
             compiled = None
-        return (compiled or deepinfer.compile(model, target="sm90")).step
+        compiled = compiled or deepinfer.compile(model, target="sm90")
+        compiled.cuda_graphs = cuda_graphs
+        return compiled.step
     from graphs.executor import Executor
     from graphs.plan import make_plan
 
@@ -207,52 +211,12 @@ def sm90_step(model: DeepseekV41Flash, artifact: str | None, device: str):
     return step
 
 
-_compiled_expert = None
-
-
-def compiled_moe_experts(x, weights, experts, w1, w2, w3, s1=None, s2=None, s3=None, *, limit: float):
-    """The `moe_experts` reference's loop (it syncs with the host to list the experts) with each expert's
-    dequantize-and-SwiGLU compiled."""
-    global _compiled_expert
-    if _compiled_expert is None:
-        _compiled_expert = torch.compile(
-            lambda xr, a, b, c, sa, sb, sc, wt: swiglu_expert(xr, weight_values(a, sa), weight_values(b, sb),
-                                                              weight_values(c, sc), limit, wt), dynamic=True)
-    x = x.float()
-    y = torch.zeros_like(x)
-    pick = (lambda s, e: None if s is None else s[e])  # noqa: E731
-    for e in torch.unique(experts).tolist():
-        rows, slot = torch.where(experts == e)
-        y[rows] += _compiled_expert(x[rows], w1[e], w2[e], w3[e], pick(s1, e), pick(s2, e), pick(s3, e),
-                                    weights[rows, slot, None])
-    return y
-
-
-def compiled_kernels(graph) -> dict:
-    """torch.compile per op (dynamic shapes) for the ops that are tensor functions; the ops that loop over sequences
-    or read the caches (`ctx`) stay eager. Calls with a ragged argument (compressed entries) run the reference."""
-    import torch._dynamo
-
-    dyn = torch._dynamo.config  # recompiles per op: 0/1-specialised sizes, expert-slice offsets, top-k widths
-    setattr(dyn, "recompile_limit" if hasattr(dyn, "recompile_limit") else "cache_size_limit", 64)
-    out = {}
-    for name in sorted({n.op for n in graph.nodes}):
-        opdef = OPS[name]
-        if opdef.uses_context or name in ("reshape", "broadcast_streams", "moe_experts"):
-            continue
-        # the function itself, not its Ragged-mapping wrapper: one code object shared by many ops recompiles per op
-        fn = torch.compile(getattr(opdef.reference, "__wrapped__", opdef.reference), dynamic=True)
-        out[name] = (lambda fn, ref: lambda *a, **kw: fn(*a, **kw) if all(
-            x is None or isinstance(x, torch.Tensor) for x in a) else ref(*a, **kw))(fn, opdef.reference)
-    out["moe_experts"] = compiled_moe_experts
-    return out
-
-
 # ---- measuring ------------------------------------------------------------------------------------------------------
 
 def measure(step, case: Case, context: SequenceState | None, caches: Caches, vocab: int, device: str,
             target_s: float) -> dict:
-    """Median µs of a step: one untimed warm-up, then as many runs as fit in about `target_s` (1 to 5)."""
+    """Median µs of a step: two untimed warm-ups (a first step at a token count, then the one that captures its CUDA
+    graphs), then as many runs as fit in about `target_s` (1 to 5)."""
     gen = torch.Generator().manual_seed(case.batch * 7919 + case.tokens)
     states = caches.copies(context, case.batch) if case.kind == "decode" else None
 
@@ -268,6 +232,7 @@ def measure(step, case: Case, context: SequenceState | None, caches: Caches, voc
         return time.perf_counter() - start
 
     first = run()
+    run()
     times = [run() for _ in range(max(1, min(5, int(target_s / max(first, 1e-6)))))]
     return {"us": 1e6 * statistics.median(times), "runs": len(times), "warmup_s": round(first, 3)}
 
@@ -288,7 +253,7 @@ def print_table(rows: list[dict], roofs: dict[str, dict], paths: list[str]) -> N
     head = f"{'case':24s} {'tokens':>6s}"
     for p in paths:
         head += f" {p + ' us':>12s} {'tok/s':>9s}"
-    head += f" {'roof us':>9s} {'bound':>7s} {'x eager':>7s} {'x compile':>9s} {'% roof':>6s}"
+    head += f" {'roof us':>9s} {'bound':>7s} {'x eager':>7s} {'x compile':>9s} {'% roof':>6s} {'x nogr':>7s}"
     print("\n" + head)
     for case, roof in roofs.items():
         line = f"{case:24s} {roof['tokens']:6d}"
@@ -299,7 +264,8 @@ def print_table(rows: list[dict], roofs: dict[str, dict], paths: list[str]) -> N
         ratio = lambda p: f"{by[(p, case)]['us'] / ours:.2f}" if ours and "us" in by.get((p, case), {}) else "-"  # noqa: E731
         bound = "memory" if roof["mem_us"] >= roof["compute_us"] else "compute"
         pct = f"{100 * roof['roof_us'] / ours:.1f}" if ours else "-"
-        line += f" {roof['roof_us']:9.1f} {bound:>7s} {ratio('eager'):>7s} {ratio('compile'):>9s} {pct:>6s}"
+        line += f" {roof['roof_us']:9.1f} {bound:>7s} {ratio('eager'):>7s} {ratio('compile'):>9s} {pct:>6s}" \
+                f" {ratio('sm90-nographs'):>7s}"
         print(line)
 
 
@@ -312,10 +278,10 @@ def build_artifact(path: str) -> None:
 
 
 def make_step(path: str, model: DeepseekV41Flash, artifact: str | None, device: str):
-    if path == "sm90":
-        return sm90_step(model, artifact, device)
+    if path in ("sm90", "sm90-nographs"):
+        return sm90_step(model, artifact, device, cuda_graphs=path == "sm90")
     if path not in ("eager", "compile"):
-        raise ValueError(f"unknown path {path!r}: sm90, eager or compile")
+        raise ValueError(f"unknown path {path!r}: sm90, sm90-nographs, eager or compile")
     cpu_target = deepinfer.compile(model, target="cpu")  # its params: float weights as fp32, quantized ones packed
     params = {k: v.to(device) for k, v in cpu_target.params.items()}
     return interpret_step(cpu_target.graph, params, device, compiled_kernels(cpu_target.graph)
@@ -360,7 +326,7 @@ def main() -> int:
     p.add_argument("--small", action="store_true", help="shrink every dimension (runs on a CPU in seconds)")
     p.add_argument("--out", help="write the rows as JSON here (after every measurement)")
     p.add_argument("--artifact", help="a saved sm90 artifact of the slice (else compiled here)")
-    p.add_argument("--paths", default="sm90,eager,compile", help="which of sm90, eager, compile to run, in order")
+    p.add_argument("--paths", default="sm90,eager,compile", help="which of sm90, sm90-nographs (no CUDA graphs), eager, compile to run, in order")
     p.add_argument("--cases", default="", help='only these, e.g. "decode B=1,prefill 1024" (default: all)')
     p.add_argument("--budget", type=float, default=300, help="seconds; measurements past it are skipped")
     p.add_argument("--unpaged", action="store_true", help="sequences keep caches of their own, not shared pools")

@@ -7,6 +7,7 @@
 #                                    benchmarks (BENCH_KERNELS=1: both); SLICE_PATHS, SLICE_CASES, SLICE_BUDGET (seconds)
 #                                    pass through. Carry artifacts/slice-sm90 (`python bench/bench_slice.py
 #                                    --build-artifact artifacts/slice-sm90`, no GPU needed) so the device compiles nothing.
+#   GPU_TESTS="tests/test_gpu_cuda_graphs.py ..." bash bench/run_gpu.sh   only those test files
 #   DSPARK=1 bash bench/run_gpu.sh   DSpark drafting on the trained checkpoint (bench/dspark_bench.py) on the sm90 target
 #                                    (DSPARK_TARGET, DSPARK_BATCHES, DSPARK_TOKENS) instead of the kernel benchmarks
 # Prebuilt artifacts (.prebuilt/smooth-{bf16,fp32}, compiled on a GPU-less machine and carried to the device: an
@@ -19,13 +20,13 @@ OUT=${OUT:-/tmp/deepinfer-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 [ -d .prebuilt ] && export DEEPINFER_ARTIFACTS=$PWD/.prebuilt
+[ -d .cubin-cache ] && export DEEPINFER_CACHE=$PWD/.cubin-cache  # cubins built here ahead of time (carried): no compile
 export DEEPINFER_RESULTS_DIR=$OUT
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 SECONDS=0
-[ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -m gpu -q -p no:cacheprovider -n "${JOBS:-4}" -rs tests/kernels tests/test_gpu_*.py \
-    tests/test_paged_batched.py tests/test_autotune.py \
-    > "$OUT/pytest.log" 2>&1
+[ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -m gpu -q -p no:cacheprovider -n "${JOBS:-4}" -rs ${GPU_TESTS:-tests/kernels tests/test_gpu_*.py \
+    tests/test_paged_batched.py tests/test_autotune.py} > "$OUT/pytest.log" 2>&1
 echo "pytest -m gpu: rc=$? in ${SECONDS}s"; grep -sE "passed|failed|error" "$OUT/pytest.log" | tail -3
 grep -sE "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
 for f in "$OUT"/e2e_*.json; do [ -f "$f" ] && echo "$(basename "$f" .json): $(cat "$f")"; done

@@ -15,6 +15,8 @@ entries, so a row can differ only where two entries' scores tie that closely.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from deepinfer import batch_invariant as invariant
@@ -44,8 +46,12 @@ class GpuCompiledModel:
 
     def __init__(self, config: DeepseekV41Config, graph: Graph, plan: Plan, specs: dict[str, dict],
                  cubins: dict[str, bytes], params: dict[str, torch.Tensor], model_dir: str | None = None,
-                 built: dict[str, Built] | None = None, draft: tuple[Graph, Plan] | None = None) -> None:
+                 built: dict[str, Built] | None = None, draft: tuple[Graph, Plan] | None = None,
+                 cuda_graphs: bool | None = None) -> None:
         self.config, self.graph, self.plan = config, graph, plan
+        if cuda_graphs is None:
+            cuda_graphs = os.environ.get("DEEPINFER_CUDA_GRAPHS", "1") != "0"
+        self._cuda_graphs = cuda_graphs
         self.target = plan.target
         self.specs, self.cubins, self.model_dir = specs, cubins, model_dir
         self.draft_graph, self.draft_plan = draft if draft is not None else (None, None)
@@ -54,6 +60,21 @@ class GpuCompiledModel:
         self._built = built
         self._executors = None
         self._launcher = None
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether steps of up to 256 tokens replay their static segments as CUDA graphs (graphs/capture.py): on by
+        default, `DEEPINFER_CUDA_GRAPHS=0` turns it off. Setting it drops any graphs captured so far."""
+        return self._cuda_graphs
+
+    @cuda_graphs.setter
+    def cuda_graphs(self, on: bool) -> None:
+        from graphs.capture import CudaGraphs
+
+        self._cuda_graphs = bool(on)
+        for executor in self._executors or ():
+            if executor is not None:
+                executor.cuda_graphs = CudaGraphs(executor.graph) if on else None
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
@@ -78,10 +99,11 @@ class GpuCompiledModel:
             from graphs.launcher import CubinLauncher
 
             self._launcher = CubinLauncher(self.specs, self.cubins)
-            main = Executor(self.graph, self.plan, self._host_params, "cuda")
+            main = Executor(self.graph, self.plan, self._host_params, "cuda", cuda_graphs=self._cuda_graphs)
             draft = None
             if self.draft_graph is not None:  # the same weights on the device, converted once for both
-                draft = Executor(self.draft_graph, self.draft_plan, main.params, "cuda", formatted=main.formatted)
+                draft = Executor(self.draft_graph, self.draft_plan, main.params, "cuda", formatted=main.formatted,
+                                 cuda_graphs=self._cuda_graphs)
             self._executors = (main, draft)
         return self._executors
 

@@ -15,6 +15,8 @@ The scale of a block is 2^ceil(log2(amax / qmax)) with amax clamped to a floor, 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 BLOCK = 32
@@ -117,10 +119,14 @@ def fp4_codes(x: torch.Tensor) -> torch.Tensor:
     return index | ((x < 0).to(torch.uint8) << 3)
 
 
+@functools.lru_cache(maxsize=8)
+def _fp4_grid(device: torch.device) -> torch.Tensor:
+    return torch.tensor(FP4_GRID, dtype=torch.float32, device=device)
+
+
 def fp4_values(codes: torch.Tensor) -> torch.Tensor:
     """fp32 values of e2m1 codes (uint8 in [0, 16))."""
-    grid = torch.tensor(FP4_GRID, dtype=torch.float32, device=codes.device)
-    mag = grid[(codes & 7).long()]
+    mag = _fp4_grid(codes.device)[(codes & 7).long()]
     return torch.where((codes & 8) != 0, -mag, mag)
 
 

@@ -17,14 +17,16 @@ import torch
 from dsl.graph import Graph
 from dsl.ops import OPS
 from dsl.ragged import Ragged
+from graphs.capture import CudaGraphs
 from graphs.lowering import LOWERINGS
 from graphs.plan import Plan
 
 
 class Executor:
     def __init__(self, graph: Graph, plan: Plan, params: dict[str, torch.Tensor], device: str | torch.device,
-                 formatted: dict[tuple[str, str], torch.Tensor] | None = None) -> None:
-        """`formatted`: another executor's converted weights, shared (a DSpark draft graph beside its model's)."""
+                 formatted: dict[tuple[str, str], torch.Tensor] | None = None, cuda_graphs: bool = False) -> None:
+        """`formatted`: another executor's converted weights, shared (a DSpark draft graph beside its model's).
+        `cuda_graphs`: replay the graph's static segments as CUDA graphs (graphs/capture.py)."""
         plan.check_graph(graph)
         self.graph, self.plan, self.device = graph, plan, torch.device(device)
         self.params = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
@@ -35,6 +37,7 @@ class Executor:
                 if v is not None and v.name in self.params:
                     self.param(v.name, fmt)
         self.kernel_calls = 0
+        self.cuda_graphs = CudaGraphs(graph) if cuda_graphs else None
 
     def param(self, name: str, fmt: str) -> torch.Tensor:
         key = (name, fmt)
@@ -53,26 +56,46 @@ class Executor:
             references: dict[str, Callable] | None = None,
             trace: Callable[[int, tuple], None] | None = None) -> dict[str, Any]:
         """The graph's outputs. `references` replaces nodes' reference implementations by op name; `trace(index,
-        outputs)` sees every node's outputs as they are made (bench/invariance_probe.py)."""
+        outputs)` sees every node's outputs as they are made (bench/invariance_probe.py), every node then eager."""
         graph = self.graph
         references = references or {}
         env: dict = {value: inputs[name] for name, value in graph.inputs.items()}
         env |= {value: self.params[name] for name, value in graph.params.items()}
-        for index, (node, entry) in enumerate(zip(graph.nodes, self.plan.nodes, strict=True)):
-            opdef = OPS[node.op]
-            args = [None if v is None else env[v] for v in node.inputs]
-            if entry.template and isinstance(args[0], (torch.Tensor, Ragged)):
-                result = self._kernel(node, entry, args, ctx, batch_invariant)
-            else:
-                kwargs = dict(node.attrs, ctx=ctx) if opdef.uses_context else node.attrs
-                result = references.get(node.op, opdef.reference)(*args, **kwargs)
-            if opdef.num_outputs == 1:
-                result = (result,)
+        forward = None
+        if self.cuda_graphs is not None and trace is None:
+            forward = self.cuda_graphs.begin(ctx, (batch_invariant, *sorted((k, id(f)) for k, f in references.items())))
+        index = 0
+        while index < len(graph.nodes):
+            segment = forward and self.cuda_graphs.at.get(index)
+            if segment:
+                def run_nodes(env: dict, ctx, segment=segment) -> None:
+                    for i in range(segment.start, segment.stop):
+                        self._node(i, env, ctx, batch_invariant, references)
+                forward.run(segment, env, run_nodes)
+                index = segment.stop
+                continue
+            result = self._node(index, env, ctx, batch_invariant, references)
             if trace is not None:
                 trace(index, result)
-            for value, r in zip(node.outputs, result, strict=True):
-                env[value] = r
-        return {name: env[v] for name, v in graph.outputs.items()}
+            index += 1
+        outputs = {name: env[v] for name, v in graph.outputs.items()}
+        return outputs if forward is None else forward.finish(outputs)
+
+    def _node(self, index: int, env: dict, ctx, batch_invariant: bool, references: dict[str, Callable]) -> tuple:
+        """Run node `index` over `env` (its outputs added to it); returns them."""
+        node, entry = self.graph.nodes[index], self.plan.nodes[index]
+        opdef = OPS[node.op]
+        args = [None if v is None else env[v] for v in node.inputs]
+        if entry.template and isinstance(args[0], (torch.Tensor, Ragged)):
+            result = self._kernel(node, entry, args, ctx, batch_invariant)
+        else:
+            kwargs = dict(node.attrs, ctx=ctx) if opdef.uses_context else node.attrs
+            result = references.get(node.op, opdef.reference)(*args, **kwargs)
+        if opdef.num_outputs == 1:
+            result = (result,)
+        for value, r in zip(node.outputs, result, strict=True):
+            env[value] = r
+        return result
 
     def _kernel(self, node, entry, args: list, ctx, batch_invariant: bool) -> Any:
         """A kernel node through its lowering; a `Ragged` first argument (compressed entries) runs on its rows."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from dsl.ops.registry import op
@@ -59,13 +61,19 @@ def engram_hash(ngrams: torch.Tensor, *, multipliers: tuple[int, ...], primes: t
                 offsets: tuple[int, ...]) -> torch.Tensor:
     """Row ids [N, (n - 1) * heads] of one Engram layer: the k-gram hash XOR_{i<k}(tok_i * m_i) modulo each
     head's prime, plus the head's table offset, for k = 2..n."""
-    mult = torch.tensor(multipliers, dtype=torch.long, device=ngrams.device)
-    products = ngrams * mult  # [N, n]; the multipliers are bounded so this cannot overflow
+    products = ngrams * _longs(multipliers, ngrams.device)  # [N, n]; the multipliers are bounded: no overflow
     rolling, cols = products[:, 0], []
     for k in range(1, ngrams.shape[1]):
         rolling = torch.bitwise_xor(rolling, products[:, k])
-        cols.append(rolling.unsqueeze(-1) % torch.tensor(primes[k - 1], dtype=torch.long, device=ngrams.device))
-    return torch.cat(cols, dim=-1) + torch.tensor(offsets, dtype=torch.long, device=ngrams.device)
+        cols.append(rolling.unsqueeze(-1) % _longs(primes[k - 1], ngrams.device))
+    return torch.cat(cols, dim=-1) + _longs(offsets, ngrams.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _longs(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """A layer's constants as a tensor on `device`, made once (a forward copies nothing from the host; CUDA-graph
+    capture allows no such copy)."""
+    return torch.tensor(values, dtype=torch.long, device=device)
 
 
 @op("engram_rows", lambda ids, table, scale=None: (TensorType((*ids.shape, table.shape[-1])),))

@@ -51,10 +51,17 @@ def inv_freq(params: RopeParams, rope_dim: int) -> tuple[torch.Tensor, float]:
     return inv, float(attention_factor)
 
 
+@functools.lru_cache(maxsize=64)
+def _freqs_on(params: RopeParams, rope_dim: int, device: torch.device) -> torch.Tensor:
+    """`inv_freq`'s frequencies, copied to `device` once (a forward copies nothing; CUDA-graph capture allows no
+    copy from host memory)."""
+    return inv_freq(params, rope_dim)[0].to(device)
+
+
 def rotate(x: torch.Tensor, positions: torch.Tensor, params: RopeParams, rope_dim: int, inverse: bool) -> torch.Tensor:
     """Rotate the last `rope_dim` dims of x [T, ..., D] at `positions` [T]."""
-    freqs, magnitude = inv_freq(params, rope_dim)
-    angles = positions.float()[:, None] * freqs.to(x.device)[None, :]  # [T, rope_dim / 2]
+    magnitude = inv_freq(params, rope_dim)[1]
+    angles = positions.float()[:, None] * _freqs_on(params, rope_dim, x.device)[None, :]  # [T, rope_dim / 2]
     cos, sin = angles.cos() * magnitude, angles.sin() * magnitude
     if inverse:
         sin = -sin
