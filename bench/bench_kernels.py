@@ -4,7 +4,10 @@ Times are medians of CUDA-graph replays (`autotune.tune.time_us`: no launch gaps
 copies larger than the L2 so each call streams from HBM, as in a model. Bytes count every input read once and
 every output written once; TB/s and TFLOP/s are over the H200 ceilings measured in the same run (and DESIGN.md's).
 
-    python bench/bench_kernels.py [--out results.json] [--tuning autotune/tuned/sm90.json]
+    python bench/bench_kernels.py [--out results.json] [--tuning autotune/tuned/sm90.json] [--only tilelang,norms]
+
+TileLang kernels run from cubins through the CUDA driver: built here when TileLang can build, else prebuilt
+(`python -m tests.kernels.tilelang_cubins .prebuilt/tilelang` on any machine, carried to the GPU).
 """
 
 from __future__ import annotations
@@ -56,7 +59,9 @@ def cycler(items: list):
 
 
 def record(kernel: str, shape: str, us: float, nbytes: float | None = None, flops: float | None = None,
-           base: str | None = None, base_us: float | None = None, ceiling_tflops: float = BF16_TFLOPS) -> None:
+           base: str | None = None, base_us: float | None = None, ceiling_tflops: float = BF16_TFLOPS,
+           eager_us: float | None = None) -> None:
+    """`eager_us`: torch eager's time too, where the baseline is another kernel."""
     row = {"kernel": kernel, "shape": shape, "us": round(us, 2)}
     if nbytes:
         row["TB/s"] = round(nbytes / us / 1e6, 3)
@@ -67,6 +72,8 @@ def record(kernel: str, shape: str, us: float, nbytes: float | None = None, flop
     if base:
         row["baseline"], row["base_us"] = base, round(base_us, 2)
         row["speedup"] = round(base_us / us, 2)
+    if eager_us:
+        row["eager_us"], row["x eager"] = round(eager_us, 2), round(eager_us / us, 2)
     ROWS.append(row)
     print(json.dumps(row), flush=True)
 
@@ -171,6 +178,46 @@ def bench_norms(tokens: list[int]) -> None:
                base_us=time_us(lambda: hyper_ref.hc_mixes(h, fn, sc, base, **kw)))
 
 
+def bench_tilelang_norms(tokens: list[int]) -> None:
+    """The TileLang RMSNorm's and collapse + RMSNorm's cubins through the CUDA driver at V4.1's widths, against the
+    Triton kernels (baseline) and torch eager. Shapes that fit the L2 (50 MB) can pass the HBM ceiling."""
+    from kernels.launch import use_launcher
+    from kernels.tilelang.hyper import hc_collapse_rms_norm as collapse_tilelang
+    from kernels.tilelang.rms_norm import rms_norm as rms_norm_tilelang
+    from tests.kernels.tilelang_cubins import cubin_launcher
+
+    launcher = cubin_launcher()
+    if launcher is None:
+        raise RuntimeError("no TileLang cubins: build them with `python -m tests.kernels.tilelang_cubins`")
+
+    def ours(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        with use_launcher(launcher):
+            return rms_norm_tilelang(x, w, eps=1e-20)
+
+    def ours_collapse(h: torch.Tensor, pre: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        with use_launcher(launcher):
+            return collapse_tilelang(h, pre, w, eps=1e-20)
+
+    d, hc = 5120, 4
+    for m in tokens:
+        h, pre = torch.randn(m, hc, d, device="cuda"), torch.rand(m, hc, device="cuda")
+        w = torch.randn(d, device="cuda")
+        torch.testing.assert_close(ours_collapse(h, pre, w), hyper_ref.hc_collapse_rms_norm(h, pre, w, eps=1e-20),
+                                   rtol=1e-5, atol=1e-5)
+        record("hc_collapse_rms_norm tl", f"{m}x{hc}x{d}", time_us(lambda: ours_collapse(h, pre, w)),
+               nbytes=(hc + 1) * m * d * 4, base="triton kernel",
+               base_us=time_us(lambda: hyper.hc_collapse_rms_norm(h, pre, w, eps=1e-20)),
+               eager_us=time_us(lambda: hyper_ref.hc_collapse_rms_norm(h, pre, w, eps=1e-20)))
+
+    for d in (5120, 1280, 512, 128):
+        for m in tokens:
+            x, w = torch.randn(m, d, device="cuda"), torch.randn(d, device="cuda")
+            torch.testing.assert_close(ours(x, w), dense_ref.rms_norm(x, w, eps=1e-20), rtol=1e-5, atol=1e-5)
+            record("rms_norm tilelang", f"{m}x{d} fp32", time_us(lambda: ours(x, w)), nbytes=2 * m * d * 4 + d * 4,
+                   base="triton kernel", base_us=time_us(lambda: rms_norm.rms_norm(x, w, eps=1e-20)),
+                   eager_us=time_us(lambda: dense_ref.rms_norm(x, w, eps=1e-20)))
+
+
 def bench_moe(tokens: list[int]) -> None:
     e, inter, d, topk = 384, 2304, 5120, 6
     shapes = ((inter, d), (d, inter), (inter, d))
@@ -241,35 +288,73 @@ def bench_indexer(tokens: list[int], entries: int = 2048) -> None:
                base="torch eager (einsum)", base_us=time_us(torch_scores))
 
 
+def bench_cache(rows: list[int], blocks: int = 4096, per: int = 64, width: int = 16) -> None:
+    """Cache entries stored (encode + scatter) and loaded (gather + decode) by kernels/triton/cache.py against the
+    torch path of dsl/cache.py, µs per call issued eagerly as a step issues them (host time included): the window
+    (fp8, by slot), the compressed KV (fp4, e4m3 scales) and the indexer keys (fp4, power-of-two scales), by table."""
+    from dsl import cache as torch_cache
+    from kernels.triton import cache
+    from dsl.cache_format import EntryFormat
+    from dsl.ops.rounding import fp4_round, fp8_round
+
+    for name, fmt, d, paged in [("window fp8", EntryFormat("fp8", 32), 512, False),
+                                ("kv fp4 e4m3", EntryFormat("fp4", 16, True), 512, True),
+                                ("index fp4", EntryFormat("fp4", 32), 128, True)]:
+        with torch.device("cuda"):
+            parts = fmt.storage((blocks, per), d)
+        tables = torch.randperm(blocks, device="cuda").reshape(-1, width) if paged else None
+        for m in rows:
+            x = torch.randn(m, d, device="cuda")
+            x = fp8_round(x, block=32) if fmt.kind == "fp8" else fp4_round(x, block=fmt.block,
+                                                                             e4m3_scale=fmt.e4m3_scale)
+            major = torch.randperm(blocks // width if paged else blocks, device="cuda")[:m]
+            minor = torch.randint(0, per * (width if paged else 4), (m,), device="cuda")
+            args = (fmt, parts, x, major, minor, tables)
+            nbytes = m * (d * 4 + fmt.entry_bytes(d))
+            record(f"cache store {name}", f"B={m} D={d}", time_us(lambda a=args: cache.store_rows(*a), graph=False),
+                   nbytes=nbytes, base="torch encode+scatter", base_us=time_us(
+                       lambda a=args: torch_cache.store_rows(*a), graph=False))
+            args = (fmt, parts, major, minor, tables)
+            record(f"cache load {name}", f"B={m} D={d}", time_us(lambda a=args: cache.load_rows(*a), graph=False),
+                   nbytes=nbytes, base="torch gather+decode", base_us=time_us(
+                       lambda a=args: torch_cache.load_rows(*a), graph=False))
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_results.json")
     p.add_argument("--tuning", help="a tuning cache (JSON) whose configs the kernels use")
+    p.add_argument("--only", help="comma-separated parts: " + ",".join(PARTS))
     args = p.parse_args()
     global TUNED
     TUNED = TuningCache(args.tuning) if args.tuning else None
     torch.manual_seed(0)
     print("device:", torch.cuda.get_device_name(), flush=True)
-    tokens = [1, 16, 64]
-    for part in (ceilings, lambda: bench_linear(tokens), bench_prefill_gemm, lambda: bench_norms([1, 64, 4096]),
-                 lambda: bench_moe(tokens), lambda: bench_attention(tokens), lambda: bench_indexer(tokens)):
+    for name in args.only.split(",") if args.only else PARTS:
         try:
-            part()
+            PARTS[name]()
         except Exception as e:  # one failing family must not hide the others' numbers
-            print(f"FAILED {part}: {type(e).__name__}: {e}", flush=True)
+            print(f"FAILED {name}: {type(e).__name__}: {e}", flush=True)
         torch.cuda.empty_cache()
     Path(args.out).write_text(json.dumps(ROWS, indent=1))
     print_table(ROWS)
     return 0
 
 
+TOKENS = [1, 16, 64]
+PARTS = {"ceilings": ceilings, "linear": lambda: bench_linear(TOKENS), "prefill_gemm": bench_prefill_gemm,
+         "norms": lambda: bench_norms([1, 64, 4096]), "tilelang": lambda: bench_tilelang_norms([1, 64, 4096]),
+         "moe": lambda: bench_moe(TOKENS), "attention": lambda: bench_attention(TOKENS),
+         "indexer": lambda: bench_indexer(TOKENS), "cache": lambda: bench_cache([1, 16, 64])}
+
+
 def print_table(rows: list[dict]) -> None:
     print(f"\n{'kernel':26s} {'shape':44s} {'us':>8s} {'TB/s':>6s} {'%HBM':>5s} {'TFLOP/s':>7s} {'%pk':>5s} "
-          f"{'base us':>8s} {'x base':>6s}")
+          f"{'base us':>8s} {'x base':>6s} {'x eager':>7s}")
     for r in rows:
         print(f"{r['kernel'][:26]:26s} {r['shape'][:44]:44s} {r['us']:8.2f} {r.get('TB/s', ''):>6} "
               f"{r.get('%HBM', ''):>5} {r.get('TFLOP/s', ''):>7} {r.get('%peak', ''):>5} "
-              f"{r.get('base_us', ''):>8} {r.get('speedup', ''):>6}")
+              f"{r.get('base_us', ''):>8} {r.get('speedup', ''):>6} {r.get('x eager', ''):>7}")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ def _for_cpu(t: torch.Tensor) -> torch.Tensor:
 def _compile_gpu(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets: tuple[int, ...] | None,
                  drafting: bool):
     from deepinfer.compiled_gpu import GpuCompiledModel
-    from graphs.aot import build, record_launches
+    from dsl.cache import CacheSpec
+    from graphs.aot import build, record_cache_launches, record_launches
     from graphs.plan import BUCKETS, make_plan
 
     graphs = [run_passes(model.graph(dspark=drafting))] + ([run_passes(model.draft_graph())] if drafting else [])
@@ -61,6 +62,7 @@ def _compile_gpu(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets: 
     launches = {}
     for graph, plan in zip(graphs, plans, strict=True):  # the draft graph's launches mostly repeat the main one's
         launches |= record_launches(plan, {i: node.attrs for i, node in enumerate(graph.nodes)})
+        launches |= record_cache_launches(CacheSpec.from_graph(graph))  # the pools' writer and reader
     built = build(launches, target)
     specs = {key: b.spec for key, b in built.items()}
     cubins = {key: b.cubin for key, b in built.items()}

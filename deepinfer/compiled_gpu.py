@@ -15,10 +15,13 @@ entries, so a row can differ only where two entries' scores tie that closely.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
+import kernels.triton.cache as cache_kernels
 from deepinfer import batch_invariant as invariant
 from deepinfer.compiled import CompiledModel
 from deepinfer.config import DeepseekV41Config
@@ -60,6 +63,8 @@ class GpuCompiledModel:
         self._built = built
         self._executors = None
         self._launcher = None
+        # whether the pools store and load entries with the cache kernels: artifacts built before them use torch
+        self.cache_kernels = all(any(k.startswith(f"{name}(") for k in specs) for name in cache_kernels.KERNEL_NAMES)
 
     @property
     def cuda_graphs(self) -> bool:
@@ -110,6 +115,20 @@ class GpuCompiledModel:
     def new_sequence(self) -> SequenceState:
         return SequenceState()
 
+    @contextlib.contextmanager
+    def _pools(self, states: list[SequenceState]) -> Iterator[None]:
+        """For one step: the pools of `states` store and load cache entries with the cache kernels
+        (kernels/triton/cache.py: one launch where torch makes some hundred), bit for bit as their torch path."""
+        pools = {id(s.cache): s.cache for s in states if s.cache is not None} if self.cache_kernels else {}
+        kept = {key: (cache.writer, cache.reader) for key, cache in pools.items()}
+        for cache in pools.values():
+            cache.writer, cache.reader = cache_kernels.store_rows, cache_kernels.load_rows
+        try:
+            yield
+        finally:
+            for key, cache in pools.items():
+                cache.writer, cache.reader = kept[key]
+
     @torch.inference_mode()
     def step(self, batch: list[tuple[SequenceState, list[int]]], all_logits: bool = False,
              batch_invariant: bool = False, num_logits: list[int] | None = None) -> torch.Tensor:
@@ -127,7 +146,7 @@ class GpuCompiledModel:
         rows = None if all_logits else _logit_rows(lengths, num_logits).cuda()
         ctx = ForwardContext([s for s, _ in batch], lengths, device="cuda", logit_rows=rows)
         references = INVARIANT_REFERENCES if batch_invariant else None
-        with use_launcher(self._launcher):
+        with use_launcher(self._launcher), self._pools([s for s, _ in batch]):
             logits = executor.run({"input_ids": ids}, ctx, batch_invariant, references)["logits"]
         ctx.commit()
         return logits
@@ -148,7 +167,7 @@ class GpuCompiledModel:
         ids = torch.tensor([t for _, tokens in batch for t in tokens], dtype=torch.long, device="cuda")
         ctx = ForwardContext([s for s, _ in batch], lengths, device="cuda")
         references = DRAFT_REFERENCES | (INVARIANT_REFERENCES if batch_invariant else {})
-        with use_launcher(self._launcher):
+        with use_launcher(self._launcher), self._pools([s for s, _ in batch]):
             out = executor.run({"input_ids": ids}, ctx, batch_invariant, references)
         return out["hidden"], out["logits"]
 

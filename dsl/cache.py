@@ -17,6 +17,7 @@ Compressed entries are indexed by position, so entries past the new length are s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -87,6 +88,28 @@ def _decode(fmt: EntryFormat, parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.zeros(0, parts[0].shape[-1] * (2 if fmt.kind == "fp4" else 1), device=parts[0].device)
 
 
+def _pool_rows(parts: list[torch.Tensor], major: torch.Tensor, minor: torch.Tensor,
+               tables: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    per = parts[0].shape[1]
+    return (major if tables is None else tables[major, minor // per]), minor % per
+
+
+def store_rows(fmt: EntryFormat, parts: list[torch.Tensor], values: torch.Tensor, major: torch.Tensor,
+               minor: torch.Tensor, tables: torch.Tensor | None = None) -> None:
+    """Encode values [M, D] in `fmt` and store row m in every part [*, R, ...] at [block, minor[m] % R]: block
+    tables[major[m], minor[m] // R], or major[m] without `tables` (R rows per block or ring)."""
+    blocks, rows = _pool_rows(parts, major, minor, tables)
+    for part, encoded in zip(parts, fmt.encode(values), strict=True):
+        part[blocks, rows] = encoded
+
+
+def load_rows(fmt: EntryFormat, parts: list[torch.Tensor], major: torch.Tensor, minor: torch.Tensor,
+              tables: torch.Tensor | None = None) -> torch.Tensor:
+    """fp32 values [M, D] of the rows `store_rows` puts at (major, minor) pairs [M]."""
+    blocks, rows = _pool_rows(parts, major, minor, tables)
+    return _decode(fmt, [p[blocks, rows] for p in parts])
+
+
 class PagedCache:
     """The pools: `num_slots` sequence slots and `num_blocks` blocks of `block_size` positions (see the module).
 
@@ -109,6 +132,10 @@ class PagedCache:
             self.partials = {layer: torch.empty(2, num_slots, ratio - 1 + spec.spare, dim)
                              for layer, dim, ratio in spec.partials}
             self.history = torch.empty(num_slots, spec.history + spec.spare if spec.history else 0, dtype=torch.long)
+        # How entries go into and out of the pools: the torch functions above, or replacements with their arguments and
+        # bitwise results that a target installs for its steps (a GPU target's kernels: deepinfer/compiled_gpu.py).
+        self.writer: Callable[..., None] = store_rows
+        self.reader: Callable[..., torch.Tensor] = load_rows
 
     # Rows of the pools, any number at once (the batched cache ops use these directly): ring caches are addressed by
     # (slot, position) pairs, compressed caches by (block table row, entry index). Pairs a write gives twice must
@@ -117,36 +144,25 @@ class PagedCache:
     def window_rows(self, layer: int, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """fp32 entries [M, D] of the window of `layer` at (slot, position) pairs [M]."""
         fmt, parts = self.windows[layer]
-        return _decode(fmt, [p[slots, positions % p.shape[1]] for p in parts])
+        return self.reader(fmt, parts, slots, positions)
 
     def write_window_rows(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
         """Store values [M, D] in the window of `layer` at (slot, position) pairs [M]."""
         fmt, parts = self.windows[layer]
-        rows = positions % parts[0].shape[1]
-        for part, encoded in zip(parts, fmt.encode(values), strict=True):
-            part[slots, rows] = encoded
-
-    def _place(self, name: str, layer: int, tables: torch.Tensor, run: torch.Tensor,
-               index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block and row [M] of entries index [M] of the sequences whose block tables are rows run [M] of tables."""
-        _, ratio, _ = self.compressed[(name, layer)]
-        per_block = self.block_size // ratio
-        return tables[run, index // per_block], index % per_block
+        self.writer(fmt, parts, values, slots, positions)
 
     def entry_rows(self, name: str, layer: int, tables: torch.Tensor, run: torch.Tensor,
                    index: torch.Tensor) -> torch.Tensor:
-        """fp32 compressed entries [M, D] at entry indices index [M] of the sequences of block tables tables[run]."""
+        """fp32 compressed entries [M, D] at entry indices index [M] of the sequences of block tables tables[run]
+        (a block holds block_size / ratio entries)."""
         fmt, _, parts = self.compressed[(name, layer)]
-        blocks, rows = self._place(name, layer, tables, run, index)
-        return _decode(fmt, [p[blocks, rows] for p in parts])
+        return self.reader(fmt, parts, run, index, tables)
 
     def write_entry_rows(self, name: str, layer: int, tables: torch.Tensor, run: torch.Tensor, index: torch.Tensor,
                          values: torch.Tensor) -> None:
         """Store compressed entries values [M, D] at entry indices index [M] of the sequences of tables[run]."""
         fmt, _, parts = self.compressed[(name, layer)]
-        blocks, rows = self._place(name, layer, tables, run, index)
-        for part, encoded in zip(parts, fmt.encode(values), strict=True):
-            part[blocks, rows] = encoded
+        self.writer(fmt, parts, values, run, index, tables)
 
     def partial_rows(self, layer: int, slots: torch.Tensor,
                      positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,11 +1,12 @@
 """Ahead-of-time builds: every kernel variant a plan needs, compiled to cubins for sm_90a or sm_100a on a machine
-with no GPU (`triton.compile` with a `GPUTarget`).
+with no GPU (`triton.compile` with a `GPUTarget`; TileLang kernels through `tilelang.lower` and nvcc,
+kernels/tilelang/build.py).
 
 The variants are found by running each kernel node's wrapper on meta tensors of each bucket's token count
 with a launcher that records instead of launching; the wrapper's checks and its argument order are therefore
 the same ones that run later on the device. Built cubins are cached by content (kernel source, variant, target,
-Triton version) under $DEEPINFER_CACHE (default ~/.cache/deepinfer), so a rebuild is instant.
-`DEEPINFER_DEBUG=source` prints each variant's Triton GPU IR as it is compiled.
+Triton version, or TileLang and nvcc versions) under $DEEPINFER_CACHE (default ~/.cache/deepinfer), so a rebuild is
+instant. `DEEPINFER_DEBUG=source` prints each variant's Triton GPU IR (TileLang: CUDA source) as it is compiled.
 """
 
 from __future__ import annotations
@@ -18,20 +19,24 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import kernels.triton.cache as cache_kernels
+from dsl.cache import CacheSpec
 from graphs.lowering import LOWERINGS
 from graphs.plan import Plan
 from kernels.launch import Launch, use_launcher
+from kernels.tilelang.kernel import TileLangKernel
 
 ARCHS = {"sm90": 90, "sm100": 100}
 
 
 @dataclass(frozen=True)
 class Built:
-    """One compiled variant: its cubin, PTX (for inspection) and launch spec."""
+    """One compiled variant: its cubin, PTX (for inspection) and launch spec; a TileLang kernel's CUDA source too."""
 
     cubin: bytes
     ptx: str
     spec: dict
+    source: str = ""
 
     @property
     def file_id(self) -> str:
@@ -57,20 +62,62 @@ def record_launches(plan: Plan, attrs_of: dict[int, dict]) -> dict[str, Launch]:
     return found
 
 
+def record_cache_launches(spec: CacheSpec) -> dict[str, Launch]:
+    """The launches of the cache kernels (kernels/triton/cache.py) for the caches of `spec`: the pools' writer and
+    reader on a GPU target, one variant per format and dim whatever the number of rows."""
+    found: dict[str, Launch] = {}
+    with use_launcher(lambda call: found.setdefault(call.key(), call)):
+        cache_kernels.trace(spec)
+    return found
+
+
 def kernel_source(kernel) -> str:
     fn = getattr(kernel, "fn", kernel)
     return inspect.getsource(fn)
 
 
-def _variant_id(call: Launch, target: str) -> str:
+def _tools(call: Launch) -> str:
+    if isinstance(call.kernel, TileLangKernel):
+        from kernels.tilelang.build import versions
+
+        return versions()
     import triton
 
-    text = f"{call.key()}|{target}|{triton.__version__}|{kernel_source(call.kernel)}"
+    return triton.__version__
+
+
+def _variant_id(call: Launch, target: str) -> str:
+    text = f"{call.key()}|{target}|{_tools(call)}|{kernel_source(call.kernel)}"
     return f"{call.name}_{hashlib.sha256(text.encode()).hexdigest()[:16]}"
 
 
+def _debug_source() -> bool:
+    return "source" in os.environ.get("DEEPINFER_DEBUG", "").split(",")
+
+
+def compile_tilelang(call: Launch, target: str) -> Built:
+    """Lower one recorded launch of a TileLang kernel for `target` and compile it with nvcc, no GPU needed. Its spec
+    names the device function's parameters in launch order (`arg_order`), its threads and dynamic shared memory."""
+    from kernels.tilelang.build import compile_launch as build_tilelang
+
+    arch = f"sm_{ARCHS[target]}a"
+    b = build_tilelang(call, arch)
+    if _debug_source():
+        print(f"// {call.key()} for {target}\n{b.source}", file=sys.stderr)
+    order = [call.kernel.arg_names.index(name) for name in b.params]
+    types = call.signature()
+    spec = {"id": _variant_id(call, target), "key": call.key(), "name": b.name, "target": target, "arch": arch,
+            "backend": "tilelang", "signature": [types[i] for i in order], "arg_order": order,
+            "constexprs": call.constexprs, "num_warps": call.num_warps, "num_stages": call.num_stages,
+            "threads": b.threads, "shared": b.shared, "tilelang": _tools(call),
+            "source_sha256": hashlib.sha256(kernel_source(call.kernel).encode()).hexdigest()}
+    return Built(b.cubin, b.ptx, spec, b.source)
+
+
 def compile_launch(call: Launch, target: str) -> Built:
-    """Compile one recorded launch for `target` ("sm90" | "sm100") with Triton, no GPU needed."""
+    """Compile one recorded launch for `target` ("sm90" | "sm100") with Triton (or TileLang), no GPU needed."""
+    if isinstance(call.kernel, TileLangKernel):
+        return compile_tilelang(call, target)
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -87,7 +134,7 @@ def compile_launch(call: Launch, target: str) -> Built:
     k = triton.compile(src, target=GPUTarget("cuda", ARCHS[target], 32),
                        options={"num_warps": call.num_warps, "num_stages": call.num_stages})
     md = k.metadata
-    if "source" in os.environ.get("DEEPINFER_DEBUG", "").split(","):
+    if _debug_source():
         print(f"// {call.key()} for {target}\n{k.asm['ttgir']}", file=sys.stderr)
     spec = {"id": _variant_id(call, target), "key": call.key(), "name": md.name, "target": target,
             "arch": f"sm_{ARCHS[target]}a", "signature": types, "constexprs": call.constexprs,
@@ -111,13 +158,16 @@ def build(launches: dict[str, Launch], target: str, use_cache: bool = True) -> d
     cache = _cache_dir()
     for key, call in launches.items():
         vid = _variant_id(call, target)
-        paths = [cache / f"{vid}.{ext}" for ext in ("cubin", "ptx", "json")]
-        if use_cache and all(p.exists() for p in paths):
-            out[key] = Built(paths[0].read_bytes(), paths[1].read_text(), json.loads(paths[2].read_text()))
+        paths = [cache / f"{vid}.{ext}" for ext in ("cubin", "ptx", "json", "cu")]
+        if use_cache and all(p.exists() for p in paths[:3]):
+            source = paths[3].read_text() if paths[3].exists() else ""
+            out[key] = Built(paths[0].read_bytes(), paths[1].read_text(), json.loads(paths[2].read_text()), source)
             continue
         built = compile_launch(call, target)
         if use_cache:
             cache.mkdir(parents=True, exist_ok=True)
+            if built.source:
+                paths[3].write_text(built.source)
             paths[0].write_bytes(built.cubin)
             paths[1].write_text(built.ptx)
             paths[2].write_text(json.dumps(built.spec, indent=1))
@@ -125,4 +175,5 @@ def build(launches: dict[str, Launch], target: str, use_cache: bool = True) -> d
     return out
 
 
-__all__ = ["Built", "record_launches", "compile_launch", "build", "ARCHS"]
+__all__ = ["Built", "record_launches", "record_cache_launches", "compile_launch", "compile_tilelang", "build",
+           "ARCHS"]

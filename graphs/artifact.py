@@ -4,7 +4,8 @@
     dir/plan.json          the plan: per graph node its kernel (or the reference), static shapes, configs per bucket
     dir/draft_plan.json    the DSpark draft layers' plan, when compiled with drafting (manifest "drafting": true)
     dir/tuning.json        where each config came from (tuned or heuristic) per kernel node and bucket
-    dir/kernels/<id>.cubin one per compiled variant, with <id>.json (its launch spec) and <id>.ptx (to read)
+    dir/kernels/<id>.cubin one per compiled variant, with <id>.json (its launch spec) and <id>.ptx (to read); a
+                           TileLang kernel's CUDA source as <id>.cu
 
 Running it needs torch and the CUDA driver only (`graphs.launcher`), plus this package's wrappers.
 """
@@ -37,6 +38,8 @@ def save(path: str | Path, plan: Plan, built: dict[str, Built], model_config: di
         (root / "kernels" / f"{b.file_id}.cubin").write_bytes(b.cubin)
         (root / "kernels" / f"{b.file_id}.ptx").write_text(b.ptx)
         (root / "kernels" / f"{b.file_id}.json").write_text(json.dumps(b.spec, indent=1) + "\n")
+        if b.source:
+            (root / "kernels" / f"{b.file_id}.cu").write_text(b.source)
         index[key] = b.file_id
     (root / "plan.json").write_text(json.dumps(plan.to_json() | {"kernels": index}, indent=1) + "\n")
     if draft_plan is not None:  # its kernels are among plan.json's
@@ -53,6 +56,9 @@ def save(path: str | Path, plan: Plan, built: dict[str, Built], model_config: di
         "num_nodes": len(plan.nodes), "num_kernel_nodes": len(plan.kernel_nodes()), "num_cubins": len(built),
         "tools": {"triton": triton.__version__, "torch": torch.__version__, "python": platform.python_version()},
     }
+    tilelang = sorted({b.spec["tilelang"] for b in built.values() if "tilelang" in b.spec})
+    if tilelang:  # "tilelang 0.1.15, nvcc V13.0.88"
+        manifest["tools"]["tilelang"] = tilelang[0] if len(tilelang) == 1 else tilelang
     (root / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     return root
 

@@ -2,7 +2,9 @@
 
 `CubinLauncher` is a `kernels.launch` launcher: a wrapper's `Launch` is matched by its key (kernel, argument
 types, constexprs, warps, stages) to a cubin built ahead of time, whose function is loaded once with
-cuModuleLoadData and launched with cuLaunchKernel on torch's current stream.
+cuModuleLoadData and launched with cuLaunchKernel on torch's current stream. A Triton kernel takes the launch's
+arguments then its two scratch pointers; a TileLang kernel (spec "backend": "tilelang") takes the arguments its spec's
+`arg_order` picks, in that order, with the spec's threads and dynamic shared memory.
 """
 
 from __future__ import annotations
@@ -81,7 +83,9 @@ class CubinLauncher:
         if spec is None:
             raise KeyError(f"no prebuilt kernel for {key}: the artifact was built for other shapes or configs")
         params = []
-        for a, t in zip(call.args, spec["signature"], strict=True):
+        order = spec.get("arg_order")
+        args = call.args if order is None else [call.args[i] for i in order]
+        for a, t in zip(args, spec["signature"], strict=True):
             if t.startswith("*"):
                 if not a.is_cuda or a.data_ptr() % 16:
                     raise ValueError(f"{call.name}: tensor arguments must be 16-byte aligned CUDA tensors")
@@ -90,8 +94,7 @@ class CubinLauncher:
                 params.append(ctypes.c_int32(a))
         grid = tuple(call.grid) + (1,) * (3 - len(call.grid))
         keep = []  # scratch buffers live until the launch is enqueued; the caching allocator orders reuse
-        for size_key, align_key in (("global_scratch_size", "global_scratch_align"),
-                                    ("profile_scratch_size", "profile_scratch_align")):
+        for size_key in ("global_scratch_size", "profile_scratch_size") if spec.get("backend") != "tilelang" else ():
             size = spec[size_key]
             if size:
                 buf = torch.empty(size * grid[0] * grid[1] * grid[2], dtype=torch.uint8, device=f"cuda:{self.device}")
@@ -100,7 +103,8 @@ class CubinLauncher:
             else:
                 params.append(ctypes.c_void_p(0))
         stream = torch.cuda.current_stream(self.device).cuda_stream
-        self.driver.launch(self.function(key), grid, 32 * spec["num_warps"], spec["shared"], stream, params)
+        threads = spec.get("threads", 32 * spec["num_warps"])
+        self.driver.launch(self.function(key), grid, threads, spec["shared"], stream, params)
         self.launches += 1
 
 

@@ -6,6 +6,9 @@ kernel on the node's runtime arguments (`run`), makes meta-tensor arguments of a
 ahead-of-time builder (`trace`), and turns a config into its batch-invariant form (`invariant`; graphs/plan.py).
 RMSNorm also runs over the compressed entries a forward completes (a `Ragged`, flat over E). Nodes without a
 lowering, or whose activations are not flat over N (or E, for RMSNorm), run their DSL reference on the device.
+RMSNorm's kernel, and the hyper-connections' collapse + RMSNorm's, are TileLang's (kernels/tilelang/) where TileLang
+kernels can be built (tilelang and nvcc installed: the static shapes say `"kernel": "tilelang"`), else Triton's; the
+GPU machine runs either from cubins.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import Any
 
 import torch
 
+import kernels.tilelang.hyper as hyper_tilelang
+import kernels.tilelang.rms_norm as rms_norm_tilelang
 import kernels.triton.attention as attention
 import kernels.triton.hyper as hyper
 import kernels.triton.indexer as indexer
@@ -25,6 +30,7 @@ import kernels.triton.rms_norm as rms_norm
 from dsl.graph import Node
 from dsl.ops.moe import score
 from dsl.tensor import num_entries, num_tokens
+from kernels.tilelang.build import available as tilelang_available
 
 Params = dict[str, torch.Tensor]
 
@@ -123,19 +129,28 @@ def _norm_static(node: Node, params: Params) -> dict | None:
     if not _over_rows(node) or (node.inputs[1] is not None and _param(node, 1, params) is None):
         return None
     return {"d": int(node.inputs[0].type.shape[-1]), "has_w": node.inputs[1] is not None,
-            "eps": node.attrs["eps"]}
+            "eps": node.attrs["eps"], "kernel": _kernel()}
+
+
+def _kernel() -> str:
+    """Which kernel serves the ops that have both: a plan built where TileLang cannot build runs Triton's."""
+    return "tilelang" if tilelang_available() else "triton"
+
+
+def _norm_module(static: dict):
+    return rms_norm_tilelang if static.get("kernel") == "tilelang" else rms_norm  # no "kernel": an older plan's Triton
 
 
 def _norm_trace(static, attrs, config, m, dot_fp32):
     w = _meta(static["d"]) if static["has_w"] else None
-    rms_norm.rms_norm(_meta(m, static["d"]), w, eps=static["eps"], config=config)
+    _norm_module(static).rms_norm(_meta(m, static["d"]), w, eps=static["eps"], config=config)
 
 
 RMS_NORM = Lowering(
     "rms_norm", _norm_static, lambda st: {1: "fp32"},
-    lambda args, attrs, st, config, ctx, f: rms_norm.rms_norm(args[0].contiguous(), args[1], eps=attrs["eps"],
-                                                              config=config),
-    _norm_trace, lambda st, m: rms_norm.default_config(st["d"]))
+    lambda args, attrs, st, config, ctx, f: _norm_module(st).rms_norm(args[0].contiguous(), args[1],
+                                                                      eps=attrs["eps"], config=config),
+    _norm_trace, lambda st, m: _norm_module(st).default_config(st["d"]))
 
 
 # ---- hyper-connections -------------------------------------------------------------------------------------------
@@ -163,18 +178,29 @@ HC_MIXES = Lowering("hc_mixes", _hc_static, lambda st: {1: "fp32", 2: "fp32", 3:
                     _mixes_trace, lambda st, m: hyper.mixes_config(m, st["hc"] * st["d"]))
 
 
+def _collapse_static(node: Node, params: Params) -> dict | None:
+    static = _hc_static(node, params)
+    return None if static is None else static | {"kernel": _kernel()}
+
+
+def _collapse(static: dict, h, pre, w, eps: float, config: dict):
+    if static.get("kernel") == "tilelang":
+        return hyper_tilelang.hc_collapse_rms_norm(h, pre, w, eps=eps, config=config)
+    return hyper.hc_collapse_rms_norm(h, pre, w, eps=eps)  # no "kernel": an older plan's Triton
+
+
 def _collapse_run(args, attrs, st, config, ctx, dot_fp32):
     h, pre, w = args[0].contiguous(), args[1], args[2]
     if pre.dim() == 1:  # the first site's one-hot `hc_stream0` [hc], the same for every token
         pre = pre.float().expand(h.shape[0], -1)
-    return hyper.hc_collapse_rms_norm(h, pre.contiguous(), w, eps=attrs["eps"])
+    return _collapse(st, h, pre.contiguous(), w, attrs["eps"], config)
 
 
 HC_COLLAPSE_RMS_NORM = Lowering(
-    "hc_collapse_rms_norm", _hc_static, lambda st: {2: "fp32"}, _collapse_run,
-    lambda st, attrs, config, m, f: hyper.hc_collapse_rms_norm(_meta(m, st["hc"], st["d"]), _meta(m, st["hc"]),
-                                                       _meta(st["d"]), eps=attrs["eps"]),
-    lambda st, m: {})
+    "hc_collapse_rms_norm", _collapse_static, lambda st: {2: "fp32"}, _collapse_run,
+    lambda st, attrs, config, m, f: _collapse(st, _meta(m, st["hc"], st["d"]), _meta(m, st["hc"]), _meta(st["d"]),
+                                              attrs["eps"], config),
+    lambda st, m: rms_norm_tilelang.default_config(st["d"]) if st.get("kernel") == "tilelang" else {})
 
 HC_EXPAND = Lowering(
     "hc_expand", _hc_static, lambda st: {},

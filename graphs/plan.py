@@ -23,6 +23,8 @@ from graphs.lowering import LOWERINGS
 
 BUCKETS = (16, 64, 512, 8192)  # token-count buckets: a bucket's config serves every count up to it (and beyond
 # the last); decode batches fall in the first two
+# templates with a TileLang kernel too: template -> its kernels.tilelang module
+TILELANG_TEMPLATES = {"rms_norm": "rms_norm", "hc_collapse_rms_norm": "hyper"}
 INVARIANT_TOKENS = 64  # the token count whose config, made invariant, serves every count in batch-invariant runs
 
 
@@ -97,7 +99,10 @@ def _template_hash(template: str) -> str:
     module = {"linear": "linear", "rms_norm": "rms_norm", "hc_mixes": "hyper", "hc_collapse_rms_norm": "hyper",
               "hc_expand": "hyper", "moe_experts": "moe", "sparse_attention": "attention", "swiglu": "linear",
               "moe_gate": "linear", "index_scores": "indexer"}[template]
-    return source_hash(importlib.import_module(f"kernels.triton.{module}"))
+    src = source_hash(importlib.import_module(f"kernels.triton.{module}"))
+    if template in TILELANG_TEMPLATES:  # served by either kernel (graphs/lowering.py): an edit to one invalidates
+        src += source_hash(importlib.import_module(f"kernels.tilelang.{TILELANG_TEMPLATES[template]}"))
+    return src
 
 
 def make_plan(graph: Graph, params: dict[str, torch.Tensor], target: str, buckets: tuple[int, ...] = BUCKETS,

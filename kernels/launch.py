@@ -4,7 +4,8 @@ Every wrapper ends in `launch(kernel, grid, args, constexprs, num_warps, num_sta
 (`args`) are tensors and ints only; everything fixed by the weights or the tuned config is a constexpr, so the
 set of compiled variants a plan needs is known ahead of time (one per node shape and token-count bucket) and a
 cubin built for it serves every token count in its bucket. `use_launcher` swaps in another launcher: the AOT
-builder records launches on meta tensors, the artifact runtime launches cubins through the CUDA driver.
+builder records launches on meta tensors, the artifact runtime launches cubins through the CUDA driver. TileLang
+kernels have no JIT here: the default launcher runs their torch equivalent (kernels/tilelang/kernel.py).
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ from typing import Any
 
 import torch
 
+from kernels.tilelang.kernel import TileLangKernel
+
 _TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
           torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
 
 
 @dataclass(frozen=True)
 class Launch:
-    kernel: Any  # a @triton.jit function (or its stand-in)
+    kernel: Any  # a @triton.jit function (or its stand-in), or a TileLangKernel
     grid: tuple[int, ...]
     args: tuple[Any, ...]  # tensors and ints, in the kernel's order
     constexprs: dict[str, Any] = field(default_factory=dict)
@@ -56,6 +59,9 @@ def arg_type(a: Any) -> str:
 
 
 def jit_launch(call: Launch) -> None:
+    if isinstance(call.kernel, TileLangKernel):  # built ahead of time only: here, its torch equivalent
+        call.kernel.emulate(*call.args, **call.constexprs)
+        return
     call.kernel[call.grid](*call.args, **call.constexprs, num_warps=call.num_warps, num_stages=call.num_stages)
 
 
