@@ -7,6 +7,7 @@ confidence head learns, from detached inputs, whether the draft's argmax at i is
 
 The blocks' windows are gathered from `draft_keys` in one indexing op (what `deepinfer.dspark.block_states` holds
 per block, without a state per block), and the draft graph runs batched over blocks (train/batched.py).
+train/distill.py runs the same drafts against the backbone's own greedy choices instead of the data's tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ def sample_anchors(batch: int, length: int, per_seq: int, block: int, gen: torch
     return torch.stack([torch.randperm(span, generator=gen)[:per_seq] + 1 for _ in range(batch)])
 
 
+def block_positions(anchors: torch.Tensor, block: int, device: torch.device) -> torch.Tensor:
+    """The positions a .. a + block - 1 of each anchor's block: anchors [B, K] -> [B, K, block] on `device`."""
+    return anchors.to(device)[..., None] + torch.arange(block, device=device)
+
+
 def gather_windows(draft_keys: torch.Tensor, anchors: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per block the `window` main keys before its anchor: draft_keys [B, T, n, D], anchors [B, K] ->
     keys [B * K, n, W, D] (zeros where the sequence has no such position) and valid [B * K, W]."""
@@ -37,19 +43,20 @@ def gather_windows(draft_keys: torch.Tensor, anchors: torch.Tensor, window: int)
         valid.reshape(batch * per_seq, window)
 
 
-def draft_loss(draft_graph, params: dict[str, torch.Tensor], kernels, head: DraftHead, config: DeepseekV41Config,
-               seqs: torch.Tensor, draft_keys: torch.Tensor, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Draft cross-entropy, confidence BCE, and (no grad) per-position draft accuracy [block] and mean confidence.
+def run_drafts(draft_graph, params: dict[str, torch.Tensor], kernels, head: DraftHead, config: DeepseekV41Config,
+               seqs: torch.Tensor, draft_keys: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The draft layers over every anchor's block, teacher-forced: the logits with the Markov term of the token
+    before each position [B * K * block, vocab], and the confidence head's inputs, detached [B * K * block,
+    hidden + rank].
 
-    seqs [B, T + 1] on the device (inputs and targets), draft_keys [B * T, n, D], anchors [B, K] (CPU).
+    seqs [B, T + 1] on the device, draft_keys [B * T, n, D], anchors [B, K] (CPU).
     """
     batch, block, device = anchors.shape[0], config.dspark_block_size, seqs.device
     length = seqs.shape[1] - 1
     windows, valid = gather_windows(draft_keys.reshape(batch, length, *draft_keys.shape[1:]), anchors,
                                     config.sliding_window)
-    positions = anchors.to(device)[..., None] + torch.arange(block, device=device)  # [B, K, block]
     rows = torch.arange(batch, device=device)[:, None, None]
-    previous, targets = seqs[rows, positions], seqs[rows, positions + 1]  # [B, K, block]
+    previous = seqs[rows, block_positions(anchors, block, device)]  # [B, K, block]
     ids = torch.full_like(previous, config.dspark_noise_token_id)
     ids[..., 0] = previous[..., 0]
     states = [SequenceState(num_tokens=a) for a in anchors.reshape(-1).tolist()]
@@ -60,11 +67,29 @@ def draft_loss(draft_graph, params: dict[str, torch.Tensor], kernels, head: Draf
     finally:
         kernels.draft_windows = None
     emb, markov = head.markov(previous.reshape(-1))
-    logits, targets = out["logits"] + markov, targets.reshape(-1)
+    features = torch.cat([out["hidden"].detach().float(), emb.detach()], dim=-1)
+    return out["logits"] + markov, features
+
+
+def confidence_logits(head: DraftHead, features: torch.Tensor) -> torch.Tensor:
+    """The confidence head's logits [n] (before the sigmoid) on `run_drafts`' features, differentiable in its
+    projection only."""
+    return torch.nn.functional.linear(features, head.proj.float()).squeeze(-1) / head.temperature
+
+
+def draft_loss(draft_graph, params: dict[str, torch.Tensor], kernels, head: DraftHead, config: DeepseekV41Config,
+               seqs: torch.Tensor, draft_keys: torch.Tensor, anchors: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Draft cross-entropy, confidence BCE, and (no grad) per-position draft accuracy [block] and mean confidence.
+
+    seqs [B, T + 1] on the device (inputs and targets), draft_keys [B * T, n, D], anchors [B, K] (CPU).
+    """
+    block = config.dspark_block_size
+    logits, features = run_drafts(draft_graph, params, kernels, head, config, seqs, draft_keys, anchors)
+    rows = torch.arange(anchors.shape[0], device=seqs.device)[:, None, None]
+    targets = seqs[rows, block_positions(anchors, block, seqs.device) + 1].reshape(-1)  # [B * K * block]
     ce = torch.nn.functional.cross_entropy(logits, targets)
     hit = (logits.detach().argmax(-1) == targets).float()
-    features = torch.cat([out["hidden"].detach().float(), emb.detach()], dim=-1)
-    z = torch.nn.functional.linear(features, head.proj.float()).squeeze(-1) / head.temperature
+    z = confidence_logits(head, features)
     bce = torch.nn.functional.binary_cross_entropy_with_logits(z, hit)
     return {"draft_ce": ce, "confidence_bce": bce, "draft_accuracy": hit.reshape(-1, block).mean(0),
             "confidence": torch.sigmoid(z.detach()).reshape(-1, block).mean(0)}

@@ -120,8 +120,11 @@ class TrainingKernels:
         return self.kl_sum / max(self.kl_rows, 1)
 
     @torch.no_grad()
-    def balance(self, rate: float) -> None:
-        """Nudge each gate's selection bias toward equal loads: up for under-used experts, down for over-used."""
+    def balance(self, rate: float, only: set[int] | None = None) -> None:
+        """Nudge each gate's selection bias toward equal loads: up for under-used experts, down for over-used.
+        `only`: the ids of the biases to balance (default: every gate's)."""
         for bias, counts in self.loads:
+            if only is not None and id(bias) not in only:
+                continue
             counts = counts.float()
             bias += rate * torch.sign(counts.mean() - counts)

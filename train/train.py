@@ -77,6 +77,15 @@ class Batches:
         return torch.stack([self.ids[s : s + self.seq_len + 1] for s in offsets])
 
 
+def backbone_forward(graph, params, kernels: TrainingKernels, seqs: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`graph` over the inputs of `seqs` [B, T + 1] (on the device), each row a fresh sequence: its outputs
+    (`logits` [B * T, vocab], and `draft_keys` [B * T, n, D] for `graph(dspark=True)`)."""
+    batch, length = seqs.shape[0], seqs.shape[1] - 1
+    ctx = ForwardContext([SequenceState() for _ in range(batch)], [length] * batch, device=seqs.device)
+    kernels.reset()
+    return interpret(graph, {"input_ids": seqs[:, :-1].reshape(-1)}, params, ctx, kernels.kernels)
+
+
 def forward_losses(graphs, params, kernels: TrainingKernels, seqs: torch.Tensor, device, anchors: int,
                    gen: torch.Generator) -> dict[str, torch.Tensor]:
     """The losses of one batch `seqs` [B, T + 1]: next-token cross-entropy over every position ("lm"), the
@@ -84,9 +93,7 @@ def forward_losses(graphs, params, kernels: TrainingKernels, seqs: torch.Tensor,
     graph, draft_graph, head, config = graphs
     batch, length = seqs.shape[0], seqs.shape[1] - 1
     seqs = seqs.to(device)
-    ctx = ForwardContext([SequenceState() for _ in range(batch)], [length] * batch, device=device)
-    kernels.reset()
-    out = interpret(graph, {"input_ids": seqs[:, :-1].reshape(-1)}, params, ctx, kernels.kernels)
+    out = backbone_forward(graph, params, kernels, seqs)
     losses = {"lm": torch.nn.functional.cross_entropy(out["logits"], seqs[:, 1:].reshape(-1))}
     losses["indexer_kl"] = torch.as_tensor(kernels.indexer_loss_value(), device=device)
     if anchors and draft_graph is not None:
