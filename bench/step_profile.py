@@ -2,7 +2,8 @@
 every CUDA-graph replay is timed between two device synchronisations (so host and GPU time add up, without the
 overlap a real step has), grouped by op.
 
-    python bench/step_profile.py [--artifact artifacts/slice-sm90] [--batches 1,64] [--no-graphs] [--top 14]
+    python bench/step_profile.py [--artifact artifacts/slice-sm90] [--batches 1,64] [--no-graphs] [--no-cache-kernels]
+                                 [--top 14]
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> int:
     p.add_argument("--batches", default="1,64")
     p.add_argument("--context", type=int, default=1024)
     p.add_argument("--no-graphs", action="store_true")
+    p.add_argument("--no-cache-kernels", action="store_true", help="the pools' torch encode/decode, not the kernels")
     p.add_argument("--top", type=int, default=14)
     args = p.parse_args()
     config = slice_config()
@@ -79,6 +81,7 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     step = sm90_step(model, args.artifact, "cuda", cuda_graphs=not args.no_graphs)
     compiled = step.__self__
+    compiled.cache_kernels = compiled.cache_kernels and not args.no_cache_kernels
     caches = Caches(run_passes(model.graph()), True, max(batches), args.context + 16, "cuda")
     gen = torch.Generator().manual_seed(0)
     context = caches.fresh(0)
@@ -97,7 +100,8 @@ def main() -> int:
             torch.cuda.synchronize()
             plain.append(1e3 * (time.perf_counter() - t))
         plain.sort()
-        print(f"\ndecode B={b} ctx={args.context} graphs={not args.no_graphs}: step {plain[2]:.2f} ms "
+        print(f"\ndecode B={b} ctx={args.context} graphs={not args.no_graphs} cache kernels={compiled.cache_kernels}: "
+              f"step {plain[2]:.2f} ms "
               f"(median of 5), synchronised node by node {total:.2f} ms")
         print(f"{'op':34s} {'calls':>5s} {'ms':>8s} {'share':>6s}")
         for key, ms in times.most_common(args.top):
