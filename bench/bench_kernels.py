@@ -218,7 +218,11 @@ def bench_tilelang_norms(tokens: list[int]) -> None:
                    eager_us=time_us(lambda: dense_ref.rms_norm(x, w, eps=1e-20)))
 
 
+MOE_OLD = {"block_M": 16, "block_N": 64, "block_K": 128, "num_warps": 4, "num_stages": 3}  # before split-K: unsplit
+
+
 def bench_moe(tokens: list[int]) -> None:
+    """The plan's config (tuned, else the heuristic for the token bucket) against the old default's tiles, unsplit."""
     e, inter, d, topk = 384, 2304, 5120, 6
     shapes = ((inter, d), (d, inter), (inter, d))
     ws = [torch.randint(0, 256, (e, o, i // 2), device="cuda", dtype=torch.uint8) for o, i in shapes]
@@ -230,14 +234,18 @@ def bench_moe(tokens: list[int]) -> None:
         unique = sum(len(torch.unique(r)) for r in routes) / len(routes)
         x, wts = torch.randn(m, d, device="cuda"), torch.rand(m, topk, device="cuda")
         nr = cycler(routes)
-        cfg = tuned("moe_experts", {"e": e, "inter": inter, "d": d, "topk": topk, "fmt": "fp4"}, m, moe)
+        cfg = tuned("moe_experts", {"e": e, "inter": inter, "d": d, "topk": topk, "fmt": "fp4"}, m, moe) \
+            or moe.default_config(bucket_of(m))
         ours = time_us(lambda: moe.moe_experts(x, wts, nr(), *ws, *ss, limit=10.0, config=cfg))
+        old_cfg = {"up": MOE_OLD, "down": MOE_OLD}
+        old = time_us(lambda: moe.moe_experts(x, wts, nr(), *ws, *ss, limit=10.0, config=old_cfg))
         # the reference synchronizes (torch.unique(...).tolist()): timed with events, and only where it is quick
-        base = time_us(lambda: moe_ref.moe_experts(x, wts, routes[0], *ws, *ss, limit=10.0), 10, graph=False) \
+        eager = time_us(lambda: moe_ref.moe_experts(x, wts, routes[0], *ws, *ss, limit=10.0), 10, graph=False) \
             if m <= 16 else None
-        record("moe fp4 experts", f"T={m} E=384 top6 {d}<->{inter} ({unique:.0f} experts)", ours,
+        splits = f"split {cfg['up'].get('split_k', 1)}/{cfg['down'].get('split_k', 1)}"
+        record("moe fp4 experts", f"T={m} E=384 top6 {d}<->{inter} ({unique:.0f} experts) {splits}", ours,
                nbytes=unique * per_expert + m * d * 8, flops=6 * m * topk * d * inter,
-               base="torch eager (dsl ref)" if base else None, base_us=base)
+               base="old tiles, unsplit", base_us=old, eager_us=eager)
 
 
 def torch_sparse_attention(q, kv, idx, sink, scale):

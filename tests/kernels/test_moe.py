@@ -1,12 +1,16 @@
-"""Routed experts (fp4 and bf16 grouped GEMMs) against `dsl.ops.moe.moe_experts`, and the routing layout."""
+"""Routed experts (fp4 and bf16 grouped GEMMs, unsplit and split-K) against `dsl.ops.moe.moe_experts`, the routing
+layout, batch invariance under a split config, and the launches the AOT builder records."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from autotune.space import get_configs
 from dsl.ops.moe import moe_experts as ref_moe_experts
-from kernels.triton.moe import moe_experts, route
+from graphs.lowering import LOWERINGS
+from kernels.launch import use_launcher
+from kernels.triton.moe import default_config, moe_experts, route
 from tests.kernels.cases import EXPERTS, HIDDEN, MOE_INTER, TOPK, gen, rel_l2
 
 LIMIT = 10.0
@@ -29,17 +33,21 @@ def make_experts(e: int, inter: int, d: int, fmt: str, device: str) -> tuple[lis
     return ws, ss
 
 
-def routing(t: int, e: int, k: int, device: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def routing(t: int, e: int, k: int, device: str, seed: int = 0,
+            same: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random weights and k distinct experts per token (`same`: every token the same k experts, in one order)."""
     g = torch.Generator().manual_seed(seed)
     experts = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)]) if t else torch.empty(0, k).long()
+    if same and t:
+        experts = experts[:1].expand(t, k).contiguous()
     weights = torch.rand(t, k, generator=g) + 0.1
     return weights.to(device), experts.to(device)
 
 
 def check(t: int, e: int, inter: int, d: int, fmt: str, device: str, config: dict | None = None,
-          tol: float = 2e-5) -> None:
+          tol: float = 2e-5, k: int = TOPK, same: bool = False) -> None:
     (w1, w2, w3), (s1, s2, s3) = make_experts(e, inter, d, fmt, device)
-    weights, experts = routing(t, e, min(TOPK, e), device, seed=t)
+    weights, experts = routing(t, e, min(k, e), device, seed=t, same=same)
     x = gen(t, d, device=device, seed=t)
     dot_fp32 = fmt == "fp32"
     got = moe_experts(x, weights, experts, w1, w2, w3, s1, s2, s3, limit=LIMIT, config=config, dot_fp32=dot_fp32)
@@ -49,7 +57,7 @@ def check(t: int, e: int, inter: int, d: int, fmt: str, device: str, config: dic
         x = x.bfloat16().float()
     want = ref_moe_experts(x, weights, experts, w1, w2, w3, s1, s2, s3, limit=LIMIT)
     assert got.shape == want.shape
-    assert rel_l2(got, want) < tol
+    assert rel_l2(got, want) < tol, rel_l2(got, want)
 
 
 def test_route_lays_out_every_pair_once_in_blocks_of_one_expert() -> None:
@@ -64,7 +72,12 @@ def test_route_lays_out_every_pair_once_in_blocks_of_one_expert() -> None:
 
 
 SMALL = dict(up=dict(block_M=16, block_N=32, block_K=64, num_warps=4, num_stages=2),
-             down=dict(block_M=16, block_N=32, block_K=64, num_warps=4, num_stages=2))
+             down=dict(block_M=16, block_N=32, block_K=64, num_warps=4, num_stages=2))  # as configs were: no split_k
+
+
+def split(up: int, down: int, block_k: int = 64) -> dict:
+    gemm = dict(block_M=16, block_N=32, block_K=block_k, num_warps=4, num_stages=2)
+    return dict(up=dict(gemm, split_k=up), down=dict(gemm, split_k=down))
 
 
 @pytest.mark.parametrize("t,e,inter,d,fmt", [
@@ -75,6 +88,81 @@ def test_moe_experts_match_reference(t, e, inter, d, fmt, device) -> None:
     check(t, e, inter, d, fmt, device, SMALL, tol)
 
 
+# (t, e, inter, d, fmt, splits): K = d for GEMM 1, inter for GEMM 2; 96 / 64 leaves a short last split, 3 splits of
+# K = 96 an empty one; t = 19 fills one expert past a block of 16 slots
+SPLIT_CASES = [(1, 8, 64, 96, "fp4", (2, 2)), (1, 8, 64, 96, "fp4", (3, 1)), (19, 8, 96, 64, "fp4", (1, 3)),
+               (19, 4, 64, 96, "fp4", (4, 2)), (1, 6, 40, 64, "bf16", (2, 2)), (7, 6, 64, 96, "bf16", (3, 2)),
+               (5, 8, 64, 96, "fp32", (2, 3))]
+
+
+@pytest.mark.parametrize("t,e,inter,d,fmt,splits", SPLIT_CASES)
+def test_moe_split_k_matches_reference(t, e, inter, d, fmt, splits, device) -> None:
+    check(t, e, inter, d, fmt, device, split(*splits), {"fp4": 5e-3, "bf16": 5e-3, "fp32": 1e-5}[fmt])
+
+
+@pytest.mark.parametrize("splits", [(1, 1), (2, 3)])
+def test_moe_tokens_on_the_same_experts(splits, device) -> None:
+    """21 tokens on the same 2 experts: two blocks of slots per expert, the last one partial."""
+    check(21, 6, 64, 96, "fp4", device, split(*splits), 5e-3, k=2, same=True)
+
+
+@pytest.mark.parametrize("splits", [(2, 2), (3, 1)])
+def test_moe_token_is_bitwise_the_same_alone_and_in_a_batch(splits, device) -> None:
+    """Under one split config a token's pairs land in other blocks and slots as the batch changes, and its row of
+    the output is the same bits."""
+    e, inter, d, k = 8, 64, 96, 3
+    ws, ss = make_experts(e, inter, d, "fp4", device)
+    weights, experts = routing(1, e, k, device, seed=5)
+    x = gen(1, d, device=device, seed=6)
+    alone = moe_experts(x, weights, experts, *ws, *ss, limit=LIMIT, config=split(*splits))
+    for rows, at in [(5, 3), (20, 0), (33, 32)]:
+        w_all, e_all = routing(rows, e, k, device, seed=rows)
+        w_all[at], e_all[at] = weights[0], experts[0]
+        x_all = gen(rows, d, device=device, seed=rows + 1)
+        x_all[at] = x[0]
+        got = moe_experts(x_all, w_all, e_all, *ws, *ss, limit=LIMIT, config=split(*splits))
+        assert torch.equal(got[at], alone[0])
+
+
+def test_default_config_splits_k_for_decode_only() -> None:
+    for m in (1, 16, 64):
+        config = default_config(m)
+        assert config["up"]["split_k"] * config["down"]["split_k"] > 1
+    assert default_config(512)["up"]["split_k"] == default_config(512)["down"]["split_k"] == 1
+
+
+@pytest.mark.parametrize("bucket", [16, 64, 8192])
+def test_tuning_space_splits_k_within_the_shapes(bucket) -> None:
+    static = {"e": EXPERTS, "inter": MOE_INTER, "d": HIDDEN, "topk": TOPK, "fmt": "fp4"}
+    configs = get_configs("moe_experts", static, bucket)
+    assert configs
+    for c in configs:
+        up, down = c["up"], c["down"]
+        assert HIDDEN // up["split_k"] >= 2 * up["block_K"] and MOE_INTER // down["split_k"] >= 2 * down["block_K"]
+        assert up["block_M"] == down["block_M"] and up["num_warps"] * 16 == up["block_N"]
+    splits = {(c["up"]["split_k"], c["down"]["split_k"]) for c in configs}
+    assert splits == {(1, 1)} if bucket > 64 else max(splits) >= (4, 2)
+
+
+@pytest.mark.parametrize("m", [16, 512])
+def test_aot_trace_records_every_launch_of_the_config(m) -> None:
+    """The AOT builder runs the wrapper on meta tensors (no values read): a split GEMM 1 adds the activation's
+    kernel, and both GEMMs' split counts reach their launches."""
+    static = {"e": EXPERTS, "inter": MOE_INTER, "d": HIDDEN, "topk": TOPK, "fmt": "fp4"}
+    config = default_config(m)
+    calls = []
+    with use_launcher(calls.append):
+        LOWERINGS["moe_experts"].trace(static, {"limit": LIMIT}, config, m, False)
+    names = [c.name for c in calls]
+    split_up, split_down = config["up"]["split_k"], config["down"]["split_k"]
+    assert names == ["moe_gemm_kernel"] + ["moe_swiglu_kernel"] * (split_up > 1) + ["moe_gemm_kernel", "moe_sum_kernel"]
+    gemms = [c for c in calls if c.name == "moe_gemm_kernel"]
+    assert [c.constexprs["SPLIT_K"] for c in gemms] == [split_up, split_down]
+    assert [c.grid[2] for c in gemms] == [split_up, split_down]
+    assert all(c.constexprs.get("ASM", True) for c in gemms)  # fp4 codes through PTX on the GPU
+    assert calls[-1].grid[0] == m
+
+
 def test_moe_empty_input(device) -> None:
     (w1, w2, w3), (s1, s2, s3) = make_experts(4, 32, 64, "fp4", device)
     weights, experts = routing(0, 4, 2, device)
@@ -83,9 +171,10 @@ def test_moe_empty_input(device) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 7, 64])
-def test_moe_v41_shapes_fp4(t) -> None:
-    check(t, EXPERTS, MOE_INTER, HIDDEN, "fp4", "cuda", tol=5e-3)
+@pytest.mark.parametrize("t", [1, 7, 16, 64])
+@pytest.mark.parametrize("config", ["default", "unsplit"])
+def test_moe_v41_shapes_fp4(t, config) -> None:
+    check(t, EXPERTS, MOE_INTER, HIDDEN, "fp4", "cuda", default_config(512) if config == "unsplit" else None, 5e-3)
 
 
 @pytest.mark.gpu
