@@ -39,7 +39,8 @@ from kernels.launch import use_launcher
 INVARIANT_REFERENCES = {"candidate_blocks": invariant.candidate_blocks, "topk_select": invariant.topk_select,
                         "engram_gate": invariant.KERNELS["engram_gate"],
                         "compress_pool": invariant.KERNELS["compress_pool"]}
-# The draft blocks' attention, which the kernel does not serve: all of a forward's blocks of one view length at once.
+# The draft blocks' attention in artifacts planned before the kernel served it (every query over its block's whole
+# view): all of a forward's blocks at once in torch.
 DRAFT_REFERENCES = {"sparse_attention": invariant.sparse_attention}
 
 
@@ -156,8 +157,8 @@ class GpuCompiledModel:
               batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the DSpark draft layers over one block per sequence at its next positions, leaving the sequences as
         they were: fp32 (hidden [total tokens, hidden_size], logits [total tokens, vocab]). The blocks' attention
-        (every query over the whole view) runs as torch on the device; drafts only need to be good, not invariant:
-        verification keeps the output exact."""
+        (every query over its block's whole view) runs on the attention kernel; drafts only need to be good, not
+        invariant: verification keeps the output exact."""
         if self.draft_graph is None:
             raise RuntimeError("this model was compiled without DSpark drafting: compile(..., drafting=True)")
         _, executor = self._ready()

@@ -314,15 +314,14 @@ def _attention_static(node: Node, params: Params) -> dict | None:
     t = node.inputs[0].type
     if t is None or t.rank != 3 or t.shape[0] != num_tokens or _param(node, 2, params) is None:
         return None
-    if not node.attrs.get("causal", True):
-        return None  # a DSpark draft block attends to its whole view: the kernel's lists are causal windows
     return {"h": int(t.shape[1]), "d": int(t.shape[2])}
 
 
 def _attention_run(args, attrs, st, config, ctx, dot_fp32):
     q, window, sink, compressed, topk = (list(args) + [None, None])[:5]
     return attention.sparse_attention_op(q, window, sink, compressed, topk, window_size=attrs["window_size"],
-                                         scale=attrs["scale"], ctx=ctx, config=config, dot_fp32=dot_fp32)
+                                         scale=attrs["scale"], ctx=ctx, causal=attrs.get("causal", True),
+                                         config=config, dot_fp32=dot_fp32)
 
 
 def _attention_trace(st, attrs, config, m, dot_fp32):

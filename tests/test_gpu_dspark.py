@@ -19,6 +19,31 @@ from tests.test_gpu_targets import run_python
 DRAFTING = {"method": "dspark", "num_speculative_tokens": 5}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs on CPU tensors; on a GPU "
+                    "test_drafting_on_sm90_is_lossless_and_accepts covers the drafts")
+def test_the_draft_plan_matches_the_cpu_drafts_under_the_interpreter() -> None:
+    """The draft graph through the sm90 plan (fp32 products; on a CPU its Triton kernels run under the interpreter),
+    the blocks' attention (every query over its block's whole view) on the attention kernel, against the cpu
+    target's draft pass."""
+    from dsl.context import ForwardContext
+    from dsl.passes import run_passes
+    from graphs.executor import Executor
+    from graphs.plan import make_plan
+
+    model = trained_model()
+    cpu = deepinfer.compile(model, "cpu", drafting=True)
+    graph = run_passes(model.draft_graph())
+    plan = make_plan(graph, model.params(), "sm90", dot_fp32=True)
+    state = cpu.new_sequence()
+    cpu.step([(state, list(range(5, 45)))])
+    block = [44, 3, 3, 3, 3]
+    _, expected = cpu.draft([(state, block)])
+    got = Executor(graph, plan, cpu.params, "cpu").run({"input_ids": torch.tensor(block)},
+                                                       ForwardContext([state], [len(block)]))["logits"]
+    assert float((got - expected).norm() / expected.norm()) < 1e-5
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+
 BUILD = """
 import deepinfer
 from deepinfer.default_model import trained_model
@@ -36,7 +61,7 @@ def test_a_drafting_artifact_holds_the_draft_plan(tmp_path) -> None:
     assert json.loads((out / "manifest.json").read_text())["drafting"] is True
     _, plan, _, _, draft_plan = artifact.read(out)
     assert draft_plan is not None and draft_plan.kernel_nodes()
-    assert not any(n.template for n in draft_plan.nodes if n.op == "sparse_attention")  # the blocks: torch
+    assert all(n.template for n in draft_plan.nodes if n.op == "sparse_attention")  # the blocks: the kernel
     model = trained_model()
     loaded = deepinfer.load(out, model)  # rebuilds both graphs and checks the plans against them
     assert loaded.draft_graph is not None and len(loaded.draft_graph.nodes) == len(draft_plan.nodes)

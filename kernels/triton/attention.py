@@ -143,24 +143,24 @@ def sparse_attention(q: torch.Tensor, kv: torch.Tensor, idx: torch.Tensor, sink:
 
 
 def gather_indices(window, compressed, topk: torch.Tensor | None, *, window_size: int, ctx,
-                   dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
+                   dtype: torch.dtype = torch.bfloat16, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The DSL's cache views as one key pool and per-token entry lists: (kv [P, D], idx int32 [N, S]).
 
     `window` and `compressed` are `dsl.ops.attention.CacheView`s, `topk` [N, K] the selected compressed entries
     (-1 = none). A token sees the window entries whose positions lie in (pos - window_size, pos], a contiguous run of
     at most `window_size`, then its picks (`dsl.ops.attention.visible_entries`: a few tensor ops for any batch; the
-    pools' entries are decoded as they are gathered).
+    pools' entries are decoded as they are gathered); with `causal` False, its chunk's whole view (a DSpark block).
     """
-    kv, idx = visible_entries(window, compressed, topk, window_size=window_size, ctx=ctx, dtype=dtype)
+    kv, idx = visible_entries(window, compressed, topk, window_size=window_size, ctx=ctx, dtype=dtype, causal=causal)
     return kv.contiguous(), idx.to(torch.int32)
 
 
 def sparse_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=None, topk: torch.Tensor | None = None,
-                        *, window_size: int, scale: float, ctx, config: dict | None = None,
+                        *, window_size: int, scale: float, ctx, causal: bool = True, config: dict | None = None,
                         dot_fp32: bool = False) -> torch.Tensor:
     """The DSL op `sparse_attention` (same arguments) on the kernel: q [N, H, D] -> fp32 [N, H, D]."""
     dtype = torch.float32 if dot_fp32 else torch.bfloat16
-    kv, idx = gather_indices(window, compressed, topk, window_size=window_size, ctx=ctx, dtype=dtype)
+    kv, idx = gather_indices(window, compressed, topk, window_size=window_size, ctx=ctx, dtype=dtype, causal=causal)
     return sparse_attention(q.to(dtype).contiguous(), kv, idx, sink.float().contiguous(), scale=scale, config=config,
                             dot_fp32=dot_fp32)
 
