@@ -70,6 +70,8 @@ def derive_seed(seed: int, index: int) -> int:
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, output_token_ids: Sequence[int],
                     prompt_token_ids: Sequence[int]) -> torch.Tensor:
     """vLLM's penalties on logits [V]: repetition over prompt and output, presence and frequency over output."""
+    if params.repetition_penalty == 1.0 and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0:
+        return logits  # nothing to apply: no tensor of the outputs made (a host copy for every token sampled)
     vocab_size, device = logits.shape[-1], logits.device
     out = torch.as_tensor(list(output_token_ids), dtype=torch.int64, device=device)
     if params.repetition_penalty != 1.0:

@@ -12,6 +12,8 @@ its split sizes follow the batch's widest entry list).
 
 from __future__ import annotations
 
+import functools
+
 import importlib
 from dataclasses import dataclass, field
 
@@ -95,7 +97,9 @@ class Plan:
             raise ValueError("the plan does not match the model's graph (different ops or order): recompile")
 
 
+@functools.lru_cache(maxsize=None)
 def _template_hash(template: str) -> str:
+    """The hash of the kernel sources that serve `template` (read once per process: every node of a plan asks)."""
     module = {"linear": "linear", "rms_norm": "rms_norm", "hc_mixes": "hyper", "hc_collapse_rms_norm": "hyper",
               "hc_expand": "hyper", "moe_experts": "moe", "sparse_attention": "attention", "swiglu": "linear",
               "moe_gate": "linear", "index_scores": "indexer"}[template]

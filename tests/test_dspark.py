@@ -198,3 +198,32 @@ def check_lossless_and_accepts(off: LLM, on: LLM, params: SamplingParams, at_lea
     for w, g in zip(want, got, strict=True):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
     assert tokens_per_verifying_step(got) > at_least
+
+
+def test_greedy_fast_paths_match_the_sampler(compiled) -> None:
+    """Rows that sample plain greedily propose and verify on the argmax read back once: the same drafts and
+    confidences as the per-token sampler's path, and the same verified tokens, for matching and mismatching drafts."""
+    from deepinfer.engine.model_runner import SampleRow
+    from deepinfer.engine.speculative import Drafter, plain_greedy, verify
+
+    drafter = Drafter(compiled, SpeculativeConfig.from_dict({"method": "dspark", "num_speculative_tokens": 4}), (1,),
+                      batch_invariant=True)
+    gen = torch.Generator().manual_seed(3)
+    rows = []
+    for n in (30, 7, 55):
+        state = compiled.new_sequence()
+        prompt = torch.randint(4, 5000, (n,), generator=gen).tolist()
+        compiled.step([(state, prompt)], batch_invariant=True)
+        row = SampleRow(len(rows), str(len(rows)), 0, SamplingParams(temperature=0), 0, prompt, [prompt[-1]], 0)
+        rows.append((state, row, [prompt[-1]]))
+    assert all(plain_greedy(s, outputs) for _, s, outputs in rows)
+    fast = drafter.propose(rows)
+    slow = drafter.propose(rows, fill_next=lambda samples, drafts: None)  # a constraint that masks nothing
+    assert [p.tokens for p in fast] == [p.tokens for p in slow]
+    assert [p.confidences for p in fast] == [p.confidences for p in slow]
+    logits = torch.randn(5, 64, generator=gen)
+    target = torch.argmax(logits, dim=-1).tolist()
+    penalised = SampleRow(9, "9", 0, SamplingParams(temperature=0, presence_penalty=1e-9), 0, [1], [], 0)
+    for drafts in (target[:4], target[:2] + [target[2] + 1, target[3]], [target[0] + 1] * 4, []):
+        assert verify(logits, None, rows[0][1], [5], drafts, (1,)) == \
+            verify(logits, None, penalised, [5], drafts, (1,))  # the per-token sampler (a penalty that changes none)

@@ -117,6 +117,8 @@ class Drafter:
         device = hidden.device
         previous = torch.tensor([outputs[-1] for _, _, outputs in rows], device=device)
         samples = [s for _, s, _ in rows]
+        if fill_next is None and all(plain_greedy(s, outputs) for _, s, outputs in rows):
+            return self._propose_greedy(hidden, logits, previous, confidences)
         for i in range(k + 1):  # the check after the last draft only drops it if it ends the constraint
             allowed = as_allowed(fill_next(samples, drafts), logits.shape[-1]) if fill_next is not None else None
             for r, d in enumerate(drafts):  # a row allowing nothing: its drafts end the constraint, or break it
@@ -141,6 +143,28 @@ class Drafter:
                                     device=device)
         return [Proposal(d, c[: len(d)]) for d, c in zip(drafts, confidences.tolist(), strict=True)]
 
+    def _propose_greedy(self, hidden: torch.Tensor, logits: torch.Tensor, previous: torch.Tensor,
+                        confidences: torch.Tensor) -> list[Proposal]:
+        """`propose` for rows that all sample greedily with nothing to adjust their logits: each position's drafts
+        are the argmax of every row at once, kept on the device for the next position's Markov term, and read back
+        once (what `sample` picks for such rows: the argmax, ties to the lowest id)."""
+        picks = []
+        for i in range(logits.shape[1]):
+            emb, markov = self.head.markov(previous)
+            confidences[:, i] = self.head.confidence(hidden[:, i], emb)
+            previous = torch.argmax(logits[:, i] + markov, dim=-1)
+            picks.append(previous)
+        drafts = torch.stack(picks, dim=1).tolist()
+        return [Proposal(d, c) for d, c in zip(drafts, confidences.tolist(), strict=True)]
+
+
+def plain_greedy(sample_row, outputs: list[int]) -> bool:
+    """Whether `sample` picks a row's every next token as the plain argmax of its logits: greedy, no penalty, no
+    token banned by min_tokens any more, no log-probabilities asked for."""
+    p = sample_row.params
+    return (p.is_greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+            and len(outputs) >= p.min_tokens and p.logprobs is None)
+
 
 def verify(logits: torch.Tensor, allowed: torch.Tensor | None, sample_row, outputs: list[int], drafts: list[int],
            eos_token_ids: tuple[int, ...]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
@@ -149,6 +173,10 @@ def verify(logits: torch.Tensor, allowed: torch.Tensor | None, sample_row, outpu
     `logits` [len(drafts) + 1, vocab]; `allowed` (bool, same shape) the constraint's mask of each position, or
     None. Log-probabilities, when asked for, are of the raw logits (before mask and penalties)."""
     s = sample_row
+    if allowed is None and plain_greedy(s, outputs):  # every position's argmax in one read back
+        targets = torch.argmax(logits[: len(drafts) + 1], dim=-1).tolist()
+        kept = next((j for j, (t, d) in enumerate(zip(targets, drafts)) if t != d), len(drafts))
+        return targets[: kept + 1], [None] * (kept + 1)
     tokens, logprobs = [], []
     for j in range(len(drafts) + 1):
         seen = outputs + tokens
