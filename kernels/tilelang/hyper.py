@@ -11,7 +11,7 @@ import torch
 
 from dsl.ops.hyper import hc_collapse_rms_norm as reference
 from kernels.launch import launch
-from kernels.tilelang.kernel import TileLangKernel
+from kernels.tilelang.kernel import TileLangKernel, row_tiles
 from kernels.tilelang.rms_norm import default_config
 
 
@@ -70,9 +70,7 @@ def hc_collapse_rms_norm(h: torch.Tensor, pre: torch.Tensor, w: torch.Tensor, *,
             raise ValueError(f"hc_collapse_rms_norm needs contiguous float32 {list(shape)} on {h.device}, got "
                              f"{t.dtype} {list(t.shape)}")
     config = config or default_config(d)
-    block_m, threads = config["block_M"], config["threads"]
-    if threads % 32 or threads % block_m or not 32 <= threads <= 1024:
-        raise ValueError(f"config {config}: threads must be a multiple of 32 and of block_M, at most 1024")
+    block_m, threads = row_tiles(config, "hc_collapse_rms_norm")
     out = torch.empty(n, d, dtype=torch.float32, device=h.device)
     if n == 0:
         return out

@@ -29,4 +29,13 @@ class TileLangKernel:
         return f"TileLangKernel({self.__name__})"
 
 
-__all__ = ["TileLangKernel"]
+def row_tiles(config: dict, what: str) -> tuple[int, int]:
+    """(block_M, threads) of a row kernel's config: `block_M` rows a block over `threads`, a multiple of 32 and of
+    block_M, at most 1024. `what` names the kernel in the error."""
+    block_m, threads = config["block_M"], config["threads"]
+    if threads % 32 or threads % block_m or not 32 <= threads <= 1024:
+        raise ValueError(f"{what} config {config}: threads must be a multiple of 32 and of block_M, at most 1024")
+    return block_m, threads
+
+
+__all__ = ["TileLangKernel", "row_tiles"]

@@ -11,7 +11,7 @@ import torch
 
 from dsl.ops.dense import rms_norm as reference
 from kernels.launch import launch
-from kernels.tilelang.kernel import TileLangKernel
+from kernels.tilelang.kernel import TileLangKernel, row_tiles
 
 
 def rms_norm_tilelang(dtypes: dict[str, str], threads: int, *, D: int, EPS: float, HAS_W: bool, block_M: int,
@@ -73,9 +73,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor | None = None, *, eps: float, conf
         raise ValueError(f"rms_norm weight must be contiguous float32 [{d}] on {x.device}, got {w.dtype} "
                          f"{list(w.shape)}")
     config = config or default_config(d)
-    block_m, threads = config["block_M"], config["threads"]
-    if threads % 32 or threads % block_m or not 32 <= threads <= 1024:
-        raise ValueError(f"rms_norm config {config}: threads must be a multiple of 32 and of block_M, at most 1024")
+    block_m, threads = row_tiles(config, "rms_norm")
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     rows = x.numel() // d if d else 0
     if rows == 0:

@@ -49,3 +49,14 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 @pytest.fixture
 def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def tilelang_launcher():
+    """A `CubinLauncher` over the TileLang kernels' cubins (tests/kernels/tilelang_cubins.py), or a skip."""
+    from tests.kernels.tilelang_cubins import cubin_launcher
+
+    found = cubin_launcher()
+    if found is None:
+        pytest.skip("no TileLang cubins: build them with `python -m tests.kernels.tilelang_cubins` (no GPU needed)")
+    return found

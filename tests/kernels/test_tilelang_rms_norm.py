@@ -12,7 +12,7 @@ from kernels.launch import Launch, use_launcher
 from kernels.tilelang.kernel import TileLangKernel
 from kernels.tilelang.rms_norm import default_config, rms_norm
 from tests.kernels.cases import gen, rel_l2
-from tests.kernels.tilelang_cubins import NORM_CASES, cubin_launcher, record
+from tests.kernels.tilelang_cubins import NORM_CASES, record
 
 EPS = 1e-20
 
@@ -48,13 +48,6 @@ def test_default_configs_at_v41_widths() -> None:
 
 # ---- on the GPU: the cubin through the CUDA driver ----------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def launcher():
-    found = cubin_launcher()
-    if found is None:
-        pytest.skip("no TileLang cubins: build them with `python -m tests.kernels.tilelang_cubins` (no GPU needed)")
-    return found
-
 
 def reference64(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
     x64 = x.double()  # [m, d]
@@ -65,13 +58,13 @@ def reference64(x: torch.Tensor, w: torch.Tensor | None) -> torch.Tensor:
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [1, 7, 64, 4097])
 @pytest.mark.parametrize("d,dtype,has_w", NORM_CASES)
-def test_cubin_matches_the_reference_at_v41_widths(launcher, m, d, dtype, has_w) -> None:
+def test_cubin_matches_the_reference_at_v41_widths(tilelang_launcher, m, d, dtype, has_w) -> None:
     x = gen(m, d, dtype=dtype, device="cuda", seed=m + d, scale=3.0)
     w = gen(d, device="cuda", seed=1) if has_w else None
-    before = launcher.launches
-    with use_launcher(launcher):
+    before = tilelang_launcher.launches
+    with use_launcher(tilelang_launcher):
         out = rms_norm(x, w, eps=EPS)
-    assert launcher.launches == before + 1 and out.dtype == torch.float32 and out.shape == x.shape
+    assert tilelang_launcher.launches == before + 1 and out.dtype == torch.float32 and out.shape == x.shape
     assert rel_l2(out, reference64(x, w)) < 1e-6
     assert rel_l2(out, ref_rms_norm(x, w, eps=EPS)) < 1e-6
     assert (out - ref_rms_norm(x, w, eps=EPS)).abs().max() <= 1e-5 * ref_rms_norm(x, w, eps=EPS).abs().max()
@@ -79,9 +72,9 @@ def test_cubin_matches_the_reference_at_v41_widths(launcher, m, d, dtype, has_w)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d", [512, 128])  # 2 and 4 rows a block
-def test_cubin_row_is_the_same_in_any_batch(launcher, d) -> None:
+def test_cubin_row_is_the_same_in_any_batch(tilelang_launcher, d) -> None:
     row, w = gen(1, d, device="cuda", seed=1), gen(d, device="cuda", seed=2)
-    with use_launcher(launcher):
+    with use_launcher(tilelang_launcher):
         alone = rms_norm(row, w, eps=EPS)
         for rows, at in ((5, 3), (37, 36), (70, 17)):
             others = gen(rows, d, device="cuda", seed=rows)
