@@ -17,7 +17,7 @@ every captured segment's inputs and outputs stay referenced by its `Run`. Graph 
 static tensors are cloned before they leave the forward, since the next replay overwrites them.
 
 Forwards of more than `max_tokens` tokens (prefill chunks, GPU-bound already) run eagerly; at most `max_steps`
-token counts keep graphs (the least recently used are dropped).
+token counts keep graphs, holding at most about `max_bytes` of device memory (the least recently used are dropped).
 """
 
 from __future__ import annotations
@@ -125,6 +125,7 @@ class CapturedStep:
     positions: torch.Tensor | None = None
     runs: dict[int, Run] = field(default_factory=dict)
     failed: set[int] = field(default_factory=set)
+    bytes: int = 0  # device memory the capture took (the growth of torch's reserved memory over it)
 
 
 RunNodes = Callable[[dict, object], None]  # runs a segment's nodes eagerly over an env and a context
@@ -133,10 +134,10 @@ RunNodes = Callable[[dict, object], None]  # runs a segment's nodes eagerly over
 class CudaGraphs:
     """Captured segments of one executor's graph, per token count and mode (see the module's docstring)."""
 
-    def __init__(self, graph: Graph, max_tokens: int = 256, max_steps: int = 32) -> None:
+    def __init__(self, graph: Graph, max_tokens: int = 256, max_steps: int = 32, max_bytes: int = 4 << 30) -> None:
         self.segments = find_segments(graph)
         self.at = {s.start: s for s in self.segments}
-        self.max_tokens, self.max_steps = max_tokens, max_steps
+        self.max_tokens, self.max_steps, self.max_bytes = max_tokens, max_steps, max_bytes
         self.steps: OrderedDict[tuple, CapturedStep] = OrderedDict()
         self.seen: set[tuple] = set()
         self.broken: set[int] = set()  # segments that failed to capture: eager from then on
@@ -154,10 +155,16 @@ class CudaGraphs:
         if key not in self.seen:  # the warm-up forward
             self.seen.add(key)
             return None
-        if len(self.steps) >= self.max_steps:
-            self.steps.popitem(last=False)
+        self.evict()
         step = self.steps[key] = CapturedStep(torch.cuda.graph_pool_handle())
         return _Forward(self, step, ctx, capturing=True)
+
+    def evict(self) -> None:
+        """Drop the least recently used token counts' graphs until one more fits: fewer than `max_steps` kept, and
+        less than `max_bytes` of device memory held by them (a full model's static tensors at 256 tokens are GBs)."""
+        while self.steps and (len(self.steps) >= self.max_steps
+                              or sum(s.bytes for s in self.steps.values()) >= self.max_bytes):
+            self.steps.popitem(last=False)
 
     def clear(self) -> None:
         self.steps.clear()
@@ -169,6 +176,7 @@ class _Forward:
         self.owner, self.step, self.ctx, self.capturing = owner, step, ctx, capturing
         self.static: set[int] = set()  # ids of the static tensors this forward's env holds
         self.positions_ready = False
+        self.reserved = torch.cuda.memory_reserved() if capturing else 0
 
     def run(self, segment: Segment, env: dict, run_nodes: RunNodes) -> None:
         """Run `segment` over `env`: replay its graph, capture it, or run its nodes eagerly."""
@@ -234,6 +242,8 @@ class _Forward:
 
     def finish(self, outputs: dict) -> dict:
         """The forward's outputs, with any replay's static tensor cloned (the next replay overwrites it)."""
+        if self.capturing:
+            self.step.bytes = max(0, torch.cuda.memory_reserved() - self.reserved)
         return {k: v.clone() if id(v) in self.static else v for k, v in outputs.items()}
 
 
