@@ -98,7 +98,7 @@ def test_the_least_recently_used_token_counts_make_room() -> None:
     """Eviction by count and by the device memory the captures took (no GPU needed: the records alone)."""
     from graphs.capture import CapturedStep, CudaGraphs
 
-    model, (graph,) = graphs("v41-smooth", False)
+    _, (graph,) = graphs("v41-smooth", False)
     keep = CudaGraphs(graph, max_steps=3, max_bytes=100)
     for n, size in ((1, 10), (2, 20), (3, 30)):
         keep.steps[(n, False)] = CapturedStep(pool=(0, n), bytes=size)
