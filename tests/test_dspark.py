@@ -218,7 +218,9 @@ def test_greedy_fast_paths_match_the_sampler(compiled) -> None:
         rows.append((state, row, [prompt[-1]]))
     assert all(plain_greedy(s, outputs) for _, s, outputs in rows)
     fast = drafter.propose(rows)
-    slow = drafter.propose(rows, fill_next=lambda samples, drafts: None)  # a constraint that masks nothing
+    vocab = compiled.config.vocab_size
+    slow = drafter.propose(rows, fill_next=lambda samples, drafts: torch.ones(len(samples), vocab, dtype=torch.bool))
+    # (a constraint allowing every token: the per-token sampler's path, masks applied)
     assert [p.tokens for p in fast] == [p.tokens for p in slow]
     assert [p.confidences for p in fast] == [p.confidences for p in slow]
     logits = torch.randn(5, 64, generator=gen)

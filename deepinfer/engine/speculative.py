@@ -117,10 +117,13 @@ class Drafter:
         device = hidden.device
         previous = torch.tensor([outputs[-1] for _, _, outputs in rows], device=device)
         samples = [s for _, s, _ in rows]
-        if fill_next is None and all(plain_greedy(s, outputs) for _, s, outputs in rows):
+        masks = fill_next(samples, drafts) if fill_next is not None else None  # None: no row is constrained
+        if masks is None and all(plain_greedy(s, outputs) for _, s, outputs in rows):
             return self._propose_greedy(hidden, logits, previous, confidences)
         for i in range(k + 1):  # the check after the last draft only drops it if it ends the constraint
-            allowed = as_allowed(fill_next(samples, drafts), logits.shape[-1]) if fill_next is not None else None
+            if i and fill_next is not None:
+                masks = fill_next(samples, drafts)
+            allowed = as_allowed(masks, logits.shape[-1])
             for r, d in enumerate(drafts):  # a row allowing nothing: its drafts end the constraint, or break it
                 if allowed is not None and live[r] and not allowed[r].any():
                     live[r] = False
