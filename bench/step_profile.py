@@ -41,18 +41,15 @@ def profile(step, executor, states, vocab: int, gen: torch.Generator) -> tuple[c
 
     node, graphs = executor._node, executor.cuda_graphs
     executor._node = lambda i, *a: timed(graph.nodes[i].op, node, i, *a)
-    forward_run = None
     if graphs is not None:
         begin = graphs.begin
 
         def begin_timed(*a):
-            nonlocal forward_run
             forward = begin(*a)
             if forward is not None:
                 run = forward.run
                 forward.run = lambda segment, env, nodes: timed("segment (graph replay or eager)", run, segment, env,
                                                                 nodes)
-                forward_run = run
             return forward
         graphs.begin = begin_timed
     batch = [(s, torch.randint(0, vocab, (1,), generator=gen).tolist()) for s in states]

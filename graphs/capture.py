@@ -124,7 +124,6 @@ class CapturedStep:
     pool: tuple
     positions: torch.Tensor | None = None
     runs: dict[int, Run] = field(default_factory=dict)
-    failed: set[int] = field(default_factory=set)
     bytes: int = 0  # device memory the capture took (the growth of torch's reserved memory over it)
 
 
@@ -197,7 +196,7 @@ class _Forward:
                     buf.copy_(a)
             run.graph.replay()
             self.owner.replays += 1
-        elif self.capturing and index not in step.failed:
+        elif self.capturing:
             run = self._capture(segment, env, args, run_nodes)
             if run is None:
                 run_nodes(env, self.ctx)
@@ -229,7 +228,6 @@ class _Forward:
                 run_nodes(local, ctx)
         except RuntimeError as e:  # an op that syncs with the host, or allocates host memory: eager from now on
             self.owner.broken.add(segment.start)
-            self.step.failed.add(segment.start)
             torch.cuda.synchronize()
             warnings.warn(f"nodes {segment.start}..{segment.stop - 1} cannot be captured ({type(e).__name__}: {e}); "
                           "they run eagerly", RuntimeWarning, stacklevel=3)

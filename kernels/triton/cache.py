@@ -209,7 +209,8 @@ def load_rows_kernel(codes_ptr, scales_ptr, major_ptr, minor_ptr, table_ptr, out
 
 def _layout(fmt: EntryFormat, parts: list[torch.Tensor], major: torch.Tensor, minor: torch.Tensor,
             tables: torch.Tensor | None) -> tuple[tuple, dict, int]:
-    """Checks; (the pool and index arguments, the constexprs, D) of a launch over `parts` at (major, minor)."""
+    """Checks; (the pool and index arguments, the constexprs, D) of a launch over `parts` at (major, minor); the
+    arguments end with the rows per block and the block tables' width (0 without tables)."""
     if fmt.kind not in KINDS or (fmt.kind == "fp8" and fmt.e4m3_scale):
         raise ValueError(f"no cache kernel for {fmt}")
     if any(not p.is_contiguous() or p.dim() != 3 or p.shape[:2] != parts[0].shape[:2] for p in parts):
@@ -223,7 +224,7 @@ def _layout(fmt: EntryFormat, parts: list[torch.Tensor], major: torch.Tensor, mi
     major, minor = _aligned(major.long()), _aligned(minor.long())  # indices of any integer type, as torch takes
     table = _aligned(tables.long()) if tables is not None else minor
     pools = [p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p for p in parts]
-    args = (major, minor, table, pools[0], pools[-1])
+    args = (major, minor, table, pools[0], pools[-1], parts[0].shape[1], tables.shape[1] if tables is not None else 0)
     width = block // 2 if fmt.kind == "fp4" else block
     consts = {"D": d, "KIND": KINDS[fmt.kind], "BLOCK": block, "E4M3_SCALE": fmt.e4m3_scale,
               "HAS_TABLE": tables is not None, "block_B": triton.next_power_of_2(d // block),
@@ -242,26 +243,24 @@ def store_rows(fmt: EntryFormat, parts: list[torch.Tensor], values: torch.Tensor
     """`dsl.cache.store_rows` in one launch: encode values [M, D] (fp32, or cast to it) in `fmt` and store row m in
     every part [*, R, ...] at [block, minor[m] % R], block tables[major[m], minor[m] // R] ([B, W]) or major[m].
     major, minor: integer [M]. Parts: the codes (fp32 / float8_e4m3fn / uint8 packed fp4) and the scales."""
-    (major, minor, table, codes, scales), consts, d = _layout(fmt, parts, major, minor, tables)
+    (major, minor, table, codes, scales, per, width), consts, d = _layout(fmt, parts, major, minor, tables)
     if values.dim() != 2 or values.shape[1] != d or values.shape[0] != major.shape[0]:
         raise ValueError(f"values must be [M, {d}] for M = {major.shape[0]} rows, got {list(values.shape)}")
     if values.shape[0] == 0:
         return
     x = _aligned(values.float())
-    width = tables.shape[1] if tables is not None else 0
-    launch(store_rows_kernel, (x.shape[0],), (x, major, minor, table, codes, scales, parts[0].shape[1], width),
+    launch(store_rows_kernel, (x.shape[0],), (x, major, minor, table, codes, scales, per, width),
            consts, num_warps=4, num_stages=1)
 
 
 def load_rows(fmt: EntryFormat, parts: list[torch.Tensor], major: torch.Tensor, minor: torch.Tensor,
               tables: torch.Tensor | None = None) -> torch.Tensor:
     """`dsl.cache.load_rows` in one launch: fp32 values [M, D] of the rows `store_rows` puts at (major, minor)."""
-    (major, minor, table, codes, scales), consts, d = _layout(fmt, parts, major, minor, tables)
+    (major, minor, table, codes, scales, per, width), consts, d = _layout(fmt, parts, major, minor, tables)
     out = torch.empty(major.shape[0], d, dtype=torch.float32, device=parts[0].device)
     if out.shape[0] == 0:
         return out
-    width = tables.shape[1] if tables is not None else 0
-    launch(load_rows_kernel, (out.shape[0],), (codes, scales, major, minor, table, out, parts[0].shape[1], width),
+    launch(load_rows_kernel, (out.shape[0],), (codes, scales, major, minor, table, out, per, width),
            consts, num_warps=4, num_stages=1)
     return out
 
