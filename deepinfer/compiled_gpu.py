@@ -69,7 +69,7 @@ class GpuCompiledModel:
 
     @property
     def cuda_graphs(self) -> bool:
-        """Whether steps of up to 256 tokens replay their static segments as CUDA graphs (graphs/capture.py): on by
+        """Whether steps of up to 512 tokens replay their static segments as CUDA graphs (graphs/capture.py): on by
         default, `DEEPINFER_CUDA_GRAPHS=0` turns it off. Setting it drops any graphs captured so far."""
         return self._cuda_graphs
 

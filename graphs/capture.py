@@ -8,16 +8,22 @@ most of a decode step's launches (the linears, MoE, hyper-connection mixes, norm
 step of a few tokens each launch costs far more on the host than on the GPU, so replaying them as CUDA graphs is
 what makes the step GPU-bound.
 
-`CudaGraphs` keeps one `CapturedStep` per (token count, mode): the first forward at a token count runs eagerly (it
-loads kernels and fills per-device tables), the second captures every segment as it reaches it, in program order,
-into one memory pool, and later forwards replay them. Replays happen in capture order (a subset of it, where a
+Token counts are padded to buckets (`BUCKETS`): a segment always runs over `bucket(N)` rows, the forward's N and
+padding rows after them (zeros, or whatever an earlier replay left there; every node in a segment works row by row,
+so they never reach the real rows), and the rest of the forward sees the first N rows. `CudaGraphs` keeps one
+`CapturedStep` per (bucket, mode): the first forward in a bucket runs its segments eagerly (that loads kernels and
+fills per-device tables), the second captures every segment as it reaches it, in program order, into one memory
+pool, and later forwards replay them. A drafting engine's steps, or a batch whose requests finish one by one, meet
+a new token count at almost every step; the buckets let them replay graphs captured at another count. Kernel
+configs follow the plan's buckets (graphs/plan.py), whose bounds are buckets here too, so a padded node runs the
+config the unpadded one would; with batch-invariant configs a padded step's rows are bitwise the unpadded ones. Replays happen in capture order (a subset of it, where a
 segment's inputs come out another shape, e.g. a step's logit rows, and it runs eagerly), so a segment's
 temporaries can share the pool with earlier segments' temporaries but never with an output still to be read:
 every captured segment's inputs and outputs stay referenced by its `Run`. Graph outputs that are a replay's
 static tensors are cloned before they leave the forward, since the next replay overwrites them.
 
-Forwards of more than `max_tokens` tokens (prefill chunks, GPU-bound already) run eagerly; at most `max_steps`
-token counts keep graphs, holding at most about `max_bytes` of device memory (the least recently used are dropped).
+Forwards of more than `max_tokens` tokens (prefill chunks, GPU-bound already) run eagerly, unpadded; at most
+`max_steps` buckets keep graphs, holding at most about `max_bytes` of device memory (the least recently used are dropped).
 """
 
 from __future__ import annotations
@@ -33,6 +39,9 @@ import torch
 from dsl.graph import Graph, Value
 from dsl.ops import OPS
 from dsl.tensor import OPAQUE_DTYPES, num_tokens
+
+# Token-count buckets; each bound of the plan's buckets (graphs/plan.py) is one of them.
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 # Context-reading ops whose only use of the context is a tensor of one row per token: a captured segment reads
 # it from a static buffer, refreshed before each replay.
@@ -50,14 +59,30 @@ class Segment:
     outputs: list[Value]
     context: bool  # whether a node reads the context's per-token tensor
 
+    def __post_init__(self) -> None:
+        self.row_inputs = [_rows(v) for v in self.inputs]  # which inputs and outputs padding extends
+        self.row_outputs = [_rows(v) for v in self.outputs]
+
+
+def _fixed(dim) -> bool:
+    return isinstance(dim, int) or not sympy.sympify(dim).free_symbols
+
 
 def _token_shaped(value: Value | None) -> bool:
+    """Whether the value is absent, a tensor of fixed shape, or one of one row per token ([N, fixed dims...])."""
     if value is None:
         return True
     t = value.type
     if t is None or t.dtype in OPAQUE_DTYPES:
         return False
-    return all(isinstance(d, int) or sympy.sympify(d).free_symbols <= {num_tokens} for d in t.shape)
+    rest = t.shape[1:] if t.shape and _rows(value) else t.shape
+    return all(_fixed(d) for d in rest)
+
+
+def _rows(value: Value) -> bool:
+    """Whether the value has one row per token: a leading dim of N, the dim padding extends."""
+    shape = value.type.shape
+    return bool(shape) and not isinstance(shape[0], int) and sympy.sympify(shape[0]) == num_tokens
 
 
 def capturable(graph: Graph, index: int) -> bool:
@@ -100,26 +125,25 @@ def find_segments(graph: Graph, min_nodes: int = 2) -> list[Segment]:
 
 
 class _StaticContext:
-    """What a captured node sees of the context: the per-token tensors, in static buffers."""
+    """What a segment's nodes see of the context: the per-token tensors, padded to the bucket."""
 
-    def __init__(self, positions: torch.Tensor) -> None:
+    def __init__(self, positions: torch.Tensor | None) -> None:
         self.positions = positions
 
 
 @dataclass
 class Run:
-    """One captured segment: its graph, the static tensors it reads and writes, and the input shapes it was
-    captured at."""
+    """One captured segment: its graph and the static tensors it reads and writes (`bucket` rows each where the value
+    has one row per token)."""
 
     graph: torch.cuda.CUDAGraph
     inputs: list[torch.Tensor]
     outputs: list[torch.Tensor]
-    shapes: list[torch.Size]
 
 
 @dataclass
 class CapturedStep:
-    """The graphs of one (token count, mode): captured during one forward, replayed in the later ones."""
+    """The graphs of one (bucket, mode): captured during one forward, replayed in the later ones."""
 
     pool: tuple
     positions: torch.Tensor | None = None
@@ -130,37 +154,49 @@ class CapturedStep:
 RunNodes = Callable[[dict, object], None]  # runs a segment's nodes eagerly over an env and a context
 
 
-class CudaGraphs:
-    """Captured segments of one executor's graph, per token count and mode (see the module's docstring)."""
+def bucket(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
+    """The smallest bucket holding `n` tokens."""
+    return next(b for b in buckets if b >= n)
 
-    def __init__(self, graph: Graph, max_tokens: int = 256, max_steps: int = 32, max_bytes: int = 4 << 30) -> None:
+
+class CudaGraphs:
+    """Captured segments of one executor's graph, per token-count bucket and mode (see the module's docstring).
+    `capture=False` pads the segments without capturing them (what a forward in a new bucket does; on a CPU, the
+    padding alone can be tested); `pad` fills the padding rows of tensors made for it (floating point only)."""
+
+    def __init__(self, graph: Graph, max_tokens: int = BUCKETS[-1], max_steps: int = 32, max_bytes: int = 4 << 30,
+                 capture: bool = True, pad: float = 0.0) -> None:
+        if max_tokens > BUCKETS[-1]:
+            raise ValueError(f"max_tokens {max_tokens} is past the largest bucket, {BUCKETS[-1]}")
         self.segments = find_segments(graph)
         self.at = {s.start: s for s in self.segments}
         self.max_tokens, self.max_steps, self.max_bytes = max_tokens, max_steps, max_bytes
+        self.capture, self.pad = capture, pad
         self.steps: OrderedDict[tuple, CapturedStep] = OrderedDict()
         self.seen: set[tuple] = set()
         self.broken: set[int] = set()  # segments that failed to capture: eager from then on
         self.replays = self.captures = 0
 
     def begin(self, ctx, mode: tuple) -> _Forward | None:
-        """This forward's way through the segments, or None to run every node eagerly."""
+        """This forward's way through the segments, or None to run every node eagerly and unpadded."""
         n = ctx.num_tokens
         if n > self.max_tokens or not self.segments:
             return None
-        key = (n, *mode)
+        rows = bucket(n)
+        key = (rows, *mode)
         if key in self.steps:
             self.steps.move_to_end(key)
-            return _Forward(self, self.steps[key], ctx, capturing=False)
-        if key not in self.seen:  # the warm-up forward
+            return _Forward(self, self.steps[key], ctx, rows)
+        if key not in self.seen or not self.capture:  # the warm-up forward: padded, eager
             self.seen.add(key)
-            return None
+            return _Forward(self, None, ctx, rows)
         self.evict()
         step = self.steps[key] = CapturedStep(torch.cuda.graph_pool_handle())
-        return _Forward(self, step, ctx, capturing=True)
+        return _Forward(self, step, ctx, rows, capturing=True)
 
     def evict(self) -> None:
-        """Drop the least recently used token counts' graphs until one more fits: fewer than `max_steps` kept, and
-        less than `max_bytes` of device memory held by them (a full model's static tensors at 256 tokens are GBs)."""
+        """Drop the least recently used buckets' graphs until one more fits: fewer than `max_steps` kept, and less
+        than `max_bytes` of device memory held by them (a full model's static tensors at 512 tokens are GBs)."""
         while self.steps and (len(self.steps) >= self.max_steps
                               or sum(s.bytes for s in self.steps.values()) >= self.max_bytes):
             self.steps.popitem(last=False)
@@ -171,57 +207,94 @@ class CudaGraphs:
 
 
 class _Forward:
-    def __init__(self, owner: CudaGraphs, step: CapturedStep, ctx, capturing: bool) -> None:
-        self.owner, self.step, self.ctx, self.capturing = owner, step, ctx, capturing
-        self.static: set[int] = set()  # ids of the static tensors this forward's env holds
-        self.positions_ready = False
+    """One forward through the segments: `step` None runs them eagerly (padded), else replays or captures them."""
+
+    def __init__(self, owner: CudaGraphs, step: CapturedStep | None, ctx, rows: int, capturing: bool = False) -> None:
+        self.owner, self.step, self.ctx, self.rows, self.capturing = owner, step, ctx, rows, capturing
+        self.padded: dict[int, torch.Tensor] = {}  # id of a segment output's first N rows -> its padded tensor
+        self.static: set[int] = set()  # ids of the replays' static tensors (or views) this forward's env holds
+        self.positions: torch.Tensor | None = None
         self.reserved = torch.cuda.memory_reserved() if capturing else 0
 
     def run(self, segment: Segment, env: dict, run_nodes: RunNodes) -> None:
-        """Run `segment` over `env`: replay its graph, capture it, or run its nodes eagerly."""
+        """Run `segment` over `env`: replay its graph, capture it, or run its nodes eagerly over padded rows."""
         args = [env[v] for v in segment.inputs]
-        step, index = self.step, segment.start
-        if index in self.owner.broken or any(not isinstance(a, torch.Tensor) for a in args):
-            run_nodes(env, self.ctx)
+        n = self.ctx.num_tokens
+        if (segment.start in self.owner.broken or any(not isinstance(a, torch.Tensor) for a in args)
+                or any(r and a.shape[0] != n for a, r in zip(args, segment.row_inputs, strict=True))):
+            run_nodes(env, self.ctx)  # e.g. a step's logit rows, fewer than its tokens: as they come
             return
-        if segment.context and not self.positions_ready:
-            self._positions()
-        run = step.runs.get(index)
-        if run is not None:
-            if any(a.shape != s for a, s in zip(args, run.shapes, strict=True)):
-                run_nodes(env, self.ctx)
-                return
-            for a, buf in zip(args, run.inputs, strict=True):
-                if a is not buf:
-                    buf.copy_(a)
-            run.graph.replay()
-            self.owner.replays += 1
-        elif self.capturing:
-            run = self._capture(segment, env, args, run_nodes)
+        run = self.step.runs.get(segment.start) if self.step is not None else None
+        if run is None and not self.capturing:
+            outputs = self._eager(segment, env, args, run_nodes)
+        else:
             if run is None:
-                run_nodes(env, self.ctx)
-                return
-        else:
-            run_nodes(env, self.ctx)
-            return
-        for v, t in zip(segment.outputs, run.outputs, strict=True):
+                run = self._capture(segment, env, args, run_nodes)
+                if run is None:
+                    run_nodes(env, self.ctx)
+                    return
+            else:
+                self._fill(segment, args, run)
+                run.graph.replay()
+                self.owner.replays += 1
+            outputs = run.outputs
+        for v, t, r in zip(segment.outputs, outputs, segment.row_outputs, strict=True):
+            if r:
+                view = t[:n]
+                self.padded[id(view)] = t
+                t = view
             env[v] = t
-            self.static.add(id(t))
+            if run is not None:
+                self.static.add(id(t))
 
-    def _positions(self) -> None:
-        step, positions = self.step, self.ctx.positions
-        if step.positions is None:
-            step.positions = positions.clone()
-        else:
-            step.positions.copy_(positions)
-        self.positions_ready = True
+    def _padded(self, segment: Segment, args: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The segment's inputs over the bucket's rows: an earlier segment's padded output as it is, others copied
+        into a new tensor after their N rows of padding."""
+        out = []
+        for a, r in zip(args, segment.row_inputs, strict=True):
+            full = self.padded.get(id(a)) if r else None
+            if full is None and r:
+                full = torch.full((self.rows, *a.shape[1:]), self.owner.pad if a.is_floating_point() else 0,
+                                  dtype=a.dtype, device=a.device)
+                full[:a.shape[0]] = a
+            out.append(full if r else a)
+        return out
+
+    def _context(self, segment: Segment) -> _StaticContext | None:
+        if not segment.context:
+            return None
+        if self.positions is None:  # padding rows at position 0
+            positions = self.ctx.positions
+            if self.step is not None and self.step.positions is not None:
+                self.step.positions[:positions.shape[0]] = positions
+                self.positions = self.step.positions
+            else:
+                self.positions = torch.zeros(self.rows, dtype=positions.dtype, device=positions.device)
+                self.positions[:positions.shape[0]] = positions
+                if self.step is not None:
+                    self.step.positions = self.positions
+        return _StaticContext(self.positions)
+
+    def _eager(self, segment: Segment, env: dict, args: list[torch.Tensor], run_nodes: RunNodes) -> list:
+        local = dict(env)
+        local.update(zip(segment.inputs, self._padded(segment, args), strict=True))
+        run_nodes(local, self._context(segment))
+        return [local[v] for v in segment.outputs]
+
+    def _fill(self, segment: Segment, args: list[torch.Tensor], run: Run) -> None:
+        """Copy this forward's inputs into the replay's static tensors (an earlier replay's output is one already)."""
+        for a, buf, r in zip(args, run.inputs, segment.row_inputs, strict=True):
+            if (self.padded.get(id(a)) if r else a) is not buf:
+                (buf[:a.shape[0]] if r else buf).copy_(a)
+        self._context(segment)
 
     def _capture(self, segment: Segment, env: dict, args: list[torch.Tensor], run_nodes: RunNodes) -> Run | None:
-        # an input that is an earlier segment's static output is read in place; others get a buffer of their own
-        inputs = [a if id(a) in self.static else a.clone() for a in args]
+        # an input that is an earlier replay's padded output is read in place; others get a static tensor of their own
+        inputs = [p if id(a) in self.static else (p.clone() if p is a else p)
+                  for a, p in zip(args, self._padded(segment, args), strict=True)]
         local = dict(env)
         local.update(zip(segment.inputs, inputs, strict=True))
-        ctx = _StaticContext(self.step.positions) if segment.context else None
+        ctx = self._context(segment)
         graph = torch.cuda.CUDAGraph()
         try:
             with torch.cuda.graph(graph, pool=self.step.pool):
@@ -234,7 +307,7 @@ class _Forward:
             return None
         graph.replay()
         self.owner.captures += 1
-        run = Run(graph, inputs, [local[v] for v in segment.outputs], [a.shape for a in args])
+        run = Run(graph, inputs, [local[v] for v in segment.outputs])
         self.step.runs[segment.start] = run
         return run
 
@@ -245,4 +318,4 @@ class _Forward:
         return {k: v.clone() if id(v) in self.static else v for k, v in outputs.items()}
 
 
-__all__ = ["CONTEXT_TENSORS", "CudaGraphs", "Segment", "capturable", "find_segments"]
+__all__ = ["BUCKETS", "CONTEXT_TENSORS", "CudaGraphs", "Segment", "bucket", "capturable", "find_segments"]

@@ -19,7 +19,8 @@ from dsl.context import ForwardContext, SequenceState
 from dsl.interpret import interpret
 from dsl.ops import OPS
 from dsl.passes import run_passes
-from graphs.capture import CONTEXT_TENSORS, _StaticContext, capturable, find_segments
+from graphs.capture import BUCKETS, CONTEXT_TENSORS, CudaGraphs, _StaticContext, bucket, capturable, find_segments
+from graphs.plan import BUCKETS as PLAN_BUCKETS
 from tests.conftest import fixture_dir
 
 CACHE_OPS = {"kv_window_append", "kv_window_store", "kv_window_block", "cache_append", "sparse_attention",
@@ -49,6 +50,14 @@ def test_segments_hold_no_cache_op_and_most_nodes(name: str, drafting: bool) -> 
         assert len(inside) > 0.6 * len(graph.nodes)
 
 
+def run_nodes(graph, start: int, stop: int, env: dict, ctx) -> None:
+    for node in graph.nodes[start:stop]:
+        opdef = OPS[node.op]
+        kwargs = dict(node.attrs, ctx=ctx) if opdef.uses_context else node.attrs
+        result = opdef.reference(*[None if v is None else env[v] for v in node.inputs], **kwargs)
+        env.update(zip(node.outputs, result if opdef.num_outputs > 1 else (result,), strict=True))
+
+
 def run_isolated(graph, params: dict, ids: torch.Tensor, ctx: ForwardContext) -> dict:
     """The graph's outputs with each segment run as a replay sees the forward: its inputs, the weights and the
     per-token context tensor only; of what it makes, its outputs only."""
@@ -60,13 +69,8 @@ def run_isolated(graph, params: dict, ids: torch.Tensor, ctx: ForwardContext) ->
         segment = segments.get(index)
         stop = segment.stop if segment else index + 1
         local = (weights | {v: env[v] for v in segment.inputs}) if segment else env
-        seen = _StaticContext(ctx.positions.clone()) if segment else ctx
-        for node in graph.nodes[index:stop]:
-            opdef = OPS[node.op]
-            assert not segment or not opdef.uses_context or node.op in CONTEXT_TENSORS
-            kwargs = dict(node.attrs, ctx=seen) if opdef.uses_context else node.attrs
-            result = opdef.reference(*[None if v is None else local[v] for v in node.inputs], **kwargs)
-            local.update(zip(node.outputs, result if opdef.num_outputs > 1 else (result,), strict=True))
+        assert not segment or all(not OPS[n.op].uses_context or n.op in CONTEXT_TENSORS for n in graph.nodes[index:stop])
+        run_nodes(graph, index, stop, local, _StaticContext(ctx.positions.clone()) if segment else ctx)
         if segment:
             env.update({v: local[v] for v in segment.outputs})
         index = stop
@@ -92,6 +96,52 @@ def test_isolated_segments_give_the_plain_forward(name: str) -> None:
             if run is interpret:
                 expected = out["logits"]
         assert torch.equal(out["logits"], expected)
+
+
+def run_padded(graph, params: dict, ids: torch.Tensor, ctx: ForwardContext, padding: CudaGraphs) -> dict:
+    """The graph's outputs with its segments run as a forward through `padding` runs them: over the token count's
+    bucket of rows (no capture: on the CPU, the padding alone)."""
+    env = {v: ids for v in graph.inputs.values()} | {v: params[n] for n, v in graph.params.items()}
+    forward = padding.begin(ctx, ())
+    index = 0
+    while index < len(graph.nodes):
+        segment = padding.at.get(index)
+        if segment:
+            forward.run(segment, env, lambda e, c, s=segment: run_nodes(graph, s.start, s.stop, e, c))
+            index = segment.stop
+        else:
+            run_nodes(graph, index, index + 1, env, ctx)
+            index += 1
+    return forward.finish({name: env[v] for name, v in graph.outputs.items()})
+
+
+@pytest.mark.parametrize("name", ["v41-smooth-engram", "trained"])
+def test_padding_rows_never_reach_the_real_rows(name: str) -> None:
+    """Segments run over a bucket of rows whose padding is NaN: a node mixing rows would spread it. The real rows
+    come out as the unpadded forward's (close, not bitwise: the CPU's matmuls may block differently per row count)."""
+    model, (graph,) = graphs(name, False)
+    params = {k: v.float() if v.is_floating_point() and v.dtype != torch.float8_e4m3fn else v
+              for k, v in model.params().items()}
+    padding = CudaGraphs(graph, capture=False, pad=float("nan"))
+    plain, padded = [SequenceState() for _ in range(3)], [SequenceState() for _ in range(3)]
+    feeds = [[[5, 9, 13, 2, 7], [11, 3], [6, 1]], [[4], [8], [1]], [[6, 2, 9], [1], [3, 3]]]  # 9, 3 and 6 tokens
+    for feed in feeds:
+        outs = []
+        for states, padded_run in ((plain, False), (padded, True)):
+            ctx = ForwardContext(states, [len(f) for f in feed])
+            ids = torch.tensor([t for f in feed for t in f])
+            outs.append(run_padded(graph, params, ids, ctx, padding) if padded_run
+                        else interpret(graph, {"input_ids": ids}, params, ctx))
+            ctx.commit()
+        expected, got = outs[0]["logits"], outs[1]["logits"]
+        assert got.shape == expected.shape and not got.isnan().any()
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_buckets_hold_the_plans_bucket_bounds() -> None:
+    """A padded step must pick the kernel configs its token count would: the plan's bounds are buckets too."""
+    assert all(b in BUCKETS for b in PLAN_BUCKETS if b <= BUCKETS[-1])
+    assert [bucket(n) for n in (1, 3, 5, 16, 17, 65, 193, 512)] == [1, 4, 8, 16, 24, 80, 224, 512]
 
 
 def test_the_least_recently_used_token_counts_make_room() -> None:
