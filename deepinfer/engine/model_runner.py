@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from deepinfer.engine.speculative import Drafter, Proposal, verify
+from deepinfer.engine.speculative import Drafter, Proposal, plain_greedy, verify
 from deepinfer.outputs import Logprob
 from deepinfer.sampler import as_allowed
 from deepinfer.sampling_params import SamplingParams
@@ -162,18 +162,23 @@ class ModelRunner:
         allowed = as_allowed(pending.result() if pending is not None else fill(), logits.shape[-1])
         first = list(accumulate(num_logits, initial=0))  # each row's first logits row
         mask_first = list(accumulate((1 + len(d) for d in drafts), initial=0))  # each sampled row's first mask row
+        outputs = [row.sample.output_token_ids + ([self.last_sampled[row.seq_id]] if row.sample.num_pending else [])
+                   for _, row in sampled]
+        # plain greedy rows take the argmax of their logits: every row's, read back once for the step
+        argmax = torch.argmax(logits, dim=-1).tolist() if allowed is None and any(
+            plain_greedy(row.sample, o) for (_, row), o in zip(sampled, outputs, strict=True)) else None
         out, drafting = {}, []
         for j, (i, row) in enumerate(sampled):
             s = row.sample
-            outputs = s.output_token_ids + ([self.last_sampled[row.seq_id]] if s.num_pending else [])
-            row_logits = logits[first[i]: first[i] + 1 + row.num_drafts]
+            rows_of = slice(first[i], first[i] + 1 + row.num_drafts)
             row_allowed = None if allowed is None else allowed[mask_first[j]: mask_first[j + 1]]
-            out[row.seq_id] = verify(row_logits, row_allowed, s, outputs, drafts[j], self.eos_token_ids)
+            out[row.seq_id] = verify(logits[rows_of], row_allowed, s, outputs[j], drafts[j], self.eos_token_ids,
+                                     None if argmax is None else argmax[rows_of])
             if row.num_drafts:
                 num_kept = row.start + len(out[row.seq_id][0])
                 self.compiled.rollback(batch[i][0], num_kept, self.drafter.config.num_speculative_tokens)
             if self.drafter is not None:
-                drafting.append((batch[i][0], s, outputs + out[row.seq_id][0]))
+                drafting.append((batch[i][0], s, outputs[j] + out[row.seq_id][0]))
         if self.constraint is not None and sampled:
             ended.update(self.constraint.accept(samples, [out[row.seq_id][0] for _, row in sampled]) or {})
         if drafting:

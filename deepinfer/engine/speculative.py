@@ -170,14 +170,16 @@ def plain_greedy(sample_row, outputs: list[int]) -> bool:
 
 
 def verify(logits: torch.Tensor, allowed: torch.Tensor | None, sample_row, outputs: list[int], drafts: list[int],
-           eos_token_ids: tuple[int, ...]) -> tuple[list[int], list[dict[int, Logprob] | None]]:
+           eos_token_ids: tuple[int, ...], argmax: list[int] | None = None,
+           ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
     """The tokens a step gives a sequence that fed its last token then `drafts`: the target's token at every
     position up to and including the first that differs from its draft (just the one token without drafts).
     `logits` [len(drafts) + 1, vocab]; `allowed` (bool, same shape) the constraint's mask of each position, or
-    None. Log-probabilities, when asked for, are of the raw logits (before mask and penalties)."""
+    None; `argmax`, if the caller read them back for the whole step at once, the argmax of each row of `logits`.
+    Log-probabilities, when asked for, are of the raw logits (before mask and penalties)."""
     s = sample_row
     if allowed is None and plain_greedy(s, outputs):  # every position's argmax in one read back
-        targets = torch.argmax(logits[: len(drafts) + 1], dim=-1).tolist()
+        targets = argmax if argmax is not None else torch.argmax(logits[: len(drafts) + 1], dim=-1).tolist()
         kept = next((j for j, (t, d) in enumerate(zip(targets, drafts)) if t != d), len(drafts))
         return targets[: kept + 1], [None] * (kept + 1)
     tokens, logprobs = [], []
