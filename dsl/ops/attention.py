@@ -22,12 +22,13 @@ if TYPE_CHECKING:
 @dataclass
 class PagedEntries:
     """Where a compressed cache's entries lie: cache (`name`, `layer`) of `cache`, chunk i's under block table row i
-    of `tables` [B, W]."""
+    of `tables` [B, W], in the forward of `ctx`."""
 
     cache: PagedCache
     name: str
     layer: int
     tables: torch.Tensor
+    ctx: ForwardContext
 
     def rows(self, run: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """fp32 entries [M, D]: entry index[m] of chunk run[m]."""
@@ -53,6 +54,7 @@ class CacheView:
         if first is None and positions is not None:
             first = [int(p[0]) if p.numel() else 0 for p in positions]
         self.first, self.length, self.first_t = first, length, first_t
+        self._offset: torch.Tensor | None = None
 
     @property
     def keys(self) -> list[torch.Tensor]:
@@ -74,14 +76,18 @@ class CacheView:
             self.length = to_device(self.lengths, device)
         if self.first_t is None:
             self.first_t = to_device(self.first or [0] * len(self.lengths), device)
-        return self.length, torch.cumsum(self.length, 0) - self.length, self.first_t
+        if self._offset is None:
+            self._offset = torch.cumsum(self.length, 0) - self.length
+        return self.length, self._offset, self.first_t
 
     def flat(self) -> torch.Tensor:
         """Every chunk's keys, chunk after chunk: [sum L_i, D]."""
         if self._values is None:
-            if self.paged is not None:
+            if self.paged is not None:  # every entry: which rows, the same for each cache of this layout
                 length, _, _ = self.layout(self.paged.tables.device)
-                self._values = self.paged.rows(*segments(length, sum(self.lengths)))
+                rows = self.paged.ctx.memo(("cache rows", tuple(self.lengths)),
+                                           lambda: segments(length, sum(self.lengths)))
+                self._values = self.paged.rows(*rows)
             else:
                 self._values = torch.cat(self._keys)
         return self._values
@@ -178,7 +184,7 @@ def cache_append(entries, *, layer: int, name: str, ctx) -> CacheView:
                                   lambda: _entries_layout(entries, ctx.device))
     if entries.values.shape[0]:
         batch.cache.write_entry_rows(name, layer, batch.tables, run, index, entries.values)
-    return CacheView(lengths=lengths, length=length, paged=PagedEntries(batch.cache, name, layer, batch.tables))
+    return CacheView(lengths=lengths, length=length, paged=PagedEntries(batch.cache, name, layer, batch.tables, ctx))
 
 
 def _entries_layout(entries, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -189,38 +195,65 @@ def _entries_layout(entries, device: torch.device) -> tuple[torch.Tensor, torch.
 
 
 def visible_entries(window: CacheView, compressed: CacheView | None, topk: torch.Tensor | None, *, window_size: int,
-                    ctx: ForwardContext, dtype: torch.dtype, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """What each token attends to, as one pool of keys and per-token entry lists: (kv [P, D] in `dtype`, idx int64
-    [N, S], -1 = none). A token sees the window entries whose positions lie in (pos - window_size, pos], oldest
-    first (a contiguous run of at most `window_size`; with `causal` False its chunk's whole view), then its picks
-    `topk` [N, K] (-1 = none) in order.
+                    ctx: ForwardContext, dtype: torch.dtype, causal: bool = True,
+                    index_dtype: torch.dtype = torch.int64) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each token attends to, as one pool of keys and per-token entry lists: (kv [P, D] in `dtype`, idx
+    `index_dtype` [N, S], -1 = none). A token sees the window entries whose positions lie in (pos - window_size, pos],
+    oldest first (a contiguous run of at most `window_size`; with `causal` False its chunk's whole view), then its
+    picks `topk` [N, K] (-1 = none) in order.
 
     The compressed entries come in whole (every chunk's cache) or only as picked (one row per token and pick),
-    whichever is smaller."""
-    dev, run = ctx.device, ctx.row_chunks
-    length, offset, first = window.layout(dev)
-    if causal:
-        oldest, newest = torch.maximum(ctx.positions - window_size + 1, first[run]), ctx.positions  # [N]
-    else:
-        oldest, newest, window_size = first[run], (first + length - 1)[run], max(window.lengths, default=0)
-    seen = oldest[:, None] + torch.arange(window_size, device=dev)  # [N, window_size] positions
-    lists = [torch.where(seen <= newest[:, None], (offset - first)[run][:, None] + seen, -1)]
+    whichever is smaller. Only the picks differ between the layers of a forward: the index tensors made from its
+    layout alone are made once (`ctx.memo`)."""
+    lists = [_window_lists(window, window_size, causal, ctx, index_dtype)]
     pools = [window.flat().to(dtype)]
     total = sum(compressed.lengths) if compressed is not None and topk is not None else 0
     if total:
-        picks = topk.to(dev)  # [N, K]
-        entries, entry_offset, _ = compressed.layout(dev)
-        valid = (picks >= 0) & (entries[run] > 0)[:, None]
-        base = pools[0].shape[0]
-        if compressed.paged is not None and picks.numel() < total:
-            pools.append(compressed.rows(run[:, None].expand_as(picks).reshape(-1), picks.clamp(min=0).reshape(-1)))
-            slots = torch.arange(picks.numel(), device=dev).reshape(picks.shape)
-            lists.append(torch.where(valid, base + slots, -1))
-        else:
+        picks = topk.to(ctx.device)  # [N, K]
+        gathered = compressed.paged is not None and picks.numel() < total
+        key = ("picks", tuple(picks.shape), tuple(compressed.lengths), pools[0].shape[0], gathered, index_dtype)
+        run, targets, has_entries = ctx.memo(key, lambda: _pick_layout(compressed, picks.shape, pools[0].shape[0],
+                                                                       gathered, ctx, index_dtype))
+        valid = (picks >= 0) & has_entries
+        if gathered:  # row m of the picked rows is token m // K's pick m % K
+            pools.append(compressed.rows(run, picks.clamp(min=0).reshape(-1)))
+            lists.append(torch.where(valid, targets, -1))
+        else:  # targets: where each token's chunk's entries begin in the pool
             pools.append(compressed.flat())
-            lists.append(torch.where(valid, base + entry_offset[run][:, None] + picks, -1))
+            lists.append(torch.where(valid, targets + picks, -1).to(index_dtype))
         pools[1] = pools[1].to(dtype)
     return torch.cat(pools), torch.cat(lists, dim=1)
+
+
+def _window_lists(window: CacheView, window_size: int, causal: bool, ctx: ForwardContext,
+                  index_dtype: torch.dtype) -> torch.Tensor:
+    """Per token [N, window_size]: the rows of `window.flat()` it sees, oldest first, then -1. Set by the view's
+    layout alone, which every layer's view of a window of the same size shares: made once per forward."""
+    def make() -> torch.Tensor:
+        dev, run, size = ctx.device, ctx.row_chunks, window_size
+        length, offset, first = window.layout(dev)
+        if causal:
+            oldest, newest = torch.maximum(ctx.positions - size + 1, first[run]), ctx.positions  # [N]
+        else:
+            oldest, newest, size = first[run], (first + length - 1)[run], max(window.lengths, default=0)
+        seen = oldest[:, None] + torch.arange(size, device=dev)  # [N, size] positions
+        return torch.where(seen <= newest[:, None], (offset - first)[run][:, None] + seen, -1).to(index_dtype)
+    key = ("window rows", window_size, causal, tuple(window.lengths), tuple(window.first or ()), index_dtype)
+    return ctx.memo(key, make)
+
+
+def _pick_layout(compressed: CacheView, shape: tuple[int, int], base: int, gathered: bool, ctx: ForwardContext,
+                 index_dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """For picks of `shape` [N, K] of a compressed cache of this layout, after `base` window rows in the pool: whether
+    each token's chunk has entries [N, 1], and where its picks go. `gathered`: the chunk of each picked row [N * K]
+    and the picked rows' places in the pool [N, K]; else only the offset of each token's chunk's entries [N, 1]."""
+    dev, run = ctx.device, ctx.row_chunks
+    entries, entry_offset, _ = compressed.layout(dev)
+    has_entries = (entries[run] > 0)[:, None]
+    if not gathered:
+        return None, base + entry_offset[run][:, None], has_entries
+    places = torch.arange(base, base + shape[0] * shape[1], device=dev, dtype=index_dtype).reshape(shape)
+    return run[:, None].expand(shape).reshape(-1), places, has_entries
 
 
 def _attention_type(q: TensorType, *rest, **attrs) -> tuple[TensorType]:

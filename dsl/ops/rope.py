@@ -60,16 +60,31 @@ def _freqs_on(params: RopeParams, rope_dim: int, device: torch.device) -> torch.
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, params: RopeParams, rope_dim: int, inverse: bool) -> torch.Tensor:
     """Rotate the last `rope_dim` dims of x [T, ..., D] at `positions` [T]."""
+    return _rotated(x, _rotation(positions, params, rope_dim, x.device, inverse))
+
+
+def _rotation(positions: torch.Tensor, params: RopeParams, rope_dim: int, device: torch.device,
+              inverse: bool) -> torch.Tensor:
+    """Each pair's rotation at `positions` [T], magnitude included: [T, rope_dim / 2, 2, 2], indexed [.., in, out]:
+    a pair (even, odd) becomes (even * cos - odd * sin, even * sin + odd * cos), sin negated when `inverse`."""
     magnitude = inv_freq(params, rope_dim)[1]
-    angles = positions.float()[:, None] * _freqs_on(params, rope_dim, x.device)[None, :]  # [T, rope_dim / 2]
+    angles = positions.float()[:, None] * _freqs_on(params, rope_dim, device)[None, :]  # [T, rope_dim / 2]
     cos, sin = angles.cos() * magnitude, angles.sin() * magnitude
     if inverse:
         sin = -sin
+    return torch.stack([torch.stack([cos, sin], dim=-1), torch.stack([-sin, cos], dim=-1)], dim=-2)
+
+
+def _rotated(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """x [T, ..., D] with its last rope_dim dims rotated pair by pair by `rotation` [T, rope_dim / 2, 2, 2]. Each
+    output is even * r[0] + odd * r[1], which is bitwise the written-out even * cos - odd * sin: subtracting is
+    adding the negation, and negating a factor negates the rounded product."""
+    rope_dim = 2 * rotation.shape[1]
     for _ in range(x.dim() - 2):
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        rotation = rotation.unsqueeze(1)
     nope, pe = x[..., :-rope_dim], x[..., -rope_dim:]
-    even, odd = pe[..., 0::2].float(), pe[..., 1::2].float()
-    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    products = pe.float().unflatten(-1, (-1, 2)).unsqueeze(-1) * rotation  # [T, ..., rope_dim / 2, in, out]
+    rotated = (products[..., 0, :] + products[..., 1, :]).flatten(-2)
     return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
 
 
@@ -79,12 +94,18 @@ def rope(x: torch.Tensor, *, params: RopeParams, rope_dim: int, inverse: bool = 
     return rotate(x, ctx.positions, params, rope_dim, inverse)
 
 
-@op("rope_entries", same_as_first)
-def rope_entries(x: Ragged, *, params: RopeParams, rope_dim: int, ratio: int) -> Ragged:
-    """Rotate compressed entries at their group's first position: entry j of ratio r sits at j * r."""
-    counts = torch.tensor(x.counts, dtype=torch.long)
-    offsets = torch.tensor(x.first, dtype=torch.long) - (torch.cumsum(counts, 0) - counts)  # entry index - row
-    total = x.values.shape[0]
-    positions = torch.arange(total) + torch.repeat_interleave(offsets, counts, output_size=total)
-    return x.replace(rotate(x.values, positions.to(x.values.device, non_blocking=True) * ratio, params, rope_dim,
-                            inverse=False))
+@op("rope_entries", same_as_first, uses_context=True)
+def rope_entries(x: Ragged, *, params: RopeParams, rope_dim: int, ratio: int, ctx) -> Ragged:
+    """Rotate compressed entries at their group's first position: entry j of ratio r sits at j * r.
+
+    The rotation depends on the entries' layout alone, which a layer's KV entries and index keys share: it is made
+    once per forward."""
+    def make() -> torch.Tensor:
+        counts = torch.tensor(x.counts, dtype=torch.long)
+        offsets = torch.tensor(x.first, dtype=torch.long) - (torch.cumsum(counts, 0) - counts)  # entry index - row
+        total = x.values.shape[0]
+        positions = torch.arange(total) + torch.repeat_interleave(offsets, counts, output_size=total)
+        device = x.values.device
+        return _rotation(positions.to(device, non_blocking=True) * ratio, params, rope_dim, device, inverse=False)
+    key = ("rope entries", params, rope_dim, ratio, tuple(x.first), tuple(x.counts), x.values.device)
+    return x.replace(_rotated(x.values, ctx.memo(key, make)))

@@ -151,8 +151,9 @@ def gather_indices(window, compressed, topk: torch.Tensor | None, *, window_size
     at most `window_size`, then its picks (`dsl.ops.attention.visible_entries`: a few tensor ops for any batch; the
     pools' entries are decoded as they are gathered); with `causal` False, its chunk's whole view (a DSpark block).
     """
-    kv, idx = visible_entries(window, compressed, topk, window_size=window_size, ctx=ctx, dtype=dtype, causal=causal)
-    return kv.contiguous(), idx.to(torch.int32)
+    kv, idx = visible_entries(window, compressed, topk, window_size=window_size, ctx=ctx, dtype=dtype, causal=causal,
+                              index_dtype=torch.int32)
+    return kv.contiguous(), idx
 
 
 def sparse_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=None, topk: torch.Tensor | None = None,

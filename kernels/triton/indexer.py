@@ -102,11 +102,15 @@ def index_scores_op(q: torch.Tensor, weights: torch.Tensor, keys, *, ratio: int,
     """The DSL op `index_scores` (same arguments) on the kernel: `keys` a `dsl.ops.attention.CacheView`, read flat;
     each token finds its chunk's keys through `ctx.row_chunks`. q [N, H, d] -> fp32 [N, C], C the longest cache."""
     dtype = torch.float32 if dot_fp32 else torch.bfloat16
-    length, offset, _ = keys.layout(q.device)
-    chunk = ctx.row_chunks
+
+    def rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # per token: its keys' start and count, position
+        length, offset, _ = keys.layout(q.device)
+        chunk = ctx.row_chunks
+        return offset[chunk].int(), length[chunk].int(), ctx.positions.int()
+    start, length, positions = ctx.memo(("score rows", tuple(keys.lengths)), rows)  # every layer's, for a layout
     return index_scores(q.to(dtype).contiguous(), weights.float().contiguous(), keys.flat().to(dtype).contiguous(),
-                        offset[chunk].int(), length[chunk].int(), ctx.positions.int(), ratio=ratio,
-                        width=max(keys.lengths, default=0), config=config, dot_fp32=dot_fp32)
+                        start, length, positions, ratio=ratio, width=max(keys.lengths, default=0), config=config,
+                        dot_fp32=dot_fp32)
 
 
 __all__ = ["default_config", "index_scores", "index_scores_kernel", "index_scores_op"]
