@@ -6,7 +6,9 @@
 Prompts are the first lines of functions from the Python standard library files the checkpoint held out of its
 training (train/README.md), so acceptance reflects text the drafter has not memorised. Every mode generates the
 same requests (greedy, batch-invariant, so the outputs are identical and checked to be); it reports per-position
-acceptance, mean tokens per verifying step and tokens/s (whole `generate` call, after a warm-up). Confidence
+acceptance, mean tokens per verifying step and tokens/s of a whole `generate` call, after `--warmups` calls with the
+same requests (they load the kernels and capture the CUDA graphs of the token-count buckets the run meets: a one-time
+cost a long offline run amortises; the first one's tokens/s is reported as "cold"). Confidence
 scheduling ("confidence k/budget") proposes k drafts a step and is run at several verification budgets (tokens per
 step for all running requests); `--regex` constrains every request (structured outputs drafting under the grammar's
 masks). A batch of b runs
@@ -16,13 +18,21 @@ max(b, --min-requests) requests, b at a time, so a batch of 1 is not one prompt'
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
+import cProfile
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import torch  # noqa: E402
+
+from node_timing import time_nodes, timer  # noqa: E402
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 
@@ -55,16 +65,73 @@ def prompts_from_stdlib(count: int) -> list[str]:
     return out
 
 
+def time_phases(llm: LLM, nodes: bool) -> tuple[collections.Counter, collections.Counter]:
+    """Wrap the engine's phases in timers that synchronise the device around them (so each phase holds its GPU
+    work): scheduling, taking a step's tokens, the runner's step, and within it the forward, the draft forward and
+    the proposing; with `nodes`, every node of the two forwards too (by op). Returns (ms, calls) by phase, filled as
+    the engine runs."""
+    ms, calls = collections.Counter(), collections.Counter()
+    timed = timer(ms, calls)
+
+    def wrap(owner, name: str, label: str) -> None:
+        fn = getattr(owner, name)
+        setattr(owner, name, lambda *a, **k: timed(label, fn, *a, **k))
+
+    engine = llm.engine
+    wrap(engine, "_schedule", "schedule")
+    wrap(engine, "_postprocess", "postprocess")
+    wrap(engine.runner, "execute", "runner")
+    wrap(llm.compiled, "step", "forward")
+    if engine.runner.drafter is not None:
+        wrap(engine.runner.drafter, "propose", "propose")
+        wrap(llm.compiled, "draft", "draft forward")
+    if nodes:
+        if not hasattr(llm.compiled, "_ready"):
+            raise SystemExit("--phases nodes times a GPU target's executors: pass --target sm90")
+        main, draft = llm.compiled._ready()
+        time_nodes(main, timed, "  forward: ")
+        if draft is not None:
+            time_nodes(draft, timed, "  draft: ")
+    return ms, calls
+
+
 def run_mode(model: str, speculative: dict | None, prompts: list[str], batch: int, max_tokens: int,
-             device_kwargs: dict, regex: str | None = None) -> dict:
+             device_kwargs: dict, regex: str | None = None, profile: int = 0, timed_phases: str | None = None,
+             kernels: int = 0, warmups: int = 2) -> dict:
     llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=max(512, 8 * batch),
               speculative_config=speculative, **device_kwargs)
     constraint = StructuredOutputsParams(regex=regex) if regex else None
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, structured_outputs=constraint)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)  # warm-up
+    cold = 0.0
+    for _ in range(warmups):  # kernels load; graphs capture at the token counts the run meets twice
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        cold = cold or time.perf_counter() - start
+    profiler = cProfile.Profile() if profile else None
+    phases = time_phases(llm, timed_phases == "nodes") if timed_phases else None
+    activity = torch.profiler.ProfilerActivity
+    traced = torch.profiler.profile(activities=[activity.CUDA if torch.cuda.is_available() else activity.CPU]) \
+        if kernels else None
     start = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    with profiler or contextlib.nullcontext(), traced or contextlib.nullcontext():
+        outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    if traced is not None:
+        key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        print(traced.key_averages().table(sort_by=key, row_limit=kernels, max_name_column_width=60))
+    if profiler is not None:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(profile)
+    if phases is not None:
+        ms, calls = phases
+        steps = max(1, calls["runner"])
+        print(f"  {steps} steps, {elapsed * 1e3 / steps:.2f} ms a step; synchronised ms a step:", flush=True)
+        for key, total in sorted(ms.items(), key=lambda kv: -kv[1])[:24]:
+            print(f"    {key:44s} {total / steps:7.2f} ms  {calls[key] / steps:6.1f} calls")
+        for name, executor in zip(("forward", "draft"), getattr(llm.compiled, "_executors", None) or ()):
+            graphs = getattr(executor, "cuda_graphs", None)
+            if graphs is not None:
+                print(f"    {name} segments (both runs): {graphs.replays} replayed, {graphs.captures} captured, "
+                      f"{graphs.eager} eager over a bucket, {len(graphs.broken)} broken")
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     depth = max((len(o.metrics.drafts_verified) for o in outs), default=0)
     verified, accepted = [0] * depth, [0] * depth
@@ -74,6 +141,7 @@ def run_mode(model: str, speculative: dict | None, prompts: list[str], batch: in
             accepted[i] += a
     steps = verified[0] if verified else 0
     return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
+            "cold_tokens_per_s": tokens / cold if cold else None,
             "acceptance": [a / v for a, v in zip(accepted, verified, strict=True) if v],
             "tokens_per_step": (steps + sum(accepted)) / steps if steps else 1.0,
             "outputs": [o.outputs[0].token_ids for o in outs]}
@@ -91,6 +159,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="where the cpu target's torch code runs (cuda: the H200)")
     ap.add_argument("--target", default="cpu", help="compile target (sm90: the Hopper kernels; --device is then moot)")
     ap.add_argument("--regex", default=None, help="constrain every request to this regex (structured outputs)")
+    ap.add_argument("--modes", default=None, help="only these modes, comma-separated (e.g. 'off,static 2')")
+    ap.add_argument("--profile", type=int, default=0, help="print the N functions of most own time of each timed run")
+    ap.add_argument("--phases", nargs="?", const="engine", choices=["engine", "nodes"], default=None,
+                    help="time the engine's phases of each timed run, synchronised (nodes: every node's op too)")
+    ap.add_argument("--kernels", type=int, default=0, help="print the N kernels of most GPU time of each timed run")
+    ap.add_argument("--warmups", type=int, default=2, help="untimed runs of the same requests first (the first: cold)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results = []
@@ -104,16 +178,21 @@ def main() -> None:
                 modes.append((f"confidence {k}/{budget}", {"num_speculative_tokens": k, "verify_budget": budget}))
                 if batch == 1:
                     break
+        if args.modes:
+            modes = [m for m in modes if m[0] in args.modes.split(",")]
         reference = None
         for name, spec in modes:
             where = {"device": args.device} if args.target == "cpu" else {"target": args.target}
-            r = run_mode(args.model, spec, prompts, batch, args.max_tokens, where, args.regex)
+            r = run_mode(args.model, spec, prompts, batch, args.max_tokens, where, args.regex, args.profile, args.phases,
+                         args.kernels, args.warmups)
             outputs = r.pop("outputs")
             reference = reference or outputs
             r.update(batch=batch, mode=name, same_as_off=outputs == reference)
             results.append(r)
             acc = " ".join(f"{a:.2f}" for a in r["acceptance"])
-            print(f"batch {batch:3d}  {name:16s} {r['tokens_per_s']:8.1f} tok/s  {r['tokens_per_step']:.2f} tok/step"
+            cold = f"{r['cold_tokens_per_s']:6.1f}" if r["cold_tokens_per_s"] else "-"
+            print(f"batch {batch:3d}  {name:16s} {r['tokens_per_s']:8.1f} tok/s (cold {cold:>6s})  "
+                  f"{r['tokens_per_step']:.2f} tok/step"
                   f"  acceptance [{acc}]  same={r['same_as_off']}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

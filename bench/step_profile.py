@@ -19,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_slice import slice_config, slice_weights, sm90_step  # noqa: E402
+from node_timing import time_nodes, timer  # noqa: E402
 from slice_caches import Caches  # noqa: E402
 
 from deepinfer.models import DeepseekV41Flash  # noqa: E402
@@ -28,39 +29,14 @@ from dsl.passes import run_passes  # noqa: E402
 def profile(step, executor, states, vocab: int, gen: torch.Generator) -> tuple[collections.Counter, dict, float]:
     """(ms by group, calls by group, ms of the whole step) of one synchronised step."""
     times, calls = collections.Counter(), collections.Counter()
-    graph = executor.graph
-
-    def timed(key: str, fn, *args):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        out = fn(*args)
-        torch.cuda.synchronize()
-        times[key] += 1e3 * (time.perf_counter() - t)
-        calls[key] += 1
-        return out
-
-    node, graphs = executor._node, executor.cuda_graphs
-    executor._node = lambda i, *a: timed(graph.nodes[i].op, node, i, *a)
-    if graphs is not None:
-        begin = graphs.begin
-
-        def begin_timed(*a):
-            forward = begin(*a)
-            if forward is not None:
-                run = forward.run
-                forward.run = lambda segment, env, nodes: timed("segment (graph replay or eager)", run, segment, env,
-                                                                nodes)
-            return forward
-        graphs.begin = begin_timed
+    undo = time_nodes(executor, timer(times, calls))
     batch = [(s, torch.randint(0, vocab, (1,), generator=gen).tolist()) for s in states]
     torch.cuda.synchronize()
     t = time.perf_counter()
     step(batch)
     torch.cuda.synchronize()
     total = 1e3 * (time.perf_counter() - t)
-    executor._node = node
-    if graphs is not None:
-        graphs.begin = begin
+    undo()
     return times, calls, total
 
 

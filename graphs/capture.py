@@ -175,7 +175,7 @@ class CudaGraphs:
         self.steps: OrderedDict[tuple, CapturedStep] = OrderedDict()
         self.seen: set[tuple] = set()
         self.broken: set[int] = set()  # segments that failed to capture: eager from then on
-        self.replays = self.captures = 0
+        self.replays = self.captures = self.eager = 0  # segment runs by kind (eager: padded, in a bucket's first)
 
     def begin(self, ctx, mode: tuple) -> _Forward | None:
         """This forward's way through the segments, or None to run every node eagerly and unpadded."""
@@ -276,6 +276,7 @@ class _Forward:
         return _StaticContext(self.positions)
 
     def _eager(self, segment: Segment, env: dict, args: list[torch.Tensor], run_nodes: RunNodes) -> list:
+        self.owner.eager += 1
         local = dict(env)
         local.update(zip(segment.inputs, self._padded(segment, args), strict=True))
         run_nodes(local, self._context(segment))
