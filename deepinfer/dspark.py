@@ -28,19 +28,21 @@ class DraftHead:
         if not temperature > 0:
             raise ValueError(f"the confidence temperature must be > 0, got {temperature!r}")
         last = f"mtp.{config.num_nextn_predict_layers - 1}"
-        self.embed = params[f"{last}.markov_head.embed.weight"].to(device)  # [vocab, rank]
-        self.head = params[f"{last}.markov_head.head.weight"].to(device)  # [vocab, rank]
-        self.proj = params[f"{last}.confidence_head.proj.weight"].to(device)  # [1, hidden + rank]
+        # fp32 once (the same tensors when they are fp32 already: training's gradients reach them)
+        fp32 = {"device": device, "dtype": torch.float32}
+        self.embed = params[f"{last}.markov_head.embed.weight"].to(**fp32)  # [vocab, rank]
+        self.head = params[f"{last}.markov_head.head.weight"].to(**fp32)  # [vocab, rank]
+        self.proj = params[f"{last}.confidence_head.proj.weight"].to(**fp32)  # [1, hidden + rank]
         self.temperature = temperature
 
     def markov(self, previous: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """For previous tokens [n]: their Markov embeddings [n, rank] and logit terms [n, vocab], fp32."""
-        emb = self.embed[previous.long()].float()
-        return emb, torch.nn.functional.linear(emb, self.head.float())
+        emb = self.embed[previous.long()]
+        return emb, torch.nn.functional.linear(emb, self.head)
 
     def confidence(self, hidden: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
         """Acceptance estimates [n] in [0, 1] from draft hidden states [n, hidden] and Markov embeddings [n, rank]."""
-        z = torch.nn.functional.linear(torch.cat([hidden.float(), emb], dim=-1), self.proj.float()).squeeze(-1)
+        z = torch.nn.functional.linear(torch.cat([hidden.float(), emb], dim=-1), self.proj).squeeze(-1)
         return torch.sigmoid((z / self.temperature).clamp(-60.0, 60.0))
 
 

@@ -80,3 +80,26 @@ def test_drafting_on_sm90_is_lossless_and_accepts(params: SamplingParams) -> Non
     off = LLM(model, target="sm90", max_num_seqs=4)
     on = LLM(model, target="sm90", max_num_seqs=4, speculative_config=DRAFTING)
     check_lossless_and_accepts(off, on, params)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_greedy_drafts_replay_what_they_compute_eagerly() -> None:
+    """The greedy proposer's CUDA graph (captured at a shape's second call) gives the eager loop's drafts and
+    confidences bitwise, for new inputs at every call; another shape gets its own graph."""
+    from deepinfer.dspark import DraftHead
+    from deepinfer.engine.speculative import GreedyDrafts
+
+    model = trained_model()
+    head = DraftHead(model.params(), model.config, device="cuda")
+    greedy = GreedyDrafts(head)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    for rows in (3, 3, 3, 3, 1, 1, 1):
+        h = torch.randn(rows, 5, hidden, device="cuda", generator=gen)
+        logits = torch.randn(rows, 5, vocab, device="cuda", generator=gen)
+        previous = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
+        picks, confidences = greedy(h, logits, previous)
+        expected = greedy.run(h, logits, previous)
+        assert torch.equal(picks, expected[0]) and torch.equal(confidences, expected[1])
+    assert len(greedy.graphs) == 2

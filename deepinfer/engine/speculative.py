@@ -14,6 +14,7 @@ are proposed under the constraint's masks and never past its end.
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -98,6 +99,7 @@ class Drafter:
         self.head = DraftHead(compiled.params, model_config, config.confidence_temperature,
                               getattr(compiled, "device", None))
         self.eos_token_ids, self.batch_invariant = eos_token_ids, batch_invariant
+        self.greedy = GreedyDrafts(self.head)
 
     def propose(self, rows: list[tuple[SequenceState, object, list[int]]], fill_next=None) -> list[Proposal]:
         """Drafts for sequences (state after the step, sample row, outputs so far including the step's tokens).
@@ -119,7 +121,8 @@ class Drafter:
         samples = [s for _, s, _ in rows]
         masks = fill_next(samples, drafts) if fill_next is not None else None  # None: no row is constrained
         if masks is None and all(plain_greedy(s, outputs) for _, s, outputs in rows):
-            return self._propose_greedy(hidden, logits, previous, confidences)
+            picks, confidences = self.greedy(hidden, logits, previous)  # every row's argmax, read back once
+            return [Proposal(d, c) for d, c in zip(picks.tolist(), confidences.tolist(), strict=True)]
         for i in range(k + 1):  # the check after the last draft only drops it if it ends the constraint
             if i and fill_next is not None:
                 masks = fill_next(samples, drafts)
@@ -146,19 +149,56 @@ class Drafter:
                                     device=device)
         return [Proposal(d, c[: len(d)]) for d, c in zip(drafts, confidences.tolist(), strict=True)]
 
-    def _propose_greedy(self, hidden: torch.Tensor, logits: torch.Tensor, previous: torch.Tensor,
-                        confidences: torch.Tensor) -> list[Proposal]:
-        """`propose` for rows that all sample greedily with nothing to adjust their logits: each position's drafts
-        are the argmax of every row at once, kept on the device for the next position's Markov term, and read back
-        once (what `sample` picks for such rows: the argmax, ties to the lowest id)."""
-        picks = []
+
+class GreedyDrafts:
+    """`greedy(hidden, logits, previous)`: `propose` for rows that all sample greedily with nothing to adjust their
+    logits (what `sample` picks for them: the argmax, ties to the lowest id). The drafts of blocks and their
+    confidences, (int64 [rows, k], fp32 [rows, k]), from the draft layers' hidden states [rows, k, hidden] and logits
+    [rows, k, vocab] and each row's last token [rows]: position i's draft is the argmax of its logits plus the Markov
+    term of the token before it.
+
+    Some dozen small launches a position: on a CUDA device they replay as one CUDA graph per shape (the first call at
+    a shape runs eagerly, the second captures, later ones replay; at most `max_shapes` kept, the least recently used
+    dropped). The returned tensors are the graph's: read them before the next call."""
+
+    def __init__(self, head: DraftHead, max_shapes: int = 8) -> None:
+        self.head, self.max_shapes = head, max_shapes
+        self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
+        self.seen: set[tuple] = set()
+
+    def run(self, hidden: torch.Tensor, logits: torch.Tensor, previous: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        picks, confidences = [], []
         for i in range(logits.shape[1]):
             emb, markov = self.head.markov(previous)
-            confidences[:, i] = self.head.confidence(hidden[:, i], emb)
+            confidences.append(self.head.confidence(hidden[:, i], emb))
             previous = torch.argmax(logits[:, i] + markov, dim=-1)
             picks.append(previous)
-        drafts = torch.stack(picks, dim=1).tolist()
-        return [Proposal(d, c) for d, c in zip(drafts, confidences.tolist(), strict=True)]
+        return torch.stack(picks, dim=1), torch.stack(confidences, dim=1)
+
+    @torch.inference_mode()
+    def __call__(self, hidden: torch.Tensor, logits: torch.Tensor, previous: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if hidden.device.type != "cuda":
+            return self.run(hidden, logits, previous)
+        key = (tuple(hidden.shape), tuple(logits.shape), hidden.dtype, logits.dtype)
+        if key in self.graphs:
+            self.graphs.move_to_end(key)
+            graph, inputs, outputs = self.graphs[key]
+            for buf, new in zip(inputs, (hidden, logits, previous), strict=True):
+                buf.copy_(new)
+            graph.replay()
+            return outputs
+        if key not in self.seen:  # the first call at this shape: eager (its kernels load)
+            self.seen.add(key)
+            return self.run(hidden, logits, previous)
+        while len(self.graphs) >= self.max_shapes:
+            self.graphs.popitem(last=False)
+        inputs = (hidden.clone(), logits.clone(), previous.clone())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = self.run(*inputs)
+        graph.replay()
+        self.graphs[key] = (graph, inputs, outputs)
+        return outputs
 
 
 def plain_greedy(sample_row, outputs: list[int]) -> bool:
