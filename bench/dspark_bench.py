@@ -31,7 +31,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import torch  # noqa: E402
-
 from node_timing import time_nodes, timer  # noqa: E402
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402

@@ -16,14 +16,17 @@ fills per-device tables), the second captures every segment as it reaches it, in
 pool, and later forwards replay them. A drafting engine's steps, or a batch whose requests finish one by one, meet
 a new token count at almost every step; the buckets let them replay graphs captured at another count. Kernel
 configs follow the plan's buckets (graphs/plan.py), whose bounds are buckets here too, so a padded node runs the
-config the unpadded one would; with batch-invariant configs a padded step's rows are bitwise the unpadded ones. Replays happen in capture order (a subset of it, where a
-segment's inputs come out another shape, e.g. a step's logit rows, and it runs eagerly), so a segment's
-temporaries can share the pool with earlier segments' temporaries but never with an output still to be read:
-every captured segment's inputs and outputs stay referenced by its `Run`. Graph outputs that are a replay's
-static tensors are cloned before they leave the forward, since the next replay overwrites them.
+config the unpadded one would; with batch-invariant configs a padded step's rows are bitwise the unpadded ones.
+
+Replays happen in capture order (a subset of it, where a segment's inputs come out another shape, e.g. a step's
+logit rows, and it runs eagerly), so a segment's temporaries can share the pool with earlier segments' temporaries
+but never with an output still to be read: every captured segment's inputs and outputs stay referenced by its `Run`.
+Graph outputs that are a replay's static tensors are cloned before they leave the forward, since the next replay
+overwrites them.
 
 Forwards of more than `max_tokens` tokens (prefill chunks, GPU-bound already) run eagerly, unpadded; at most
-`max_steps` buckets keep graphs, holding at most about `max_bytes` of device memory (the least recently used are dropped).
+`max_steps` buckets keep graphs, holding at most about `max_bytes` of device memory (the least recently used are
+dropped).
 """
 
 from __future__ import annotations
