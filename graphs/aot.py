@@ -11,11 +11,13 @@ instant. `DEEPINFER_DEBUG=source` prints each variant's Triton GPU IR (TileLang:
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import inspect
 import json
 import os
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,8 +74,23 @@ def record_cache_launches(spec: CacheSpec) -> dict[str, Launch]:
 
 
 def kernel_source(kernel) -> str:
-    fn = getattr(kernel, "fn", kernel)
-    return inspect.getsource(fn)
+    """A kernel's source and, for a Triton kernel, the sources of the @triton.jit helpers it calls, transitively: an
+    edit to a helper (kernels/triton/cache.py's serve the rounding kernels too) must rebuild every kernel using it."""
+    if not _is_jit(kernel):
+        return inspect.getsource(getattr(kernel, "fn", kernel))
+    found, todo = [], [kernel]
+    while todo:
+        k = todo.pop(0)
+        if any(k is f for f in found):
+            continue
+        found.append(k)
+        names = {n.id for n in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(k.fn)))) if isinstance(n, ast.Name)}
+        todo += [h for name in sorted(names) if _is_jit(h := k.fn.__globals__.get(name))]
+    return "".join(inspect.getsource(k.fn) for k in found)
+
+
+def _is_jit(obj) -> bool:
+    return callable(getattr(obj, "fn", None)) and hasattr(obj, "arg_names") and not isinstance(obj, TileLangKernel)
 
 
 def _tools(call: Launch) -> str:

@@ -4,8 +4,9 @@ A lowering reads a node and the weights to decide whether its kernel applies and
 (`static`: the tuning key's weight-fixed dims), names the weight formats the kernel wants (`formats`), runs the
 kernel on the node's runtime arguments (`run`), makes meta-tensor arguments of a bucket's token count for the
 ahead-of-time builder (`trace`), and turns a config into its batch-invariant form (`invariant`; graphs/plan.py).
-RMSNorm also runs over the compressed entries a forward completes (a `Ragged`, flat over E). Nodes without a
-lowering, or whose activations are not flat over N (or E, for RMSNorm), run their DSL reference on the device.
+RMSNorm and the cache roundings also run over the compressed entries a forward completes (a `Ragged`, flat over E).
+Nodes without a lowering, or whose activations are not flat over N (or E, for those), run their DSL reference on the
+device.
 RMSNorm's kernel, and the hyper-connections' collapse + RMSNorm's, are TileLang's (kernels/tilelang/) where TileLang
 kernels can be built (tilelang and nvcc installed: the static shapes say `"kernel": "tilelang"`), else Triton's; the
 GPU machine runs either from cubins.
@@ -27,6 +28,7 @@ import kernels.triton.indexer as indexer
 import kernels.triton.linear as linear
 import kernels.triton.moe as moe
 import kernels.triton.rms_norm as rms_norm
+import kernels.triton.rounding as rounding
 from dsl.graph import Node
 from dsl.ops.moe import score
 from dsl.tensor import num_entries, num_tokens
@@ -363,11 +365,39 @@ def _scores_trace(st, attrs, config, m, dot_fp32):
 INDEX_SCORES = Lowering("index_scores", _scores_static, lambda st: {}, _scores_run, _scores_trace,
                         lambda st, m: indexer.default_config(m, st["h"], st["d"]))
 
+# ---- cache rounding: fp8 and fp4 grids ---------------------------------------------------------------------------
+
+def _rounding_static(node: Node, params: Params) -> dict | None:
+    """None where the last dim is not a multiple of the block: the reference returns x unchanged."""
+    block = node.attrs.get("block", 32)  # fp8_round's default
+    if not _over_rows(node) or int(node.inputs[0].type.shape[-1]) % block:
+        return None
+    static = {"d": int(node.inputs[0].type.shape[-1]), "block": block}
+    if node.op == "fp4_round":
+        static["e4m3_scale"] = bool(node.attrs["e4m3_scale"])
+    return static
+
+
+def _round(static: dict, x: torch.Tensor, config: dict) -> torch.Tensor:
+    if "e4m3_scale" in static:
+        return rounding.fp4_round(x.contiguous(), block=static["block"], e4m3_scale=static["e4m3_scale"], config=config)
+    return rounding.fp8_round(x.contiguous(), block=static["block"], config=config)
+
+
+def _rounding_lowering(template: str) -> Lowering:
+    return Lowering(template, _rounding_static, lambda st: {},
+                    lambda args, attrs, st, config, ctx, f: _round(st, args[0], config),
+                    lambda st, attrs, config, m, f: _round(st, _meta(m, st["d"]), config),
+                    lambda st, m: rounding.default_config(st["block"]))
+
+
+FP8_ROUND, FP4_ROUND = _rounding_lowering("fp8_round"), _rounding_lowering("fp4_round")
+
 LOWERINGS: dict[str, Lowering] = {
     "linear": LINEAR, "grouped_linear": LINEAR, "rms_norm": RMS_NORM, "hc_mixes": HC_MIXES,
     "hc_collapse_rms_norm": HC_COLLAPSE_RMS_NORM, "hc_expand": HC_EXPAND, "moe_experts": MOE_EXPERTS,
     "swiglu": SWIGLU, "moe_gate": MOE_GATE, "sparse_attention": SPARSE_ATTENTION,
-    "index_scores": INDEX_SCORES,
+    "index_scores": INDEX_SCORES, "fp8_round": FP8_ROUND, "fp4_round": FP4_ROUND,
 }
 
 __all__ = ["Lowering", "LOWERINGS"]

@@ -1,8 +1,9 @@
 """Kernel tests: on CPU they run under Triton's interpreter (TRITON_INTERPRET=1, set in tests/conftest.py).
 
-Triton 3.6's interpreter multiplies bfloat16 operands of `tl.dot` as their raw uint16 bits and casts fp32 to
-bf16 by truncation; the GPU does neither. Both are patched here, for the tests only, so interpreted kernels
-compute what compiled ones do: bf16 dot operands widened exactly to fp32, fp32 -> bf16 rounded to nearest even.
+Triton 3.6's interpreter multiplies bfloat16 operands of `tl.dot` as their raw uint16 bits, casts fp32 to bf16 by
+truncation and widens subnormal bf16 wrongly (to zero, or to another value); the GPU does none of these. They are
+patched here, for the tests only, so interpreted kernels compute what compiled ones do: bf16 dot operands and casts
+widened exactly to fp32, fp32 -> bf16 rounded to nearest even.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def _patch_interpreter() -> None:
         return create_dot(self, widen(a), widen(b), d, input_precision, max_num_imprecise_acc)
 
     def cast(self, src, dst_type):
+        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar == tl.float32:
+            return ti.TensorHandle(_bf16_bits_to_f32(src.data), tl.float32)
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
             bits = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16).numpy()
             return ti.TensorHandle(bits.view(np.uint16), tl.bfloat16)
