@@ -77,7 +77,8 @@ def fp8_round(x: torch.Tensor, *, block: int = 32) -> torch.Tensor:
 def fp4_round(x: torch.Tensor, *, block: int, e4m3_scale: bool) -> torch.Tensor:
     """Round to e2m1 with one scale per `block` values: x [..., D] -> [..., D] (same dtype).
 
-    `e4m3_scale` picks the compressed-KV scale (amax / 6 rounded to e4m3, amax floored at 6 * 2^-9);
+    `e4m3_scale` picks the compressed-KV scale (amax / 6 rounded to e4m3, amax floored at 6 * 2^-9, the scale at
+    most 448);
     otherwise the indexer's power-of-two scale (amax floored at 6 * 2^-126).
     """
     blocks = _blocks(x, block)
@@ -85,7 +86,10 @@ def fp4_round(x: torch.Tensor, *, block: int, e4m3_scale: bool) -> torch.Tensor:
         return x
     amax = blocks.abs().amax(-1, keepdim=True)
     if e4m3_scale:
-        scale = (amax.clamp_min(FP4_MAX * 2.0**-9) / FP4_MAX).to(torch.float8_e4m3fn).float()
+        # amax / 6 divided exactly on every device (torch's CUDA division by a Python number multiplies by its
+        # reciprocal), saturated at 448 before the cast (some torch versions cast past 464 to NaN)
+        ratio = torch.div(amax.clamp_min(FP4_MAX * 2.0**-9), torch.full_like(amax, FP4_MAX))
+        scale = ratio.clamp(max=FP8_MAX).to(torch.float8_e4m3fn).float()
     else:
         scale = pow2_ceil(amax.clamp_min(FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))
     q = fp4_values(fp4_codes((blocks / scale).clamp(-FP4_MAX, FP4_MAX)))

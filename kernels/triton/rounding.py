@@ -5,10 +5,9 @@ rounds block_R of them, a [block_R, block] tile (a few rows' blocks: each row's 
 torch reference, from the fp32 bits (helpers shared with the cache kernels, kernels/triton/cache.py):
 - a ue8m0 scale pow2_ceil(amax * (1 / qmax)) (a product, as the reference) is the byte "exponent field, plus one for a
   non-zero mantissa"; dividing by 2^(byte - 127) is multiplying by 2^(127 - byte), exact;
-- fp4's e4m3 scale is max(amax, 6 * 2^-9) / 6, divided exactly (`div_rn`) and cast as torch casts to float8_e4m3fn:
-  nearest even, saturating at 448, inf included (the c10 cast of torch 2.13, the one installed). Older torch versions
-  cast (464, inf] to NaN: against those, blocks whose amax / 6 (rounded to fp32) exceeds 464 (amax past 2784, or an
-  inf) differ (the reference's block is all NaN, this kernel's scale is 448);
+- fp4's e4m3 scale is max(amax, 6 * 2^-9) / 6, divided exactly (`div_rn`), saturated at 448 and rounded to e4m3
+  nearest even, as the reference (which divides tensor by tensor and clamps before its cast: torch's CUDA division
+  by a number multiplies by the reciprocal, and some torch versions cast past 464 to NaN);
 - e4m3 values nearest even, e2m1 codes ties to the even code, the sign kept (-0.0 included);
 - non-finite inputs as the reference: a block holding a NaN is all NaN (its scale is NaN, or 2^128 = inf); so is a
   block holding an inf under a power-of-two scale (inf / inf, 0 * inf); under the e4m3 scale (448) an inf rounds to
@@ -72,7 +71,7 @@ def fp4_round_kernel(x_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, E4M3_SCALE: 
     amax = tl.max(tl.abs(x), axis=1)  # [block_R]
     if E4M3_SCALE:
         s = tl.math.div_rn(tl.maximum(amax, 6.0 * 2.0**-9), tl.full(amax.shape, 6.0, tl.float32))
-        scale = _e4m3_value(_e4m3_bits(s))  # saturated at 448, as torch's cast
+        scale = _e4m3_value(_e4m3_bits(s))  # saturated at 448, as the reference's clamp
         s2 = tl.broadcast_to(scale[:, None], x.shape)
         q = tl.math.div_rn(x, s2)
     else:
