@@ -115,7 +115,6 @@ class Drafter:
         hidden, logits = hidden.reshape(len(rows), k, -1), logits.reshape(len(rows), k, -1)
         drafts: list[list[int]] = [[] for _ in rows]
         live = [True] * len(rows)
-        confidences = torch.empty(len(rows), k, device=hidden.device)
         device = hidden.device
         previous = torch.tensor([outputs[-1] for _, _, outputs in rows], device=device)
         samples = [s for _, s, _ in rows]
@@ -123,6 +122,7 @@ class Drafter:
         if masks is None and all(plain_greedy(s, outputs) for _, s, outputs in rows):
             picks, confidences = self.greedy(hidden, logits, previous)  # every row's argmax, read back once
             return [Proposal(d, c) for d, c in zip(picks.tolist(), confidences.tolist(), strict=True)]
+        confidences = torch.empty(len(rows), k, device=device)
         for i in range(k + 1):  # the check after the last draft only drops it if it ends the constraint
             if i and fill_next is not None:
                 masks = fill_next(samples, drafts)
