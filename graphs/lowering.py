@@ -5,11 +5,10 @@ A lowering reads a node and the weights to decide whether its kernel applies and
 kernel on the node's runtime arguments (`run`), makes meta-tensor arguments of a bucket's token count for the
 ahead-of-time builder (`trace`), and turns a config into its batch-invariant form (`invariant`; graphs/plan.py).
 RMSNorm and the cache roundings also run over the compressed entries a forward completes (a `Ragged`, flat over E).
-Nodes without a lowering, or whose activations are not flat over N (or E, for those), run their DSL reference on the
-device.
-RMSNorm's kernel, and the hyper-connections' collapse + RMSNorm's, are TileLang's (kernels/tilelang/) where TileLang
-kernels can be built (tilelang and nvcc installed: the static shapes say `"kernel": "tilelang"`), else Triton's; the
-GPU machine runs either from cubins.
+Nodes without a lowering, or not flat over N (or E, for those), run their DSL reference on the device. RMSNorm's
+kernel, and the hyper-connections' collapse + RMSNorm's, are TileLang's (kernels/tilelang/) where TileLang kernels
+can be built (tilelang and nvcc installed: the static shapes say `"kernel": "tilelang"`), else Triton's; the GPU
+machine runs either from cubins.
 """
 
 from __future__ import annotations
@@ -372,26 +371,22 @@ def _rounding_static(node: Node, params: Params) -> dict | None:
     block = node.attrs.get("block", 32)  # fp8_round's default
     if not _over_rows(node) or int(node.inputs[0].type.shape[-1]) % block:
         return None
-    static = {"d": int(node.inputs[0].type.shape[-1]), "block": block}
-    if node.op == "fp4_round":
-        static["e4m3_scale"] = bool(node.attrs["e4m3_scale"])
-    return static
+    fp4 = {"e4m3_scale": bool(node.attrs["e4m3_scale"])} if node.op == "fp4_round" else {}
+    return {"d": int(node.inputs[0].type.shape[-1]), "block": block} | fp4
 
 
 def _round(static: dict, x: torch.Tensor, config: dict) -> torch.Tensor:
-    if "e4m3_scale" in static:
-        return rounding.fp4_round(x.contiguous(), block=static["block"], e4m3_scale=static["e4m3_scale"], config=config)
-    return rounding.fp8_round(x.contiguous(), block=static["block"], config=config)
+    """fp4 when the static shapes name a scale kind, else fp8."""
+    fp4 = {"e4m3_scale": static["e4m3_scale"]} if "e4m3_scale" in static else None
+    kernel = rounding.fp8_round if fp4 is None else rounding.fp4_round
+    return kernel(x.contiguous(), block=static["block"], config=config, **(fp4 or {}))
 
 
-def _rounding_lowering(template: str) -> Lowering:
-    return Lowering(template, _rounding_static, lambda st: {},
-                    lambda args, attrs, st, config, ctx, f: _round(st, args[0], config),
-                    lambda st, attrs, config, m, f: _round(st, _meta(m, st["d"]), config),
-                    lambda st, m: rounding.default_config(st["block"]))
-
-
-FP8_ROUND, FP4_ROUND = _rounding_lowering("fp8_round"), _rounding_lowering("fp4_round")
+FP8_ROUND, FP4_ROUND = (Lowering(template, _rounding_static, lambda st: {},
+                                 lambda args, attrs, st, config, ctx, f: _round(st, args[0], config),
+                                 lambda st, attrs, config, m, f: _round(st, _meta(m, st["d"]), config),
+                                 lambda st, m: rounding.default_config(st["block"]))
+                        for template in ("fp8_round", "fp4_round"))
 
 LOWERINGS: dict[str, Lowering] = {
     "linear": LINEAR, "grouped_linear": LINEAR, "rms_norm": RMS_NORM, "hc_mixes": HC_MIXES,
