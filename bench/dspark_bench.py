@@ -11,8 +11,8 @@ same requests (they load the kernels and capture the CUDA graphs of the token-co
 cost a long offline run amortises; the first one's tokens/s is reported as "cold"). Confidence
 scheduling ("confidence k/budget") proposes k drafts a step and is run at several verification budgets (tokens per
 step for all running requests); `--regex` constrains every request (structured outputs drafting under the grammar's
-masks). A batch of b runs
-max(b, --min-requests) requests, b at a time, so a batch of 1 is not one prompt's luck.
+masks). A batch of b runs max(b, --min-requests) requests, b at a time, so a batch of 1 is not one prompt's luck.
+`--passes` runs the modes several times in alternating order and prints each one's median.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import contextlib
 import cProfile
 import json
 import pstats
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -164,6 +165,9 @@ def main() -> None:
                     help="time the engine's phases of each timed run, synchronised (nodes: every node's op too)")
     ap.add_argument("--kernels", type=int, default=0, help="print the N kernels of most GPU time of each timed run")
     ap.add_argument("--warmups", type=int, default=2, help="untimed runs of the same requests first (the first: cold)")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="run the modes this many times, every other pass in reverse order (a machine speeds up over "
+                         "a call, which favours the later modes), and print each mode's median")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     results = []
@@ -180,19 +184,25 @@ def main() -> None:
         if args.modes:
             modes = [m for m in modes if m[0] in args.modes.split(",")]
         reference = None
-        for name, spec in modes:
-            where = {"device": args.device} if args.target == "cpu" else {"target": args.target}
-            r = run_mode(args.model, spec, prompts, batch, args.max_tokens, where, args.regex, args.profile, args.phases,
-                         args.kernels, args.warmups)
-            outputs = r.pop("outputs")
-            reference = reference or outputs
-            r.update(batch=batch, mode=name, same_as_off=outputs == reference)
-            results.append(r)
-            acc = " ".join(f"{a:.2f}" for a in r["acceptance"])
-            cold = f"{r['cold_tokens_per_s']:6.1f}" if r["cold_tokens_per_s"] else "-"
-            print(f"batch {batch:3d}  {name:16s} {r['tokens_per_s']:8.1f} tok/s (cold {cold:>6s})  "
-                  f"{r['tokens_per_step']:.2f} tok/step"
-                  f"  acceptance [{acc}]  same={r['same_as_off']}", flush=True)
+        for index in range(args.passes):
+            for name, spec in modes if index % 2 == 0 else modes[::-1]:
+                where = {"device": args.device} if args.target == "cpu" else {"target": args.target}
+                r = run_mode(args.model, spec, prompts, batch, args.max_tokens, where, args.regex, args.profile,
+                             args.phases, args.kernels, args.warmups)
+                outputs = r.pop("outputs")
+                reference = reference or outputs
+                r.update(batch=batch, mode=name, same_as_off=outputs == reference, pass_index=index)
+                results.append(r)
+                acc = " ".join(f"{a:.2f}" for a in r["acceptance"])
+                cold = f"{r['cold_tokens_per_s']:6.1f}" if r["cold_tokens_per_s"] else "-"
+                print(f"batch {batch:3d}  {name:16s} {r['tokens_per_s']:8.1f} tok/s (cold {cold:>6s})  "
+                      f"{r['tokens_per_step']:.2f} tok/step"
+                      f"  acceptance [{acc}]  same={r['same_as_off']}", flush=True)
+        if args.passes > 1:
+            for name, _ in modes:
+                runs = sorted(r["tokens_per_s"] for r in results if r["batch"] == batch and r["mode"] == name)
+                print(f"median  {batch:3d}  {name:16s} {statistics.median(runs):8.1f} tok/s  "
+                      f"(passes: {' '.join(f'{v:.1f}' for v in runs)})", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -9,7 +9,8 @@
 #                                    --build-artifact artifacts/slice-sm90`, no GPU needed) so the device compiles nothing.
 #   GPU_TESTS="tests/test_gpu_cuda_graphs.py ..." bash bench/run_gpu.sh   only those test files
 #   DSPARK=1 bash bench/run_gpu.sh   DSpark drafting on the trained checkpoint (bench/dspark_bench.py) on the sm90 target
-#                                    (DSPARK_TARGET, DSPARK_BATCHES, DSPARK_TOKENS) instead of the kernel benchmarks
+#                                    (DSPARK_TARGET, DSPARK_BATCHES, DSPARK_TOKENS, DSPARK_PASSES) instead of the
+#                                    kernel benchmarks
 # Prebuilt artifacts (.prebuilt/smooth-{bf16,fp32}, compiled on a GPU-less machine and carried to the device: an
 # ignored folder, so name it in the device call's `carry`) are what the artifact test loads when present; make them
 # with deepinfer.compile(DeepseekV41Flash.from_pretrained("tests/fixtures/v41-smooth"), target="sm90"[, dot_fp32=True])
@@ -49,9 +50,9 @@ fi
 if [ "${DSPARK:-0}" = 1 ]; then
     SECONDS=0
     timeout "${DSPARK_TIMEOUT:-300}" python3 bench/dspark_bench.py --target "${DSPARK_TARGET:-sm90}" \
-        --batches "${DSPARK_BATCHES:-1,16,64}" --max-tokens "${DSPARK_TOKENS:-32}" --out "$OUT/dspark.json" \
-        > "$OUT/dspark.log" 2>&1
-    echo "dspark: rc=$? in ${SECONDS}s"; grep -E "^(batch|Traceback|[A-Za-z]*Error)" "$OUT/dspark.log"
+        --batches "${DSPARK_BATCHES:-1,16,64}" --max-tokens "${DSPARK_TOKENS:-32}" --passes "${DSPARK_PASSES:-1}" \
+        --out "$OUT/dspark.json" > "$OUT/dspark.log" 2>&1
+    echo "dspark: rc=$? in ${SECONDS}s"; grep -E "^(batch|median|Traceback|[A-Za-z]*Error)" "$OUT/dspark.log"
     [ "${BENCH_KERNELS:-0}" = 1 ] || exit 0
 fi
 SECONDS=0
