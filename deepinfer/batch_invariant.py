@@ -32,7 +32,7 @@ from torch.overrides import TorchFunctionMode
 from dsl.ops import OPS
 from dsl.ops.attention import CacheView
 from dsl.ops.dense import weight_values
-from dsl.ops.indexer import mask_incomplete
+from dsl.ops.indexer import block_layout, mask_incomplete
 from dsl.ragged import Ragged
 
 ROW_QUANTUM, FREE_ROWS = 4, 12
@@ -277,13 +277,15 @@ def _stable_top(scores: torch.Tensor, k: int) -> torch.Tensor:
 def candidate_blocks(scores: torch.Tensor, *, ratio: int, block: int, topk_blocks: int, ctx) -> torch.Tensor:
     """`candidate_blocks` with ties among block maxima broken by the lowest block index."""
     width = scores.shape[-1]
-    padded = torch.nn.functional.pad(scores, (0, -width % block), value=float("-inf"))
+    padded = scores if width % block == 0 else torch.nn.functional.pad(scores, (0, -width % block),
+                                                                        value=float("-inf"))
     blocks = padded.unflatten(-1, (-1, block)).amax(dim=-1)  # [N, B]
-    newest = ((ctx.positions.unsqueeze(-1) + 1) // ratio - 1) // block  # [N, 1]
-    blocks = blocks.masked_fill(torch.arange(blocks.shape[-1], device=scores.device) == newest, float("inf"))
+    newest, columns = ctx.memo(("blocks", ratio, block, blocks.shape[-1], width),
+                               lambda: block_layout(ctx.positions, ratio, block, blocks.shape[-1], width))
+    blocks = blocks.masked_fill(newest, float("inf"))
     top = _stable_top(blocks, topk_blocks)[:, : blocks.shape[-1]]
     keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top, blocks.gather(-1, top) > float("-inf"))
-    return keep.repeat_interleave(block, dim=-1)[..., :width]
+    return keep[:, columns]
 
 
 def topk_select(scores: torch.Tensor, candidates: torch.Tensor | None = None, *, topk: int) -> torch.Tensor:

@@ -168,16 +168,13 @@ class PagedCache:
                      positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """kv and gate [M, D] of the compressor of `layer` kept at (slot, position) pairs [M]."""
         pool = self.partials[layer]
-        rows = positions % pool.shape[2]
-        return pool[0, slots, rows], pool[1, slots, rows]
+        return pool[:, slots, positions % pool.shape[2]].unbind(0)
 
     def write_partial_rows(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor,
                            gate: torch.Tensor) -> None:
         """Keep kv and gate [M, D] for the compressor of `layer` at (slot, position) pairs [M]."""
         pool = self.partials[layer]
-        rows = positions % pool.shape[2]
-        pool[0, slots, rows] = kv
-        pool[1, slots, rows] = gate
+        pool[:, slots, positions % pool.shape[2]] = torch.stack([kv, gate])
 
     def history_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Compressed token ids [M] at (slot, position) pairs [M]."""

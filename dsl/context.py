@@ -64,6 +64,18 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
+def cast(t: torch.Tensor, dtype: torch.dtype | None = None, device: torch.device | None = None) -> torch.Tensor:
+    """`t.to(dtype, device)`, skipped where `t` is already so: a no-op `.to` still costs a dispatch."""
+    if (dtype is None or t.dtype == dtype) and (device is None or t.device == device):
+        return t
+    return t.to(device=device, dtype=dtype)
+
+
+def take_rows(values: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """values[rows], or `values` itself where `rows` is None (every row its own: `PagedBatch.ring_targets`)."""
+    return values if rows is None else values[rows]
+
+
 def segments(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For runs of counts[i] items laid end to end (`total` their sum, known to the host: no sync), each item's run
     and its index within the run: ([total], [total])."""
@@ -105,6 +117,23 @@ class ForwardContext:
             self._memo[key] = make()
         return self._memo[key]
 
+    def entry_layout(self, first: list[int], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                                         torch.Tensor | None]:
+        """Where new compressed entries go (per chunk, `counts` of them from entry index `first`), on the device: per
+        chunk [B] its cache's length after them and that cache's offset in a flat view of every chunk's cache; per
+        entry [E] its chunk and its entry index (None where E is 0). Set by the layout alone, which a layer's KV
+        entries and index keys share: made once per forward and layout, by their rotation or store, whichever is
+        first."""
+        def make() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+            lengths = [f + n for f, n in zip(first, counts, strict=True)]
+            first_t, counts_t, length = to_device([*first, *counts, *lengths], self.device).view(3, len(first))
+            offset = torch.cumsum(length, 0) - length
+            if not sum(counts):
+                return length, offset, None, None
+            run, index = segments(counts_t, sum(counts))
+            return length, offset, run, first_t[run] + index
+        return self.memo(("entries", tuple(first), tuple(counts)), make)
+
     @property
     def compute_per_chunk(self) -> bool:
         """Whether the ops that compute over caches (the indexer's scores, the compressor's pooling, the reference
@@ -135,24 +164,31 @@ class PagedBatch:
     def __init__(self, ctx: ForwardContext, cache: PagedCache) -> None:
         self.ctx, self.cache = ctx, cache
         states = [c.state for c in ctx.chunks]
-        self.slots = to_device([s.slot for s in states], cache.device)
         width = max([1, *(len(s.block_table) for s in states)])
-        self.tables = to_device([s.block_table + [0] * (width - len(s.block_table)) for s in states], cache.device)
+        # One copy to the device: the zero-padded tables row by row, then the slots (the tables stay contiguous at the
+        # copy's start, as the cache kernels take them).
+        both = to_device([b for s in states for b in s.block_table + [0] * (width - len(s.block_table))]
+                         + [s.slot for s in states], cache.device)
+        self.tables, self.slots = both[: len(states) * width].view(len(states), width), both[len(states) * width:]
 
-    def ring_targets(self, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def ring_targets(self, ring: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Where to store the forward's N rows in a ring of `ring` positions per slot: the slots [N] and which row of
-        the values each takes [N]. Where two tokens of a chunk share a ring row, both take the later one's values,
-        so one scatter of all N rows writes the same values in any order."""
-        def make() -> tuple[torch.Tensor, torch.Tensor]:
+        the values each takes [N] (`take_rows`), None where each takes its own (no chunk longer than the ring). Where
+        two tokens of a chunk share a ring row, both take the later one's values, so one scatter of all N rows
+        writes the same values in any order."""
+        def make() -> tuple[torch.Tensor, torch.Tensor | None]:
             ctx = self.ctx
+            slots = ctx.memo(("row slots",), lambda: self.slots[ctx.row_chunks])
+            if max(ctx.lengths, default=0) <= ring:  # rows + left // ring * ring is rows itself
+                return slots, None
             rows = torch.arange(ctx.num_tokens, device=ctx.device)
             left = ctx.chunk_rows[ctx.row_chunks] + ctx.chunk_lengths[ctx.row_chunks] - 1 - rows  # [N] rows after it
-            return self.slots[ctx.row_chunks], rows + left // ring * ring
+            return slots, rows + left // ring * ring
         return self.ctx.memo(("ring", ring), make)
 
     def before(self, counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The last counts[i] positions before chunk i's first token, chunk after chunk (`total` in all): their
         chunks, slots and positions, each [total]."""
         run, index = segments(counts, total)
-        positions = self.ctx.chunk_starts[run] - counts[run] + index
+        positions = (self.ctx.chunk_starts - counts)[run] + index
         return run, self.slots[run], positions

@@ -9,11 +9,13 @@ import random
 import pytest
 import torch
 
-from dsl.context import ForwardContext, SequenceState
+from deepinfer import batch_invariant as invariant
+from dsl.context import ForwardContext, SequenceState, take_rows
 from dsl.ops.attention import visible_entries
+from dsl.ops.indexer import candidate_blocks
 from dsl.ops.rope import _freqs_on, inv_freq, rope_entries, rope_params, rotate
 from dsl.ragged import Ragged
-from tests.test_paged_batched import OPS_REF, TOPK, WINDOW, Twin, make_inputs, next_step, run_ops
+from tests.test_paged_batched import OPS_REF, TOPK, WINDOW, Twin, check_same, make_inputs, next_step, run_ops
 
 YARN = rope_params({"rope_type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1, "rope_theta": 160000.0,
                     "original_max_position_embeddings": 65536, "attention_factor": 1.3})
@@ -87,3 +89,114 @@ def test_visible_entries_of_each_layer_as_in_a_fresh_forward(seed: int) -> None:
                                               dtype=torch.float32, index_dtype=index_dtype)
                     assert idx.dtype == index_dtype and torch.equal(idx.long(), want[1]) and torch.equal(kv, want[0])
         ctx.commit()
+
+
+def _pool_tensors(cache) -> list[torch.Tensor]:
+    return ([t for _, parts in cache.windows.values() for t in parts]
+            + [t for _, _, parts in cache.compressed.values() for t in parts] + [*cache.partials.values(), cache.history])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cache_ops_run_again_in_one_forward_as_in_a_fresh_one(seed: int) -> None:
+    """Every cache op run twice on one paged context, the pools put back in between (what a later layer of the same
+    layouts meets), with other values the second time: the memoized layouts give what the per-chunk path gives."""
+    rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
+    twin = Twin(5, rng, "cpu")
+    for _ in range(6):
+        step = next_step(rng, twin)
+        lengths = [n for _, n in step]
+        before = [t.clone() for t in _pool_tensors(twin.cache)]
+        ctx, plain = ForwardContext([twin.paged[i] for i, _ in step], lengths), [twin.plain[i] for i, _ in step]
+        run_ops(ctx, make_inputs(sum(lengths), gen, "cpu"))
+        inputs = make_inputs(sum(lengths), gen, "cpu")
+        for t, kept in zip(_pool_tensors(twin.cache), before, strict=True):
+            t.copy_(kept)
+        plain_ctx = ForwardContext(plain, lengths)
+        check_same(run_ops(ctx, inputs), run_ops(plain_ctx, inputs))
+        ctx.commit()
+        plain_ctx.commit()
+
+
+def test_ring_targets_are_the_written_out_rows() -> None:
+    """The rows each token stores in a ring: rows + left // ring * ring (left: its chunk's rows after it), given as
+    None where that is every row itself."""
+    twin = Twin(4, random.Random(0), "cpu")
+    for lengths in ([1, 1, 1, 1], [3, 1, 5, 2], [12, 1, 30, 4], [0, 2, 0, 1]):
+        states = [SequenceState(num_tokens=7 * i, cache=twin.cache, slot=twin.slots[i]) for i in range(4)]
+        ctx = ForwardContext(states, lengths)
+        for ring in (5, 11, 2):
+            slots, rows = ctx.paged.ring_targets(ring)
+            want, begin = [], 0
+            for n in lengths:
+                want += [r + (begin + n - 1 - r) // ring * ring for r in range(begin, begin + n)]
+                begin += n
+            assert (rows is None) == (want == list(range(sum(lengths))))
+            assert take_rows(torch.arange(sum(lengths)), rows).tolist() == want
+            assert slots.tolist() == [twin.slots[i] for i, n in enumerate(lengths) for _ in range(n)]
+
+
+def test_paged_batch_of_one_copy() -> None:
+    """Slots and zero-padded block tables, the tables contiguous (as the cache kernels take them)."""
+    twin = Twin(3, random.Random(1), "cpu")
+    tables = [[5, 2], [], [7, 1, 4]]
+    states = [SequenceState(cache=twin.cache, slot=s, block_table=t) for s, t in zip((4, 0, 2), tables)]
+    batch = ForwardContext(states, [1, 2, 1]).paged
+    assert batch.slots.tolist() == [4, 0, 2] and batch.tables.is_contiguous()
+    assert batch.tables.tolist() == [[5, 2, 0], [0, 0, 0], [7, 1, 4]]
+
+
+def test_entry_layouts_of_one_forward_as_written_out() -> None:
+    """Per layout: lengths, offsets, and each new entry's chunk and index; None where no entry is new; a second
+    layout in the same forward gets its own."""
+    ctx = ForwardContext([SequenceState(num_tokens=n) for n in (0, 17, 300)], [5, 1, 9])
+    for first, counts in (([0, 4, 75], [1, 0, 2]), ([0, 8, 150], [2, 1, 4]), ([0, 4, 75], [0, 0, 0]),
+                          ([0, 4, 75], [1, 0, 2])):
+        length, offset, run, index = ctx.entry_layout(first, counts)
+        lengths = [f + n for f, n in zip(first, counts)]
+        assert length.tolist() == lengths and offset.tolist() == [sum(lengths[:i]) for i in range(3)]
+        if not sum(counts):
+            assert run is None and index is None
+            continue
+        assert run.tolist() == [i for i, n in enumerate(counts) for _ in range(n)]
+        assert index.tolist() == [f + j for f, n in zip(first, counts) for j in range(n)]
+
+
+def test_rope_entries_without_entries_are_the_input() -> None:
+    ctx = ForwardContext([SequenceState(num_tokens=n) for n in (1, 5)], [1, 1])
+    x = Ragged(torch.randn(0, 48), [0, 0], [0, 1])
+    assert rope_entries(x, params=YARN, rope_dim=32, ratio=4, ctx=ctx).values is x.values
+
+
+def previous_candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, ratio: int, block: int,
+                              topk_blocks: int, stable: bool = False) -> torch.Tensor:
+    """`candidate_blocks` as it was written before its layout was memoized (`stable`: the batch-invariant form's)."""
+    width = scores.shape[-1]
+    padded = torch.nn.functional.pad(scores, (0, -width % block), value=float("-inf"))
+    blocks = padded.unflatten(-1, (-1, block)).amax(dim=-1)
+    newest = ((positions.unsqueeze(-1) + 1) // ratio - 1) // block
+    blocks = blocks.masked_fill(torch.arange(blocks.shape[-1]) == newest, float("inf"))
+    if stable:
+        top = invariant._stable_top(blocks, topk_blocks)[:, : blocks.shape[-1]]
+        keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top, blocks.gather(-1, top) > float("-inf"))
+    else:
+        top = blocks.topk(min(topk_blocks, blocks.shape[-1]), dim=-1)
+        keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    return keep.repeat_interleave(block, dim=-1)[..., :width]
+
+
+def test_candidate_blocks_of_several_layers_as_before() -> None:
+    """Layers of other ratios, blocks and widths, and the same again with other scores, in one forward (positions
+    from 0, where no entry is visible yet): the previous formulation's masks."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [1, 3, 1, 40, 1]
+    ctx = ForwardContext([SequenceState(num_tokens=n) for n in (0, 2, 9, 100, 4000)], lengths)
+    for ratio, block, width, topk_blocks in ((4, 8, 37, 2), (4, 8, 40, 2), (128, 4, 32, 3), (4, 8, 37, 2),
+                                             (4, 8, 37, 9)):
+        scores = torch.randn(sum(lengths), width, generator=gen)
+        scores[scores < -1] = float("-inf")
+        got = candidate_blocks(scores, ratio=ratio, block=block, topk_blocks=topk_blocks, ctx=ctx)
+        assert torch.equal(got, previous_candidate_blocks(scores, ctx.positions, ratio, block, topk_blocks))
+        ties = scores.clone()
+        ties[:, 1::3] = 0.5  # equal block maxima: the invariant form's lowest-index tie-break
+        got = invariant.candidate_blocks(ties, ratio=ratio, block=block, topk_blocks=topk_blocks, ctx=ctx)
+        assert torch.equal(got, previous_candidate_blocks(ties, ctx.positions, ratio, block, topk_blocks, True))

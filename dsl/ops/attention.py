@@ -6,12 +6,13 @@ chunk by chunk. Either way they hand the attention a `CacheView`.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
-from dsl.context import ForwardContext, segments, to_device
+from dsl.context import ForwardContext, cast, segments, take_rows, to_device
 from dsl.ops.registry import op
 from dsl.tensor import TensorType, context
 
@@ -42,19 +43,20 @@ class CacheView:
     Three forms: per-chunk lists (`CacheView(keys, positions)`); flat, chunk after chunk (`values` [sum L_i, D], as
     the batched window ops make it); or, for a paged compressed cache, only where the entries lie (`paged`), read and
     decoded when asked for: `rows` then reads only the entries wanted. `keys`, `positions`, `flat` and `rows` serve
-    every form. `length` and `first_t` [B] are device copies of `lengths` and `first`, when the maker has them.
+    every form. `length`, `offset` and `first_t` [B] are device copies of `lengths`, of where each chunk's keys begin
+    in `flat()` and of `first`, when the maker has them.
     """
 
     def __init__(self, keys: list[torch.Tensor] | None = None, positions: list[torch.Tensor] | None = None, *,
                  values: torch.Tensor | None = None, lengths: list[int] | None = None, first: list[int] | None = None,
-                 length: torch.Tensor | None = None, first_t: torch.Tensor | None = None,
-                 paged: PagedEntries | None = None) -> None:
+                 length: torch.Tensor | None = None, offset: torch.Tensor | None = None,
+                 first_t: torch.Tensor | None = None, paged: PagedEntries | None = None) -> None:
         self._keys, self._positions, self._values, self.paged = keys, positions, values, paged
         self.lengths = lengths if lengths is not None else [k.shape[0] for k in keys]
         if first is None and positions is not None:
             first = [int(p[0]) if p.numel() else 0 for p in positions]
         self.first, self.length, self.first_t = first, length, first_t
-        self._offset: torch.Tensor | None = None
+        self._offset = offset
 
     @property
     def keys(self) -> list[torch.Tensor]:
@@ -70,12 +72,13 @@ class CacheView:
             self._positions = [torch.arange(f, f + n) for f, n in zip(self.first, self.lengths, strict=True)]
         return self._positions
 
-    def layout(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Per chunk [B] on `device`: L_i, the offset of its rows in `flat()`, and its first position (0 if none)."""
+    def layout(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Per chunk [B] on `device`: L_i, the offset of its rows in `flat()`, and its first position (None for a
+        compressed cache, which has no positions)."""
         if self.length is None:
             self.length = to_device(self.lengths, device)
-        if self.first_t is None:
-            self.first_t = to_device(self.first or [0] * len(self.lengths), device)
+        if self.first_t is None and self.first is not None:
+            self.first_t = to_device(self.first, device)
         if self._offset is None:
             self._offset = torch.cumsum(self.length, 0) - self.length
         return self.length, self._offset, self.first_t
@@ -84,9 +87,9 @@ class CacheView:
         """Every chunk's keys, chunk after chunk: [sum L_i, D]."""
         if self._values is None:
             if self.paged is not None:  # every entry: which rows, the same for each cache of this layout
-                length, _, _ = self.layout(self.paged.tables.device)
                 rows = self.paged.ctx.memo(("cache rows", tuple(self.lengths)),
-                                           lambda: segments(length, sum(self.lengths)))
+                                           lambda: segments(self.layout(self.paged.tables.device)[0],
+                                                            sum(self.lengths)))
                 self._values = self.paged.rows(*rows)
             else:
                 self._values = torch.cat(self._keys)
@@ -117,22 +120,30 @@ def _window_view(kv: torch.Tensor, layer: int, window: int, ctx: ForwardContext)
             new = kv[c.rows]
             keys.append(torch.cat([c.state.storage.read_window(c.state, layer, k).to(new.device), new]) if k else new)
         return CacheView(keys, lengths=lengths, first=first)
-    length, first_t, slots, positions, kept_rows, new_rows = ctx.memo(("window", window),
-                                                                      lambda: _window_layout(ctx, window, sum(kept)))
-    values = kv.new_empty(sum(lengths), kv.shape[-1], dtype=torch.promote_types(kv.dtype, torch.float32))
-    values[kept_rows] = batch.cache.window_rows(layer, slots, positions).to(values.device)
-    values[new_rows] = kv.to(values.dtype)
-    return CacheView(values=values, lengths=lengths, first=first, length=length, first_t=first_t)
+    length, offset, first_t, slots, positions, kept_rows, new_rows = ctx.memo(
+        ("window", window), lambda: _window_layout(ctx, window, sum(kept)))
+    values = kv.new_empty(sum(lengths), kv.shape[-1], dtype=_view_dtype(kv.dtype))
+    values[kept_rows] = cast(batch.cache.window_rows(layer, slots, positions), device=values.device)
+    values[new_rows] = cast(kv, values.dtype)
+    return CacheView(values=values, lengths=lengths, first=first, length=length, offset=offset, first_t=first_t)
+
+
+@functools.cache
+def _view_dtype(dtype: torch.dtype) -> torch.dtype:
+    """A window view's dtype for kv of `dtype`: fp32 or wider (`torch.promote_types` dispatches: asked once)."""
+    return torch.promote_types(dtype, torch.float32)
 
 
 def _window_layout(ctx: ForwardContext, window: int, total_kept: int) -> tuple[torch.Tensor, ...]:
-    """The batched window view's index tensors, shared by every window of size `window`: per chunk [B] its length
-    and first position; per kept entry [total_kept] its slot, position and row in the view; per token [N] its row."""
+    """The batched window view's index tensors, shared by every window of size `window`: per chunk [B] its length,
+    offset in the view and first position; per kept entry [total_kept] its slot, position and row in the view; per
+    token [N] its row."""
     kept = ctx.chunk_starts.clamp(max=window - 1)
     length, first = kept + ctx.chunk_lengths, ctx.chunk_starts - kept
-    base = torch.cumsum(length, 0) - length - first  # [B]: row of position 0 in each chunk's part of the view
+    offset = torch.cumsum(length, 0) - length
+    base = offset - first  # [B]: row of position 0 in each chunk's part of the view
     run, slots, positions = ctx.paged.before(kept, total_kept)
-    return length, first, slots, positions, base[run] + positions, base[ctx.row_chunks] + ctx.positions
+    return length, offset, first, slots, positions, base[run] + positions, base[ctx.row_chunks] + ctx.positions
 
 
 @op("kv_window_append", _cache_type, uses_context=True)
@@ -156,7 +167,7 @@ def kv_window_store(kv: torch.Tensor, *, layer: int, window: int, ctx) -> None:
             c.state.storage.write_window(c.state, layer, kv[c.rows], window)
         return
     slots, rows = batch.ring_targets(batch.cache.windows[layer][1][0].shape[1])
-    batch.cache.write_window_rows(layer, slots, ctx.positions, kv[rows])
+    batch.cache.write_window_rows(layer, slots, ctx.positions, take_rows(kv, rows))
 
 
 @op("kv_window_block", _cache_type, uses_context=True)
@@ -180,18 +191,11 @@ def cache_append(entries, *, layer: int, name: str, ctx) -> CacheView:
             whole = storage.read_entries(c.state, name, layer, first + new.shape[0]).to(new.device) if first else new
             keys.append(whole)
         return CacheView(keys, lengths=lengths)
-    length, run, index = ctx.memo(("entries", tuple(entries.first), tuple(entries.counts)),
-                                  lambda: _entries_layout(entries, ctx.device))
+    length, offset, run, index = ctx.entry_layout(entries.first, entries.counts)
     if entries.values.shape[0]:
         batch.cache.write_entry_rows(name, layer, batch.tables, run, index, entries.values)
-    return CacheView(lengths=lengths, length=length, paged=PagedEntries(batch.cache, name, layer, batch.tables, ctx))
-
-
-def _entries_layout(entries, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per chunk [B] its cache's length after the append; per new entry [E] its chunk and entry index."""
-    counts, first = to_device(entries.counts, device), to_device(entries.first, device)
-    run, index = segments(counts, entries.values.shape[0])
-    return first + counts, run, first[run] + index
+    return CacheView(lengths=lengths, length=length, offset=offset,
+                     paged=PagedEntries(batch.cache, name, layer, batch.tables, ctx))
 
 
 def visible_entries(window: CacheView, compressed: CacheView | None, topk: torch.Tensor | None, *, window_size: int,
@@ -204,25 +208,27 @@ def visible_entries(window: CacheView, compressed: CacheView | None, topk: torch
 
     The compressed entries come in whole (every chunk's cache) or only as picked (one row per token and pick),
     whichever is smaller. Only the picks differ between the layers of a forward: the index tensors made from its
-    layout alone are made once (`ctx.memo`)."""
-    lists = [_window_lists(window, window_size, causal, ctx, index_dtype)]
-    pools = [window.flat().to(dtype)]
+    layout alone are made once (`ctx.memo`); without picks, the results may be the memo's and the view's own tensors:
+    read them, never write."""
+    lists = _window_lists(window, window_size, causal, ctx, index_dtype)
+    pool = window.flat()
     total = sum(compressed.lengths) if compressed is not None and topk is not None else 0
     if total:
-        picks = topk.to(ctx.device)  # [N, K]
+        picks = cast(topk, device=ctx.device)  # [N, K]
         gathered = compressed.paged is not None and picks.numel() < total
-        key = ("picks", tuple(picks.shape), tuple(compressed.lengths), pools[0].shape[0], gathered, index_dtype)
-        run, targets, has_entries = ctx.memo(key, lambda: _pick_layout(compressed, picks.shape, pools[0].shape[0],
+        key = ("picks", tuple(picks.shape), tuple(compressed.lengths), pool.shape[0], gathered, index_dtype)
+        run, targets, has_entries = ctx.memo(key, lambda: _pick_layout(compressed, picks.shape, pool.shape[0],
                                                                        gathered, ctx, index_dtype))
-        valid = (picks >= 0) & has_entries
+        valid = picks >= 0 if has_entries is None else (picks >= 0) & has_entries
         if gathered:  # row m of the picked rows is token m // K's pick m % K
-            pools.append(compressed.rows(run, picks.clamp(min=0).reshape(-1)))
-            lists.append(torch.where(valid, targets, -1))
+            picked = compressed.rows(run, picks.clamp(min=0).reshape(-1))
+            picked_lists = torch.where(valid, targets, -1)
         else:  # targets: where each token's chunk's entries begin in the pool
-            pools.append(compressed.flat())
-            lists.append(torch.where(valid, targets + picks, -1).to(index_dtype))
-        pools[1] = pools[1].to(dtype)
-    return torch.cat(pools), torch.cat(lists, dim=1)
+            picked = compressed.flat()
+            picked_lists = cast(torch.where(valid, targets + picks, -1), index_dtype)
+        # Cast after the cat: rounding each value to `dtype` does not care where it sits.
+        pool, lists = torch.cat([pool, picked]), torch.cat([lists, picked_lists], dim=1)
+    return cast(pool, dtype), lists
 
 
 def _window_lists(window: CacheView, window_size: int, causal: bool, ctx: ForwardContext,
@@ -245,11 +251,12 @@ def _window_lists(window: CacheView, window_size: int, causal: bool, ctx: Forwar
 def _pick_layout(compressed: CacheView, shape: tuple[int, int], base: int, gathered: bool, ctx: ForwardContext,
                  index_dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """For picks of `shape` [N, K] of a compressed cache of this layout, after `base` window rows in the pool: whether
-    each token's chunk has entries [N, 1], and where its picks go. `gathered`: the chunk of each picked row [N * K]
-    and the picked rows' places in the pool [N, K]; else only the offset of each token's chunk's entries [N, 1]."""
+    each token's chunk has entries [N, 1] (None where every chunk has), and where its picks go. `gathered`: the
+    chunk of each picked row [N * K] and the picked rows' places in the pool [N, K]; else only the offset of each
+    token's chunk's entries [N, 1]."""
     dev, run = ctx.device, ctx.row_chunks
     entries, entry_offset, _ = compressed.layout(dev)
-    has_entries = (entries[run] > 0)[:, None]
+    has_entries = None if all(compressed.lengths) else (entries[run] > 0)[:, None]
     if not gathered:
         return None, base + entry_offset[run][:, None], has_entries
     places = torch.arange(base, base + shape[0] * shape[1], device=dev, dtype=index_dtype).reshape(shape)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from dsl.context import ForwardContext, PagedBatch, segments
+from dsl.context import ForwardContext, PagedBatch, cast, segments, take_rows
 from dsl.ops.registry import op
 from dsl.ragged import Ragged
 from dsl.tensor import TensorType, num_entries
@@ -34,9 +34,10 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor | None = None, *, layer: 
     first = [s // ratio for s in ctx.starts]
     counts = [(s % ratio + n) // ratio for s, n in zip(ctx.starts, ctx.lengths, strict=True)]
     if ratio == 1:
-        return Ragged(kv.float(), counts, first)
+        return Ragged(cast(kv, torch.float32), counts, first)
     if ctx.paged is not None:
-        return Ragged(_pool_batch(kv.float(), gate.float(), layer, ratio, ctx, ctx.paged, sum(counts)), counts, first)
+        kv, gate = cast(kv, torch.float32), cast(gate, torch.float32)
+        return Ragged(_pool_batch(kv, gate, layer, ratio, ctx, ctx.paged, sum(counts)), counts, first)
     values = []
     for c in ctx.chunks:
         storage, pending = c.state.storage, c.start_pos % ratio
@@ -61,8 +62,11 @@ def _pool_batch(kv: torch.Tensor, gate: torch.Tensor, layer: int, ratio: int, ct
     slots, positions, source = ctx.memo(("pool", ratio), lambda: _pool_layout(ctx, batch, ratio, total))
     kept_kv, kept_gate = cache.partial_rows(layer, slots, positions)  # [P, D], read before this forward's rows land
     slots, rows = batch.ring_targets(ring)
-    cache.write_partial_rows(layer, slots, ctx.positions, kv[rows], gate[rows])
-    groups, gates = torch.cat([kv, kept_kv.to(kv.device)])[source], torch.cat([gate, kept_gate.to(kv.device)])[source]
+    cache.write_partial_rows(layer, slots, ctx.positions, take_rows(kv, rows), take_rows(gate, rows))
+    if not total:  # no group completed (most decode steps)
+        return kv.new_empty(0, kv.shape[-1])
+    groups = torch.cat([kv, cast(kept_kv, device=kv.device)])[source]
+    gates = torch.cat([gate, cast(kept_gate, device=kv.device)])[source]
     if not ctx.compute_per_chunk:
         return _pool(groups, gates)
     # The CPU's softmax rounds by the size of its input: pool each chunk's groups in a call of their own.
@@ -78,13 +82,15 @@ def _pool_batch(kv: torch.Tensor, gate: torch.Tensor, layer: int, ratio: int, ct
 def _pool_layout(ctx: ForwardContext, batch: PagedBatch, ratio: int,
                  total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Where the partial groups lie (slots, positions [P]) and, for the `total` completed groups, the rows [G, ratio]
-    of their members in the forward's rows followed by the P kept ones."""
+    of their members in the forward's rows followed by the P kept ones (None where `total` is 0)."""
     pending = ctx.chunk_starts % ratio
     _, slots, positions = batch.before(pending, sum(s % ratio for s in ctx.starts))
-    # Group k of chunk c holds positions (first_c + k) * ratio + m: kept rows before the chunk, then its own rows.
+    if not total:
+        return slots, positions, None
+    # Member m of group k of chunk c is its extended chunk's row e = k * ratio + m: the chunk's pending kept rows, then
+    # its own rows.
     run, k = segments((pending + ctx.chunk_lengths) // ratio, total)
-    start, kept_offset = ctx.chunk_starts[run, None], (torch.cumsum(pending, 0) - pending)[run, None]
-    grouped = start - pending[run, None] + k[:, None] * ratio + torch.arange(ratio, device=ctx.device)  # [G, ratio]
-    source = torch.where(grouped < start, ctx.num_tokens + kept_offset + grouped - (start - pending[run, None]),
-                         ctx.chunk_rows[run, None] + grouped - start)
+    e = k[:, None] * ratio + torch.arange(ratio, device=ctx.device)  # [G, ratio]
+    kept_base = ctx.num_tokens + torch.cumsum(pending, 0) - pending  # [B]: row of each chunk's first kept row
+    source = torch.where(e < pending[run, None], kept_base[run, None] + e, (ctx.chunk_rows - pending)[run, None] + e)
     return slots, positions, source

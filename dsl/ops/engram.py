@@ -6,6 +6,7 @@ import functools
 
 import torch
 
+from dsl.context import cast, take_rows
 from dsl.ops.registry import op
 from dsl.tensor import TensorType
 
@@ -35,21 +36,27 @@ def engram_ngrams(ids: torch.Tensor, token_map: torch.Tensor, *, n: int, pad_id:
 
 def _ngrams_batch(mapped: torch.Tensor, n: int, pad_id: int, ctx) -> torch.Tensor:
     """`engram_ngrams` of every chunk at once, from the compressed ids mapped [N]: one gather from the chunks' ids,
-    the history read from the pools and the pad, then the chunks' ids stored."""
-    batch, rows = ctx.paged, ctx.num_tokens
-    known = ctx.chunk_starts.clamp(max=n - 1)
-    _, slots, positions = batch.before(known, sum(min(s, n - 1) for s in ctx.starts))
-    history = batch.cache.history_rows(slots, positions).to(mapped.device)  # [K], read before the chunks' ids land
-    source = torch.cat([mapped.long(), history.long(), torch.full((1,), pad_id, device=mapped.device)])
-    shift = torch.arange(n, device=ctx.device)
-    wanted = ctx.positions[:, None] - shift  # [N, n] positions
-    run = ctx.row_chunks[:, None]
-    start, known_offset = ctx.chunk_starts[run], (torch.cumsum(known, 0) - known)[run]
-    in_history = torch.where(wanted >= 0, rows + known_offset + wanted - (start - known[run]), source.shape[0] - 1)
-    index = torch.where(wanted >= start, torch.arange(rows, device=ctx.device)[:, None] - shift, in_history)
-    slots, targets = batch.ring_targets(batch.cache.history.shape[1])
-    batch.cache.write_history_rows(slots, ctx.positions, mapped[targets])
+    the history pool (read whole, before the chunks' ids land: a few ids a slot) and the pad, then the chunks' ids
+    stored."""
+    batch, mapped = ctx.paged, cast(mapped, torch.long)
+    history = batch.cache.history  # [slots, ring]
+    index = ctx.memo(("ngrams", n, tuple(history.shape)), lambda: _ngram_layout(ctx, n, *history.shape))
+    source = torch.cat([mapped, cast(history.view(-1), device=mapped.device), _longs((pad_id,), mapped.device)])
+    slots, targets = batch.ring_targets(history.shape[1])
+    batch.cache.write_history_rows(slots, ctx.positions, take_rows(mapped, targets))
     return source[index]
+
+
+def _ngram_layout(ctx, n: int, num_slots: int, ring: int) -> torch.Tensor:
+    """Rows [N, n] of `_ngrams_batch`'s source (the N chunk ids, the history pool [num_slots, ring] flat, the pad)
+    of each token's ids at positions p, p - 1, ..., p - n + 1: in its chunk, in its slot's ring, or before the
+    sequence (the pad)."""
+    rows, shift = ctx.num_tokens, torch.arange(n, device=ctx.device)
+    wanted = ctx.positions[:, None] - shift  # [N, n] positions
+    slots, _ = ctx.paged.ring_targets(ring)  # [N]
+    in_history = torch.where(wanted >= 0, rows + slots[:, None] * ring + wanted % ring, rows + num_slots * ring)
+    start = ctx.chunk_starts[ctx.row_chunks][:, None]
+    return torch.where(wanted >= start, torch.arange(rows, device=ctx.device)[:, None] - shift, in_history)
 
 
 def _hash_type(ngrams: TensorType, *, primes: tuple, **attrs) -> tuple[TensorType]:

@@ -90,13 +90,24 @@ def candidate_blocks(scores: torch.Tensor, *, ratio: int, block: int, topk_block
     """Blocks of `block` entries scored by their max; keep the top `topk_blocks` finite blocks plus the block
     holding the newest visible entry. scores [N, C] -> bool mask [N, C] of entries in kept blocks."""
     width = scores.shape[-1]
-    padded = torch.nn.functional.pad(scores, (0, -width % block), value=float("-inf"))
+    padded = scores if width % block == 0 else torch.nn.functional.pad(scores, (0, -width % block),
+                                                                        value=float("-inf"))
     blocks = padded.unflatten(-1, (-1, block)).amax(dim=-1)  # [N, B]
-    newest = ((ctx.positions.unsqueeze(-1) + 1) // ratio - 1) // block  # [N, 1]
-    blocks = blocks.masked_fill(torch.arange(blocks.shape[-1], device=scores.device) == newest, float("inf"))
+    newest, columns = ctx.memo(("blocks", ratio, block, blocks.shape[-1], width),
+                               lambda: block_layout(ctx.positions, ratio, block, blocks.shape[-1], width))
+    blocks = blocks.masked_fill(newest, float("inf"))
     top = blocks.topk(min(topk_blocks, blocks.shape[-1]), dim=-1)
     keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
-    return keep.repeat_interleave(block, dim=-1)[..., :width]
+    return keep[:, columns]
+
+
+def block_layout(positions: torch.Tensor, ratio: int, block: int, num_blocks: int,
+                 width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token and block [N, num_blocks], whether the block holds the token's newest visible entry
+    ((p + 1) // ratio - 1, floored by `block`: one floor division by ratio * block); per entry [width] its block."""
+    newest = (positions[:, None] + (1 - ratio)) // (ratio * block)  # [N, 1]
+    return (newest == torch.arange(num_blocks, device=positions.device),
+            torch.arange(width, device=positions.device) // block)
 
 
 def _topk_type(scores: TensorType, candidates: TensorType | None = None, *, topk: int) -> tuple[TensorType]:

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from dsl.context import cast
 from dsl.ops.registry import op, same_as_first
 from dsl.ragged import Ragged
 
@@ -69,23 +70,25 @@ def _rotation(positions: torch.Tensor, params: RopeParams, rope_dim: int, device
     a pair (even, odd) becomes (even * cos - odd * sin, even * sin + odd * cos), sin negated when `inverse`."""
     magnitude = inv_freq(params, rope_dim)[1]
     angles = positions.float()[:, None] * _freqs_on(params, rope_dim, device)[None, :]  # [T, rope_dim / 2]
-    cos, sin = angles.cos() * magnitude, angles.sin() * magnitude
+    cos, sin = angles.cos(), angles.sin()
+    if magnitude != 1.0:  # times 1.0 is exact: skipped
+        cos, sin = cos * magnitude, sin * magnitude
     if inverse:
         sin = -sin
-    return torch.stack([torch.stack([cos, sin], dim=-1), torch.stack([-sin, cos], dim=-1)], dim=-2)
+    return torch.stack([cos, sin, -sin, cos], dim=-1).unflatten(-1, (2, 2))
 
 
 def _rotated(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """x [T, ..., D] with its last rope_dim dims rotated pair by pair by `rotation` [T, rope_dim / 2, 2, 2]. Each
     output is even * r[0] + odd * r[1], which is bitwise the written-out even * cos - odd * sin: subtracting is
     adding the negation, and negating a factor negates the rounded product."""
-    rope_dim = 2 * rotation.shape[1]
+    half = rotation.shape[1]
     for _ in range(x.dim() - 2):
         rotation = rotation.unsqueeze(1)
-    nope, pe = x[..., :-rope_dim], x[..., -rope_dim:]
-    products = pe.float().unflatten(-1, (-1, 2)).unsqueeze(-1) * rotation  # [T, ..., rope_dim / 2, in, out]
-    rotated = (products[..., 0, :] + products[..., 1, :]).flatten(-2)
-    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+    nope, pe = x[..., : -2 * half], x[..., -2 * half :]
+    pairs = cast(pe, torch.float32).reshape(*pe.shape[:-1], half, 2, 1)
+    even, odd = (pairs * rotation).unbind(-2)  # [T, ..., rope_dim / 2, out] each
+    return torch.cat([nope, cast((even + odd).flatten(-2), x.dtype)], dim=-1)
 
 
 @op("rope", same_as_first, uses_context=True)
@@ -99,13 +102,13 @@ def rope_entries(x: Ragged, *, params: RopeParams, rope_dim: int, ratio: int, ct
     """Rotate compressed entries at their group's first position: entry j of ratio r sits at j * r.
 
     The rotation depends on the entries' layout alone, which a layer's KV entries and index keys share: it is made
-    once per forward."""
+    once per forward, from their entry indices (`ForwardContext.entry_layout`)."""
+    if not x.values.shape[0]:  # no entry completed (most decode steps): nothing to rotate
+        return x
+
     def make() -> torch.Tensor:
-        counts = torch.tensor(x.counts, dtype=torch.long)
-        offsets = torch.tensor(x.first, dtype=torch.long) - (torch.cumsum(counts, 0) - counts)  # entry index - row
-        total = x.values.shape[0]
-        positions = torch.arange(total) + torch.repeat_interleave(offsets, counts, output_size=total)
+        _, _, _, index = ctx.entry_layout(x.first, x.counts)  # [E] entry indices
         device = x.values.device
-        return _rotation(positions.to(device, non_blocking=True) * ratio, params, rope_dim, device, inverse=False)
+        return _rotation(cast(index, device=device) * ratio, params, rope_dim, device, inverse=False)
     key = ("rope entries", params, rope_dim, ratio, tuple(x.first), tuple(x.counts), x.values.device)
     return x.replace(_rotated(x.values, ctx.memo(key, make)))

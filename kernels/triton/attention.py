@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from dsl.context import cast
 from dsl.ops.attention import visible_entries
 from kernels.launch import launch
 from kernels.triton.lang import tl, triton
@@ -162,8 +163,8 @@ def sparse_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=
     """The DSL op `sparse_attention` (same arguments) on the kernel: q [N, H, D] -> fp32 [N, H, D]."""
     dtype = torch.float32 if dot_fp32 else torch.bfloat16
     kv, idx = gather_indices(window, compressed, topk, window_size=window_size, ctx=ctx, dtype=dtype, causal=causal)
-    return sparse_attention(q.to(dtype).contiguous(), kv, idx, sink.float().contiguous(), scale=scale, config=config,
-                            dot_fp32=dot_fp32)
+    return sparse_attention(cast(q, dtype).contiguous(), kv, idx, cast(sink, torch.float32).contiguous(), scale=scale,
+                            config=config, dot_fp32=dot_fp32)
 
 
 __all__ = ["sparse_attention", "sparse_attention_op", "gather_indices", "default_config", "sparse_attention_kernel"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from dsl.context import cast
 from kernels.launch import launch
 from kernels.triton.lang import tl, triton
 
@@ -108,7 +109,8 @@ def index_scores_op(q: torch.Tensor, weights: torch.Tensor, keys, *, ratio: int,
         chunk = ctx.row_chunks
         return offset[chunk].int(), length[chunk].int(), ctx.positions.int()
     start, length, positions = ctx.memo(("score rows", tuple(keys.lengths)), rows)  # every layer's, for a layout
-    return index_scores(q.to(dtype).contiguous(), weights.float().contiguous(), keys.flat().to(dtype).contiguous(),
+    return index_scores(cast(q, dtype).contiguous(), cast(weights, torch.float32).contiguous(),
+                        cast(keys.flat(), dtype).contiguous(),
                         start, length, positions, ratio=ratio, width=max(keys.lengths, default=0), config=config,
                         dot_fp32=dot_fp32)
 
