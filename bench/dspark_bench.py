@@ -130,7 +130,7 @@ def run_mode(model: str, speculative: dict | None, prompts: list[str], batch: in
         for name, executor in zip(("forward", "draft"), getattr(llm.compiled, "_executors", None) or ()):
             graphs = getattr(executor, "cuda_graphs", None)
             if graphs is not None:
-                print(f"    {name} segments (both runs): {graphs.replays} replayed, {graphs.captures} captured, "
+                print(f"    {name} segments (every run of the mode): {graphs.replays} replayed, {graphs.captures} captured, "
                       f"{graphs.eager} eager over a bucket, {len(graphs.broken)} broken")
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     depth = max((len(o.metrics.drafts_verified) for o in outs), default=0)
