@@ -40,6 +40,7 @@ from deepinfer.models import DeepseekV41Flash
 from dsl.cache import PagedCache, load_rows, store_rows
 from dsl.context import ForwardContext
 from dsl.ops import OPS
+from dsl.ops.attention import _attend as attend
 from dsl.ops.indexer import mask_incomplete
 from dsl.passes import run_passes
 from graphs.capture import find_segments
@@ -103,13 +104,9 @@ def kernels_replaced(cache: PagedCache):
 
 
 def attention_kernel(q, kv, idx, sink, *, scale, config=None, dot_fp32=False) -> torch.Tensor:
-    """The attention kernel's result in torch: q [T, H, D], kv [P, D], idx int32 [T, S] -> fp32 [T, H, D]."""
-    keys, mask = kv.float()[idx.long().clamp(min=0)], idx >= 0  # [T, S, D], [T, S]
-    logits = torch.einsum("thd,tsd->ths", q.float(), keys) * scale
-    logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-    full = torch.cat([logits, sink[None, :, None].expand(q.shape[0], -1, 1)], dim=-1)
-    probs = torch.softmax(full, dim=-1)[..., :-1]
-    return torch.einsum("ths,tsd->thd", probs, keys)
+    """The attention kernel's result in torch (the DSL's batched attention over the gathered keys): q [T, H, D],
+    kv [P, D], idx int32 [T, S] -> fp32 [T, H, D]."""
+    return attend(q.float(), kv.float()[idx.long().clamp(min=0)], idx >= 0, sink, scale)
 
 
 def scores_kernel(q, weights, keys, start, length, positions, *, ratio, width, config=None,
