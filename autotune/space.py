@@ -42,15 +42,19 @@ def linear_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict
 def moe_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
     """Per GEMM: tile width (64 rows per warpgroup), K stage, pipeline depth, and for decode buckets split-K (few
     experts fill the GPU only with their K split; GEMM 1 reads K = d, GEMM 2 K = inter, each split two stages or
-    more). fp4 at block_K 256 spills registers in GEMM 1: not a candidate."""
+    more). fp4 at block_K 256 spills registers in GEMM 1: not a candidate. Prefill buckets (> 64 tokens: about
+    bucket * topk / E pairs an expert) also try more slots a block, so each dequantized weight tile serves more
+    of them."""
     splits = [1, 2, 4, 8] if bucket <= 16 else [1, 2, 4] if bucket <= 64 else [1]
+    slots = [16] if bucket <= 64 else [16, 32, 64, 128]
     out = []
-    for bn, bk, stages, up, down in itertools.product([64, 128], [64, 128], [3, 4], splits, splits):
+    for bm, bn, bk, stages, up, down in itertools.product(slots, [64, 128], [64, 128], [3, 4], splits, splits):
         if static["d"] // up < 2 * bk or static["inter"] // down < 2 * bk or down > up:
             continue
-        gemm = {"block_M": 16, "block_N": bn, "block_K": bk, "num_warps": bn // 16, "num_stages": stages}
+        warps = 8 if bn * bm >= 128 * 64 else bn // 16
+        gemm = {"block_M": bm, "block_N": bn, "block_K": bk, "num_warps": warps, "num_stages": stages}
         # codes of two weights, fp32 activations and scales per stage
-        if _pipelined_bytes(gemm, bk * (bn + 16 * 4 * 2) + bn * bk // 8) <= SMEM_LIMIT[target]:
+        if _pipelined_bytes(gemm, bk * (bn + bm * 4 * 2) + bn * bk // 8) <= SMEM_LIMIT[target]:
             out.append({"up": dict(gemm, split_k=up), "down": dict(gemm, split_k=down)})
     return out
 

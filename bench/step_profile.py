@@ -3,13 +3,21 @@ every CUDA-graph replay is timed between two device synchronisations (so host an
 overlap a real step has), grouped by op.
 
     python bench/step_profile.py [--artifact artifacts/slice-sm90] [--batches 1,64] [--no-graphs] [--no-cache-kernels]
-                                 [--top 14]
+                                 [--top 14] [--kernels N] [--cprofile N] [--prefill 1024,8192]
+
+--prefill T profiles a prefill of T tokens on a fresh sequence instead (after one untimed prefill of the same size).
+
+--kernels N also traces 5 unsynchronised steps with torch's profiler and prints the N kernels of most GPU time and
+the GPU's busy time a step, against the step's wall time: how far the step is from GPU-bound. --cprofile N prints
+the N functions of most own host time over 5 unsynchronised steps.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -48,6 +56,9 @@ def main() -> int:
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--no-cache-kernels", action="store_true", help="the pools' torch encode/decode, not the kernels")
     p.add_argument("--top", type=int, default=14)
+    p.add_argument("--kernels", type=int, default=0, help="the N kernels of most GPU time over 5 traced steps")
+    p.add_argument("--cprofile", type=int, default=0, help="the N functions of most own host time over 5 steps")
+    p.add_argument("--prefill", default="", help="prefill token counts to profile (comma-separated), not decode")
     args = p.parse_args()
     config = slice_config()
     model = DeepseekV41Flash(config, slice_weights(config, "cuda"))
@@ -55,8 +66,11 @@ def main() -> int:
     step = sm90_step(model, args.artifact, "cuda", cuda_graphs=not args.no_graphs)
     compiled = step.__self__
     compiled.cache_kernels = compiled.cache_kernels and not args.no_cache_kernels
-    caches = Caches(run_passes(model.graph()), True, max(batches), args.context + 16, "cuda")
+    prefills = [int(t) for t in args.prefill.split(",") if t]
+    caches = Caches(run_passes(model.graph()), True, max(batches), max([args.context + 16, *prefills]), "cuda")
     gen = torch.Generator().manual_seed(0)
+    if prefills:
+        return profile_prefills(step, compiled, caches, prefills, config.vocab_size, gen, args)
     context = caches.fresh(0)
     step([(context, torch.randint(0, config.vocab_size, (args.context,), generator=gen).tolist())])
     for b in batches:
@@ -79,7 +93,58 @@ def main() -> int:
         print(f"{'op':34s} {'calls':>5s} {'ms':>8s} {'share':>6s}")
         for key, ms in times.most_common(args.top):
             print(f"{key:34s} {calls[key]:5d} {ms:8.2f} {100 * ms / total:5.1f}%")
+        if args.kernels:
+            trace_kernels(lambda: step([(s, [1]) for s in states]), args.kernels)
+        if args.cprofile:
+            profiler = cProfile.Profile()
+            with profiler:
+                for _ in range(5):
+                    step([(s, [1]) for s in states])
+                torch.cuda.synchronize()
+            pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
     return 0
+
+
+def profile_prefills(step, compiled, caches, prefills: list[int], vocab: int, gen: torch.Generator, args) -> int:
+    """Each prefill twice on a fresh sequence (the first loads its kernels), the second synchronised node by node."""
+    for t in prefills:
+        ids = torch.randint(0, vocab, (t,), generator=gen).tolist()
+        for timed in (False, True, False):
+            state = caches.fresh(1)
+            if timed:
+                times, calls = collections.Counter(), collections.Counter()
+                undo = time_nodes(compiled._ready()[0], timer(times, calls))
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            step([(state, ids)])
+            torch.cuda.synchronize()
+            ms = 1e3 * (time.perf_counter() - start)
+            if timed:
+                undo()
+                total = ms
+        print(f"\nprefill {t}: {ms:.2f} ms unsynchronised ({1e3 * t / ms:.0f} tok/s), "
+              f"synchronised node by node {total:.2f} ms")
+        print(f"{'op':34s} {'calls':>5s} {'ms':>8s} {'share':>6s}")
+        for key, node_ms in times.most_common(args.top):
+            print(f"{key:34s} {calls[key]:5d} {node_ms:8.2f} {100 * node_ms / total:5.1f}%")
+        if args.kernels:
+            trace_kernels(lambda: step([(caches.fresh(1), ids)]), args.kernels, steps=1)
+    return 0
+
+
+def trace_kernels(run_step, top: int, steps: int = 5) -> None:
+    """Print the `top` kernels of most GPU time over `steps` traced steps, and the GPU's busy ms a step."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as traced:
+        t = time.perf_counter()
+        for _ in range(steps):
+            run_step()
+        torch.cuda.synchronize()
+        wall = 1e3 * (time.perf_counter() - t) / steps
+    events = traced.key_averages()
+    busy = sum(e.self_device_time_total for e in events) / 1e3 / steps
+    print(f"traced: {wall:.2f} ms a step (wall, profiler on), GPU busy {busy:.2f} ms a step ({100 * busy / wall:.0f}%)")
+    print(events.table(sort_by="self_device_time_total", row_limit=top, max_name_column_width=60))
 
 
 if __name__ == "__main__":
