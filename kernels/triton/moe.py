@@ -11,8 +11,10 @@ the even and odd activations in two products, so nothing is interleaved. Triton'
 
 Routing (torch, static shapes, no host sync): the (token, slot) pairs are sorted by expert and laid out in
 blocks of `block_M` slots, each block one expert's (`rows[b*block_M + i]` = pair id or -1). GEMM 1 gathers each
-pair's token row and gives h = route_weight * silu(min(x w1, L)) * clamp(x w3, ±L) per pair (fp4: each row of h
-holds its even columns, then its odd ones, so GEMM 2 loads both halves contiguously); GEMM 2 multiplies by w2;
+pair's token row and gives h = route_weight * silu(min(x w1, L)) * clamp(x w3, ±L) per pair; GEMM 2 multiplies by
+w2. fp4: the rows of x (a bf16 copy made first) and of h hold their even columns, then their odd ones, so both
+GEMMs load the two halves a packed byte meets contiguously (gathering x's even and odd fp32 columns with a stride
+of two made the experts 1.4-1.8x slower at 1 to 8192 tokens, same tiles, on the H200: it was the bottleneck);
 the k pairs of a token are summed at the end in slot order (`moe_sum_kernel`). A decode block holds one or two
 pairs: only the valid slots' rows of x or h are read.
 
@@ -88,17 +90,14 @@ def _fp4_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, w_rows, ma
                   K_PER_SPLIT: tl.constexpr, GATED: tl.constexpr, DOT_FP32: tl.constexpr, ASM: tl.constexpr,
                   EVEN: tl.constexpr, block_M: tl.constexpr, block_N: tl.constexpr, block_K: tl.constexpr):
     """(x w1^T, x w3^T) over inputs [k_begin, k_begin + K_PER_SPLIT) ∩ [0, K) for fp4 weights: two products per
-    weight and stage, the even and the odd input columns. GEMM 1's rows of x interleave them; GEMM 2's rows of h
-    hold the even columns, then the odd ones (contiguous loads). Only the valid slots' rows are read: a decode
-    block has a few. EVEN: no K or N masks (block_N divides N, the splits tile K)."""
+    weight and stage, the even and the odd input columns. The rows of x (GEMM 1) and of h (GEMM 2) hold the even
+    columns, then the odd ones (contiguous loads). Only the valid slots' rows are read: a decode block has a few.
+    EVEN: no K or N masks (block_N divides N, the splits tile K)."""
     KP: tl.constexpr = K // 2
     SC: tl.constexpr = K // 32
     kh = k_begin // 2 + tl.arange(0, block_K // 2)  # packed column: inputs 2*kh (low nibble), 2*kh + 1 (high)
     sg = k_begin // 32 + tl.arange(0, block_K // 32)
-    if GATED:
-        xa = a_ptr + a_rows[None, :] * K + 2 * kh[:, None]  # [block_K/2, block_M]; odd columns at + 1
-    else:
-        xa = a_ptr + a_rows[None, :] * K + kh[:, None]  # odd columns at + K/2
+    xa = a_ptr + a_rows[None, :] * K + kh[:, None]  # [block_K/2, block_M]; the odd columns at + K/2
     wo = w_rows[:, None] * KP + kh[None, :]  # [block_N, block_K/2], for w1 and w3 alike
     so = w_rows[:, None] * SC + sg[None, :]  # [block_N, block_K/32]
     acc1 = tl.zeros([block_N, block_M], dtype=tl.float32)
@@ -107,7 +106,7 @@ def _fp4_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, w_rows, ma
         mask_k = kh < KP  # unused when EVEN
         mask_x = valid[None, :] & (mask_k | EVEN)[:, None]
         x_even = tl.load(xa, mask=mask_x, other=0.0).to(tl.float32)
-        x_odd = tl.load(xa + (1 if GATED else KP), mask=mask_x, other=0.0).to(tl.float32)
+        x_odd = tl.load(xa + KP, mask=mask_x, other=0.0).to(tl.float32)
         if not DOT_FP32:
             x_even = x_even.to(tl.bfloat16)
             x_odd = x_odd.to(tl.bfloat16)
@@ -127,7 +126,7 @@ def _fp4_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, w_rows, ma
             else:
                 acc3 = tl.dot(lo, x_even, acc3, input_precision="ieee" if DOT_FP32 else None)
                 acc3 = tl.dot(hi, x_odd, acc3, input_precision="ieee" if DOT_FP32 else None)
-        xa += block_K if GATED else block_K // 2
+        xa += block_K // 2
         wo += block_K // 2
         so += block_K // 32
         kh += block_K // 2
@@ -263,13 +262,13 @@ def default_config(m: int, fp4: bool = True) -> dict:
     stream, so K is split to put more programs in flight (T=1: 6 experts, 216 programs for GEMM 1 unsplit). Measured
     on the H200 over 17 configs (64 x 128 tiles with 4 warps or 128 x 128 with 8, block_K 64 or 128, 3 or 4 stages,
     splits 1 to 8): split 4/2 fastest at T=1, 2/1 at T=16 and T=64; 128-wide tiles and 4 stages no faster; block_K
-    64 slower by a third. block_K 256 holds 200+ registers in GEMM 1: two programs per SM. Prefill (m > 64): 128-wide
-    tiles with 8 warps, tuned on the H200 at 512 and 8192 tokens over 23 configs (1.20x and 1.29x the 64-wide
-    tiles; blocks of 32 to 128 slots were no faster than 16)."""
+    64 slower by a third. block_K 256 holds 200+ registers in GEMM 1: two programs per SM. Prefill, tuned on the
+    H200 over 23 configs each: up to 512 tokens the decode tiles unsplit; beyond, 64 slots a block in 128 x 64
+    tiles with 8 warps (each dequantized weight tile serves four times the pairs: 2.0x 16-slot 128 x 128 tiles)."""
     up_split, down_split = (4, 2) if m <= 16 else (2, 1) if m <= 64 else (1, 1)
     gemm = {"block_M": 16, "block_N": 64, "block_K": 128, "num_warps": 4, "num_stages": 3}
-    if m > 64:
-        gemm.update(block_N=128, num_warps=8)
+    if m > 512:
+        gemm = {"block_M": 64, "block_N": 128, "block_K": 64, "num_warps": 8, "num_stages": 3}
     return {"up": dict(gemm, split_k=up_split), "down": dict(gemm, split_k=down_split)}
 
 
@@ -341,8 +340,11 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     common = dict(TOPK=topk, FP4=fp4, LIMIT=float(limit), DOT_FP32=dot_fp32, ASM=dev.type != "cpu" and not dot_fp32,
                   block_M=up["block_M"])
     s1_, s2_, s3_ = (s1, s2, s3) if fp4 else (w1, w2, w3)
+    xk = x
+    if fp4:  # each row's even inputs, then its odd ones, in the products' dtype, as h is laid out for GEMM 2
+        xk = torch.cat([x[:, 0::2], x[:, 1::2]], 1).to(torch.float32 if dot_fp32 else torch.bfloat16)
     launch(moe_gemm_kernel, (block_expert.numel(), triton.cdiv(inter, up["block_N"]), split_up),
-           (x, rows, block_expert, w1, s1_, w3, s3_, weights, part),
+           (xk, rows, block_expert, w1, s1_, w3, s3_, weights, part),
            dict(common, N=inter, K=d, GATED=True, SPLIT_K=split_up, K_PER_SPLIT=per_up, block_N=up["block_N"],
                 block_K=up["block_K"]), up["num_warps"], up["num_stages"])
     if split_up > 1:
