@@ -25,6 +25,7 @@ import kernels.triton.attention as attention  # noqa: E402
 import kernels.triton.hyper as hyper  # noqa: E402
 import kernels.triton.indexer as indexer  # noqa: E402
 import kernels.triton.linear as linear  # noqa: E402
+import kernels.triton.linear_fp8 as linear_fp8  # noqa: E402
 import kernels.triton.moe as moe  # noqa: E402
 import kernels.triton.rms_norm as rms_norm  # noqa: E402
 from autotune.cache import TuningCache, cache_key, source_hash  # noqa: E402
@@ -149,6 +150,39 @@ def bench_prefill_gemm(m: int = 4096) -> None:
         base = time_us(lambda: torch._scaled_mm(xq, q.t(), scale_a=one_a, scale_b=one_b, out_dtype=torch.bfloat16))
         record("linear fp8 32x32 prefill", f"{name} {n}x{k} M={m}", ours, flops=2 * m * n * k,
                base="_scaled_mm rowwise", base_us=base, ceiling_tflops=FP8_TFLOPS)
+        bench_prefill_fp8_rowwise(name, q, s, old_us=ours, tokens=[1024, m, 8192])
+
+
+def bench_prefill_fp8_rowwise(name: str, q: torch.Tensor, s: torch.Tensor, old_us: float, tokens: list[int]) -> None:
+    """The fp8-activation path (kernels/triton/linear_fp8.py): per-token e4m3 x, rowwise weight, one fp8 GEMM,
+    against `_scaled_mm` on the same operands; the quantization alone; and both together against the 32x32 kernel."""
+    (n, k), (wq, sw) = q.shape, linear_fp8.rowwise_weight(q, s)
+    for m in tokens:
+        x = torch.randn(m, k, device="cuda")
+        xq, sx = linear_fp8.quantize_rows(x)
+        shape = f"{name} {n}x{k} M={m}"
+        ours = lambda: linear_fp8.linear_rowwise(xq, sx, wq, sw, out_dtype=torch.bfloat16)  # noqa: E731
+        base = lambda: torch._scaled_mm(xq, wq.t(), scale_a=sx[:, None], scale_b=sw[None, :],  # noqa: E731
+                                        out_dtype=torch.bfloat16)
+        err = float((ours().float() - base().float()).norm() / base().float().norm())
+        if not err < 1e-2:
+            raise AssertionError(f"linear_rowwise {shape} differs from _scaled_mm: rel L2 {err:.1e}")
+        fast = lambda: torch._scaled_mm(xq, wq.t(), scale_a=sx[:, None], scale_b=sw[None, :],  # noqa: E731
+                                        out_dtype=torch.bfloat16, use_fast_accum=True)
+        ours_us = time_us(ours)
+        record("linear fp8 rowwise prefill", shape, ours_us, flops=2 * m * n * k, base="_scaled_mm rowwise",
+               base_us=time_us(base), ceiling_tflops=FP8_TFLOPS)
+        # like for like: our default leaves the whole K to the tensor cores' accumulation, as fast accumulation does
+        record("linear fp8 rowwise prefill", shape, ours_us, flops=2 * m * n * k, base="_scaled_mm fast accum",
+               base_us=time_us(fast), ceiling_tflops=FP8_TFLOPS)
+        record("quantize_rows", f"{m}x{k} fp32", time_us(lambda: linear_fp8.quantize_rows(x)),
+               nbytes=m * k * 5 + m * 4, base="torch eager (ref)",
+               base_us=time_us(lambda: linear_fp8.quantize_rows_ref(x)))
+        if m == tokens[1]:
+            both = time_us(lambda: linear_fp8.linear_rowwise(*linear_fp8.quantize_rows(x), wq, sw,
+                                                             out_dtype=torch.bfloat16))
+            record("quantize + fp8 rowwise", shape, both, flops=2 * m * n * k, base="linear fp8 32x32 prefill",
+                   base_us=old_us, ceiling_tflops=FP8_TFLOPS)
 
 
 def bench_norms(tokens: list[int]) -> None:
