@@ -13,6 +13,8 @@ Sequences keep their caches in one `PagedCache`, as the engine does (`--unpaged`
     python bench/bench_slice.py --small          # every dimension shrunk: runs on a CPU in seconds (the sm90 plan's
                                                  # kernels then run under Triton's interpreter)
     python bench/bench_slice.py --build-artifact artifacts/slice-sm90   # the sm90 artifact, built without a GPU
+    python bench/bench_slice.py --build-artifact artifacts/slice-sm90-fp8 --fp8-activations [--buckets 8192]
+                                                                    # e4m3 activations (prefill buckets only: smaller)
 """
 
 from __future__ import annotations
@@ -269,10 +271,11 @@ def print_table(rows: list[dict], roofs: dict[str, dict], paths: list[str]) -> N
         print(line)
 
 
-def build_artifact(path: str) -> None:
+def build_artifact(path: str, fp8_activations: bool = False, buckets: tuple[int, ...] | None = None) -> None:
     """Compile the full-width slice for sm90 from meta weights (no GPU, no memory) and save the artifact."""
     config = slice_config()
-    compiled = deepinfer.compile(DeepseekV41Flash(config, slice_weights(config, "meta")), target="sm90")
+    compiled = deepinfer.compile(DeepseekV41Flash(config, slice_weights(config, "meta")), target="sm90",
+                                 fp8_activations=fp8_activations, buckets=buckets)
     compiled.save(path)
     print(f"wrote {path}: {len(compiled.cubins)} cubins")
 
@@ -331,9 +334,12 @@ def main() -> int:
     p.add_argument("--budget", type=float, default=300, help="seconds; measurements past it are skipped")
     p.add_argument("--unpaged", action="store_true", help="sequences keep caches of their own, not shared pools")
     p.add_argument("--build-artifact", metavar="DIR", help="only compile the sm90 artifact of the slice into DIR")
+    p.add_argument("--fp8-activations", action="store_true", help="the artifact's fp8-weight linears take e4m3 inputs")
+    p.add_argument("--buckets", default="", help="the artifact's token-count buckets (default: graphs.plan.BUCKETS)")
     args = p.parse_args()
     if args.build_artifact:
-        build_artifact(args.build_artifact)
+        build_artifact(args.build_artifact, args.fp8_activations,
+                       tuple(int(b) for b in args.buckets.split(",")) if args.buckets else None)
         return 0
     start = time.perf_counter()
     device = "cuda" if torch.cuda.is_available() else "cpu"

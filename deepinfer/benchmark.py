@@ -60,7 +60,7 @@ def bench(args: argparse.Namespace) -> int:
     from deepinfer.cli import engine_kwargs
     from deepinfer.llm import LLM
 
-    llm = LLM(args.model, target=args.target, **engine_kwargs(args))
+    llm = LLM(args.model, target=args.target, fp8_activations=args.fp8_activations, **engine_kwargs(args))
     base = llm.engine_args
     asyncs = [_ON_OFF[a] for a in args.async_grid] if args.async_grid else [base.async_scheduling]
     invariants = [_ON_OFF[b] for b in args.invariant_grid] if args.invariant_grid else [base.batch_invariant]

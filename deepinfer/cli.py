@@ -32,6 +32,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                         help="checkpoint directory (default: the embedded model, a tiny V4.1-Flash trained on the "
                              "Python standard library)")
     parser.add_argument("--target", default="cpu", help="compile target: cpu, sm90, sm100 (default: cpu)")
+    parser.add_argument("--fp8-activations", action="store_true",
+                        help="GPU targets: e4m3 inputs for the fp8-weight linears (faster prefill, not exact)")
     engine = parser.add_argument_group("engine (EngineArgs; defaults as there)")
     engine.add_argument("--max-model-len", type=int, default=None, help="bound on prompt plus completion tokens")
     engine.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once")
@@ -163,7 +165,7 @@ def generate(args: argparse.Namespace) -> int:
     if todo:
         from deepinfer.llm import LLM  # after argument checks: loading the model takes seconds
 
-        llm = LLM(args.model, target=args.target, **engine_kwargs(args))
+        llm = LLM(args.model, target=args.target, fp8_activations=args.fp8_activations, **engine_kwargs(args))
         start = time.perf_counter()
         for index, out in llm.iter_generate([line.prompt for line, _ in todo], [p for _, p in todo],
                                             use_tqdm=not args.no_progress):

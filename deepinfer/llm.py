@@ -45,12 +45,14 @@ class LLM:
     asks for them (`SamplingParams(structured_outputs=...)`). `speculative_config` turns on DSpark drafting, e.g.
     `{"method": "dspark", "num_speculative_tokens": 5}` (`deepinfer.engine.SpeculativeConfig` lists the keys);
     off by default. Outputs are the same with and without it (greedy or seeded, in batch-invariant mode).
-    `device` runs the cpu target's torch code elsewhere ("cuda": eagerly on a GPU).
+    `device` runs the cpu target's torch code elsewhere ("cuda": eagerly on a GPU). `fp8_activations` (GPU targets)
+    rounds the inputs of the fp8-weight linears to e4m3 for the fp8 tensor cores (`deepinfer.compile`): faster
+    prefill, not the reference's exact products.
     """
 
     def __init__(self, model: str | DeepseekV41Flash | None = None, target: str = "cpu", tokenizer: str | None = None,
                  constraint: TokenConstraint | None = None, speculative_config: dict | None = None,
-                 device: str = "cpu", **kwargs: Any) -> None:
+                 device: str = "cpu", fp8_activations: bool = False, **kwargs: Any) -> None:
         from deepinfer.models import DeepseekV41Flash
 
         self.engine_args = EngineArgs.from_kwargs(**kwargs)
@@ -70,6 +72,8 @@ class LLM:
             network.tokenizer = self.tokenizer  # Engram's token map must come from the tokenizer prompts go through
         self.config = network.config
         options = {"drafting": True} if speculative else {}
+        if fp8_activations:
+            options["fp8_activations"] = True
         if device != "cpu":
             if target != "cpu":
                 raise ValueError(f"device={device!r} runs the cpu target's torch code on that device; target "

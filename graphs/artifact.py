@@ -52,7 +52,8 @@ def save(path: str | Path, plan: Plan, built: dict[str, Built], model_config: di
     manifest = {
         "format": FORMAT, "target": plan.target, "arch": next(iter(built.values())).spec["arch"] if built else None,
         "model_config_hash": config_hash(model_config), "model_dir": model_dir,
-        "dot_fp32": plan.dot_fp32, "buckets": list(plan.buckets), "drafting": draft_plan is not None,
+        "dot_fp32": plan.dot_fp32, "fp8_activations": plan.fp8_activations, "buckets": list(plan.buckets),
+        "drafting": draft_plan is not None,
         "num_nodes": len(plan.nodes), "num_kernel_nodes": len(plan.kernel_nodes()), "num_cubins": len(built),
         "tools": {"triton": triton.__version__, "torch": torch.__version__, "python": platform.python_version()},
     }

@@ -2,7 +2,8 @@
 
 It reads like `dsl.interpret` (the cpu target), which it mirrors node for node. Weights are placed on the device
 once, and converted once per format a kernel asks for (plain weights to bf16, or fp32 when the plan multiplies
-in fp32). Kernel launches go through whatever launcher is current: Triton's JIT, or an artifact's cubins.
+in fp32; fp8 32x32-block weights to one scale per row where the plan rounds activations to e4m3). Kernel
+launches go through whatever launcher is current: Triton's JIT, or an artifact's cubins.
 `run(..., batch_invariant=True)` gives every kernel node its batch-invariant config and runs the reference nodes
 named in `references` with those implementations instead (same signature, as `dsl.interpret`'s `kernels`).
 """
@@ -18,6 +19,7 @@ from dsl.graph import Graph
 from dsl.ops import OPS
 from dsl.ragged import Ragged
 from graphs.capture import CudaGraphs
+from kernels.triton.linear_fp8 import rowwise_weight
 from graphs.lowering import LOWERINGS
 from graphs.plan import Plan
 
@@ -41,6 +43,14 @@ class Executor:
 
     def param(self, name: str, fmt: str) -> torch.Tensor:
         key = (name, fmt)
+        if key not in self.formatted and fmt in ("fp8_rows", "fp8_rows_scale"):
+            # a weight "X.weight" and its block scales "X.scale" become (codes, a scale per row) together
+            prefix = name.removesuffix("weight" if fmt == "fp8_rows" else "scale")
+            if prefix + "weight" not in self.params or prefix + "scale" not in self.params:
+                raise KeyError(f"{name}: an fp8 weight needs its block scales beside it as {prefix}scale")
+            codes, rows = rowwise_weight(self.params[prefix + "weight"], self.params[prefix + "scale"])
+            self.formatted[(prefix + "weight", "fp8_rows")] = codes
+            self.formatted[(prefix + "scale", "fp8_rows_scale")] = rows
         if key not in self.formatted:
             t = self.params[name]
             if fmt == "plain":

@@ -8,7 +8,7 @@ RMSNorm and the cache roundings also run over the compressed entries a forward c
 Nodes without a lowering, or not flat over N (or E, for those), run their DSL reference on the device. RMSNorm's
 kernel, and the hyper-connections' collapse + RMSNorm's, are TileLang's (kernels/tilelang/) where TileLang kernels
 can be built (tilelang and nvcc installed: the static shapes say `"kernel": "tilelang"`), else Triton's; the GPU
-machine runs either from cubins.
+machine runs either from cubins. A plan with fp8 activations gives fp8-weight linears their e4m3-input variant.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import kernels.triton.attention as attention
 import kernels.triton.hyper as hyper
 import kernels.triton.indexer as indexer
 import kernels.triton.linear as linear
+import kernels.triton.linear_fp8 as linear_fp8
 import kernels.triton.moe as moe
 import kernels.triton.rms_norm as rms_norm
 import kernels.triton.rounding as rounding
@@ -47,6 +48,7 @@ class Lowering:
     # A config's batch-invariant form. Any fixed config of these kernels is invariant (fixed tiles, split-K counts
     # and K ranges; rows never share a reduction), except where a split follows the batch: the default is a copy.
     invariant: Callable[[dict], dict] = dict
+    fp8_activations: Callable[[dict], dict | None] = lambda static: None  # the static of an e4m3-input variant
 
 
 def _param(node: Node, i: int, params: Params) -> torch.Tensor | None:
@@ -93,6 +95,8 @@ def _weight_format(w: torch.Tensor | None, s: torch.Tensor | None, groups: int =
 
 def _weight_formats(fmt: str, weights: tuple[int, ...]) -> dict[int, str]:
     """Input position -> format for weights at `weights`, each followed len(weights) places later by its scale."""
+    if fmt == "fp8_rows":  # the 32x32 blocks made one scale per row at load time (graphs/executor.py)
+        return {i: "fp8_rows" for i in weights} | {i + len(weights): "fp8_rows_scale" for i in weights}
     if fmt == "fp8":
         return {i: "raw" for i in weights} | {i + len(weights): "fp32" for i in weights}
     return {i: "plain" for i in weights}
@@ -109,11 +113,15 @@ def _linear_static(node: Node, params: Params) -> dict | None:
 
 def _linear_run(args, attrs, static, config, ctx, dot_fp32):
     x, w, s = args[0], args[1], args[2]
+    if static["fmt"] == "fp8_rows":  # e4m3 activations, one scale per token: the fp8 tensor cores (exact products)
+        return linear_fp8.linear_rowwise(*linear_fp8.quantize_rows(x.contiguous()), w, s, config=config)
     return linear.linear(x.contiguous(), w, s, groups=static["groups"], config=config, dot_fp32=dot_fp32)
 
 
 def _linear_trace(static, attrs, config, m, dot_fp32):
     g, n, k = static["groups"], static["n"], static["k"]
+    if static["fmt"] == "fp8_rows":
+        return _linear_run([_meta(m, k), _meta(n, k, dtype=torch.float8_e4m3fn), _meta(n)], {}, static, config, None, 0)
     w = _meta(g * n, k, dtype=_weight_dtype(static["fmt"], dot_fp32))
     s = _meta(-(-g * n // 32), -(-k // 32)) if static["fmt"] == "fp8" else None
     linear.linear(_meta(m, g * k), w, s, groups=g, config=config, dot_fp32=dot_fp32)
@@ -121,7 +129,9 @@ def _linear_trace(static, attrs, config, m, dot_fp32):
 
 LINEAR = Lowering(
     "linear", _linear_static, lambda st: _weight_formats(st["fmt"], (1,)), _linear_run, _linear_trace,
-    lambda st, m: linear.default_config(m, st["n"], st["k"], st["groups"], st["fmt"] == "fp8"))  # bf16 weights
+    lambda st, m: linear_fp8.default_config(m, st["n"], st["k"]) if st["fmt"] == "fp8_rows" else
+    linear.default_config(m, st["n"], st["k"], st["groups"], st["fmt"] == "fp8"),  # plain weights: bf16
+    fp8_activations=lambda st: dict(st, fmt="fp8_rows") if st["fmt"] == "fp8" and st["groups"] == 1 else None)
 
 
 # ---- rms_norm ----------------------------------------------------------------------------------------------------
@@ -218,11 +228,9 @@ def _moe_static(node: Node, params: Params) -> dict | None:
     if w1 is None or not _over_tokens(node) or w1.dim() != 3:
         return None
     fp4 = w1.dtype == torch.uint8
-    if not fp4 and not w1.is_floating_point():
-        return None
     e, inter, k = w1.shape
     d = 2 * k if fp4 else k
-    if fp4 and (d % 32 or inter % 32):
+    if not (fp4 or w1.is_floating_point()) or (fp4 and (d % 32 or inter % 32)):
         return None
     return {"e": e, "inter": inter, "d": d, "topk": int(node.inputs[2].type.shape[1]), "fmt": "fp4" if fp4 else "plain"}
 
@@ -311,9 +319,11 @@ MOE_GATE = Lowering(
 
 # ---- sparse attention --------------------------------------------------------------------------------------------
 
-def _attention_static(node: Node, params: Params) -> dict | None:
+def _heads_static(node: Node, params: Params) -> dict | None:
+    """Queries [N, heads, dim]: the attention's (its sink a weight) and the indexer's."""
     t = node.inputs[0].type
-    if t is None or t.rank != 3 or t.shape[0] != num_tokens or _param(node, 2, params) is None:
+    if t is None or t.rank != 3 or t.shape[0] != num_tokens or (node.op == "sparse_attention"
+                                                                 and _param(node, 2, params) is None):
         return None
     return {"h": int(t.shape[1]), "d": int(t.shape[2])}
 
@@ -335,24 +345,12 @@ def _attention_trace(st, attrs, config, m, dot_fp32):
 # Invariant: one part per token. The wrapper sizes the parts of a split from the widest entry list of the batch,
 # so a token's part boundaries (and the combine's sum) would move with its neighbours; whole, a token's entries
 # run in blocks of block_S from its first, and the blocks past its own entries are masked out exactly.
-SPARSE_ATTENTION = Lowering("sparse_attention", _attention_static, lambda st: {2: "fp32"}, _attention_run,
+SPARSE_ATTENTION = Lowering("sparse_attention", _heads_static, lambda st: {2: "fp32"}, _attention_run,
                             _attention_trace, lambda st, m: attention.default_config(m, st["h"], st["d"]),
                             lambda config: dict(config, split_kv=1))
 
 
 # ---- the indexer's scores ----------------------------------------------------------------------------------------
-
-def _scores_static(node: Node, params: Params) -> dict | None:
-    t = node.inputs[0].type
-    if t is None or t.rank != 3 or t.shape[0] != num_tokens:
-        return None
-    return {"h": int(t.shape[1]), "d": int(t.shape[2])}
-
-
-def _scores_run(args, attrs, st, config, ctx, dot_fp32):
-    q, weights, keys = args
-    return indexer.index_scores_op(q, weights, keys, ratio=attrs["ratio"], ctx=ctx, config=config, dot_fp32=dot_fp32)
-
 
 def _scores_trace(st, attrs, config, m, dot_fp32):
     dtype, pos = torch.float32 if dot_fp32 else torch.bfloat16, _meta(m, dtype=torch.int32)
@@ -361,8 +359,11 @@ def _scores_trace(st, attrs, config, m, dot_fp32):
 
 
 # Every config is invariant: a token's entries run in blocks counted from its chunk's first, whatever the batch.
-INDEX_SCORES = Lowering("index_scores", _scores_static, lambda st: {}, _scores_run, _scores_trace,
-                        lambda st, m: indexer.default_config(m, st["h"], st["d"]))
+INDEX_SCORES = Lowering(
+    "index_scores", _heads_static, lambda st: {},
+    lambda args, attrs, st, config, ctx, f: indexer.index_scores_op(*args, ratio=attrs["ratio"], ctx=ctx,
+                                                                    config=config, dot_fp32=f),
+    _scores_trace, lambda st, m: indexer.default_config(m, st["h"], st["d"]))
 
 # ---- cache rounding: fp8 and fp4 grids ---------------------------------------------------------------------------
 

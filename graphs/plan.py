@@ -74,6 +74,7 @@ class Plan:
     nodes: list[NodePlan]
     buckets: tuple[int, ...] = BUCKETS
     dot_fp32: bool = False
+    fp8_activations: bool = False  # linears over fp8 weights round their activations to e4m3 (the fp8 GEMM)
 
     def kernel_nodes(self) -> list[NodePlan]:
         return [n for n in self.nodes if n.template]
@@ -84,11 +85,12 @@ class Plan:
 
     def to_json(self) -> dict:
         return {"target": self.target, "buckets": list(self.buckets), "dot_fp32": self.dot_fp32,
-                "nodes": [n.to_json() for n in self.nodes]}
+                "fp8_activations": self.fp8_activations, "nodes": [n.to_json() for n in self.nodes]}
 
     @classmethod
     def from_json(cls, d: dict) -> Plan:
-        return cls(d["target"], [NodePlan.from_json(n) for n in d["nodes"]], tuple(d["buckets"]), d["dot_fp32"])
+        return cls(d["target"], [NodePlan.from_json(n) for n in d["nodes"]], tuple(d["buckets"]), d["dot_fp32"],
+                   d.get("fp8_activations", False))
 
     def check_graph(self, graph: Graph) -> None:
         """The plan was made for this graph: same ops in the same order."""
@@ -111,14 +113,16 @@ def _template_hash(template: str) -> str:
 
 
 def make_plan(graph: Graph, params: dict[str, torch.Tensor], target: str, buckets: tuple[int, ...] = BUCKETS,
-              dot_fp32: bool = False, tuning=None) -> Plan:
+              dot_fp32: bool = False, tuning=None, fp8_activations: bool = False) -> Plan:
     """Choose a kernel for every node that has one, its config per bucket (tuned when cached) and its
-    batch-invariant config."""
+    batch-invariant config. `fp8_activations`: nodes whose lowering has a variant with e4m3 activations take it."""
     nodes = []
     for i, node in enumerate(graph.nodes):
         entry = NodePlan(i, node.op)
         lowering = LOWERINGS.get(node.op)
         static = lowering.static(node, params) if lowering else None
+        if static is not None and fp8_activations:
+            static = lowering.fp8_activations(static) or static
         if static is not None:
             entry.template, entry.static, entry.formats = lowering.template, static, lowering.formats(static)
             src = _template_hash(lowering.template)
@@ -128,7 +132,7 @@ def make_plan(graph: Graph, params: dict[str, torch.Tensor], target: str, bucket
                                                             tuning)
             entry.invariant = lowering.invariant(entry.config(INVARIANT_TOKENS, tuple(buckets)))
         nodes.append(entry)
-    return Plan(target, nodes, tuple(buckets), dot_fp32)
+    return Plan(target, nodes, tuple(buckets), dot_fp32, fp8_activations)
 
 
 __all__ = ["Plan", "NodePlan", "make_plan", "bucket_of", "BUCKETS", "INVARIANT_TOKENS"]
