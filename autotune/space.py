@@ -53,8 +53,8 @@ def moe_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
             continue
         warps = 8 if bn * bm >= 128 * 64 else bn // 16
         gemm = {"block_M": bm, "block_N": bn, "block_K": bk, "num_warps": warps, "num_stages": stages}
-        # codes of two weights, fp32 activations and scales per stage
-        if _pipelined_bytes(gemm, bk * (bn + bm * 4 * 2) + bn * bk // 8) <= SMEM_LIMIT[target]:
+        # per stage: the codes of two weights (half a byte each), bf16 activations, two fp32 scales per 32 codes
+        if _pipelined_bytes(gemm, bk * (bn + 2 * bm) + bn * bk // 4) <= SMEM_LIMIT[target]:
             out.append({"up": dict(gemm, split_k=up), "down": dict(gemm, split_k=down)})
     return out
 

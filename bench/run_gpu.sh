@@ -27,7 +27,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpu.txt"
 SECONDS=0
 [ "${SKIP_TESTS:-0}" = 1 ] || python3 -m pytest -m gpu -q -p no:cacheprovider -n "${JOBS:-4}" -rs ${GPU_TESTS:-tests/kernels tests/test_gpu_*.py \
-    tests/test_paged_batched.py tests/test_autotune.py} > "$OUT/pytest.log" 2>&1
+    tests/test_paged_batched.py tests/test_autotune.py tests/test_fp8_activations.py} > "$OUT/pytest.log" 2>&1
 echo "pytest -m gpu: rc=$? in ${SECONDS}s"; grep -sE "passed|failed|error" "$OUT/pytest.log" | tail -3
 grep -sE "^(FAILED|ERROR)" "$OUT/pytest.log" | head -20
 for f in "$OUT"/e2e_*.json; do [ -f "$f" ] && echo "$(basename "$f" .json): $(cat "$f")"; done

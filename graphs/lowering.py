@@ -8,14 +8,12 @@ RMSNorm and the cache roundings also run over the compressed entries a forward c
 Nodes without a lowering, or not flat over N (or E, for those), run their DSL reference on the device. RMSNorm's
 kernel, and the hyper-connections' collapse + RMSNorm's, are TileLang's (kernels/tilelang/) where TileLang kernels
 can be built (tilelang and nvcc installed: the static shapes say `"kernel": "tilelang"`), else Triton's; the GPU
-machine runs either from cubins. A plan with fp8 activations gives fp8-weight linears their e4m3-input variant.
+machine runs either from cubins. The linear family's lowerings are in graphs/lowering_linear.py (a plan with fp8
+activations gives fp8-weight linears their e4m3-input variant there), the record and shared helpers in
+graphs/lowering_base.py.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -24,120 +22,20 @@ import kernels.tilelang.rms_norm as rms_norm_tilelang
 import kernels.triton.attention as attention
 import kernels.triton.hyper as hyper
 import kernels.triton.indexer as indexer
-import kernels.triton.linear as linear
-import kernels.triton.linear_fp8 as linear_fp8
 import kernels.triton.moe as moe
 import kernels.triton.rms_norm as rms_norm
 import kernels.triton.rounding as rounding
 from dsl.graph import Node
-from dsl.ops.moe import score
-from dsl.tensor import num_entries, num_tokens
+from dsl.tensor import num_tokens
+from graphs.lowering_base import Lowering, Params, meta, over_rows, over_tokens, param, weight_dtype
+from graphs.lowering_linear import LINEAR, MOE_GATE, SWIGLU
 from kernels.tilelang.build import available as tilelang_available
-
-Params = dict[str, torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Lowering:
-    template: str  # the kernel template (tuning cache's op name)
-    static: Callable[[Node, Params], dict | None]  # None: the kernel does not apply to this node
-    formats: Callable[[dict], dict[int, str]]  # input position -> weight format ("bf16", "fp32", "raw")
-    run: Callable[..., Any]  # run(args, attrs, static, config, ctx, dot_fp32) -> node outputs
-    trace: Callable[..., None]  # trace(static, attrs, config, m, dot_fp32): calls the wrapper on meta
-    default_config: Callable[[dict, int], dict]
-    # A config's batch-invariant form. Any fixed config of these kernels is invariant (fixed tiles, split-K counts
-    # and K ranges; rows never share a reduction), except where a split follows the batch: the default is a copy.
-    invariant: Callable[[dict], dict] = dict
-    fp8_activations: Callable[[dict], dict | None] = lambda static: None  # the static of an e4m3-input variant
-
-
-def _param(node: Node, i: int, params: Params) -> torch.Tensor | None:
-    v = node.inputs[i]
-    return None if v is None else params.get(v.name)
-
-
-def _over_tokens(node: Node) -> bool:
-    t = node.inputs[0].type
-    return t is not None and t.dtype == "float32" and len(t.shape) >= 2 and t.shape[0] == num_tokens
-
-
-def _over_rows(node: Node) -> bool:
-    """Flat over the tokens N, or over the compressed entries E of a forward (a `Ragged` at run time)."""
-    t = node.inputs[0].type
-    return _over_tokens(node) or (t is not None and t.dtype in ("float32", "entries") and t.rank == 2
-                                  and t.shape[0] == num_entries)
-
-
-def _meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    return torch.empty(*shape, dtype=dtype, device="meta")
-
-
-def _weight_dtype(fmt: str, dot_fp32: bool) -> torch.dtype:
-    return {"fp8": torch.float8_e4m3fn, "fp4": torch.uint8}.get(fmt, torch.float32 if dot_fp32 else torch.bfloat16)
-
-
-def _plain(dot_fp32: bool) -> str:
-    return "fp32" if dot_fp32 else "bf16"
-
-
-# ---- linear and grouped_linear ---------------------------------------------------------------------------------
-
-def _weight_format(w: torch.Tensor | None, s: torch.Tensor | None, groups: int = 1) -> str | None:
-    """"fp8" (32x32 blocks), "plain" (float), or None: packed fp4 or group-scaled fp8, which the reference runs."""
-    if w is None or w.dim() != 2:
-        return None
-    o, k = w.shape
-    if w.dtype == torch.float8_e4m3fn:
-        ok = s is not None and tuple(s.shape) == (-(-o // 32), -(-k // 32)) and (groups == 1 or (o // groups) % 32 == 0)
-        return "fp8" if ok else None
-    return "plain" if w.is_floating_point() and s is None else None
-
-
-def _weight_formats(fmt: str, weights: tuple[int, ...]) -> dict[int, str]:
-    """Input position -> format for weights at `weights`, each followed len(weights) places later by its scale."""
-    if fmt == "fp8_rows":  # the 32x32 blocks made one scale per row at load time (graphs/executor.py)
-        return {i: "fp8_rows" for i in weights} | {i + len(weights): "fp8_rows_scale" for i in weights}
-    if fmt == "fp8":
-        return {i: "raw" for i in weights} | {i + len(weights): "fp32" for i in weights}
-    return {i: "plain" for i in weights}
-
-
-def _linear_static(node: Node, params: Params) -> dict | None:
-    w, s = _param(node, 1, params), _param(node, 2, params)
-    groups = node.attrs.get("groups", 1)
-    fmt = _weight_format(w, s, groups)
-    if fmt is None or not _over_tokens(node) or node.inputs[0].type.rank != 2:
-        return None
-    return {"n": w.shape[0] // groups, "k": w.shape[1], "groups": groups, "fmt": fmt}
-
-
-def _linear_run(args, attrs, static, config, ctx, dot_fp32):
-    x, w, s = args[0], args[1], args[2]
-    if static["fmt"] == "fp8_rows":  # e4m3 activations, one scale per token: the fp8 tensor cores (exact products)
-        return linear_fp8.linear_rowwise(*linear_fp8.quantize_rows(x.contiguous()), w, s, config=config)
-    return linear.linear(x.contiguous(), w, s, groups=static["groups"], config=config, dot_fp32=dot_fp32)
-
-
-def _linear_trace(static, attrs, config, m, dot_fp32):
-    g, n, k = static["groups"], static["n"], static["k"]
-    if static["fmt"] == "fp8_rows":
-        return _linear_run([_meta(m, k), _meta(n, k, dtype=torch.float8_e4m3fn), _meta(n)], {}, static, config, None, 0)
-    w = _meta(g * n, k, dtype=_weight_dtype(static["fmt"], dot_fp32))
-    s = _meta(-(-g * n // 32), -(-k // 32)) if static["fmt"] == "fp8" else None
-    linear.linear(_meta(m, g * k), w, s, groups=g, config=config, dot_fp32=dot_fp32)
-
-
-LINEAR = Lowering(
-    "linear", _linear_static, lambda st: _weight_formats(st["fmt"], (1,)), _linear_run, _linear_trace,
-    lambda st, m: linear_fp8.default_config(m, st["n"], st["k"]) if st["fmt"] == "fp8_rows" else
-    linear.default_config(m, st["n"], st["k"], st["groups"], st["fmt"] == "fp8"),  # plain weights: bf16
-    fp8_activations=lambda st: dict(st, fmt="fp8_rows") if st["fmt"] == "fp8" and st["groups"] == 1 else None)
 
 
 # ---- rms_norm ----------------------------------------------------------------------------------------------------
 
 def _norm_static(node: Node, params: Params) -> dict | None:
-    if not _over_rows(node) or (node.inputs[1] is not None and _param(node, 1, params) is None):
+    if not over_rows(node) or (node.inputs[1] is not None and param(node, 1, params) is None):
         return None
     return {"d": int(node.inputs[0].type.shape[-1]), "has_w": node.inputs[1] is not None,
             "eps": node.attrs["eps"], "kernel": _kernel()}
@@ -153,8 +51,8 @@ def _norm_module(static: dict):
 
 
 def _norm_trace(static, attrs, config, m, dot_fp32):
-    w = _meta(static["d"]) if static["has_w"] else None
-    _norm_module(static).rms_norm(_meta(m, static["d"]), w, eps=static["eps"], config=config)
+    w = meta(static["d"]) if static["has_w"] else None
+    _norm_module(static).rms_norm(meta(m, static["d"]), w, eps=static["eps"], config=config)
 
 
 RMS_NORM = Lowering(
@@ -181,7 +79,7 @@ def _mixes_run(args, attrs, st, config, ctx, dot_fp32):
 def _mixes_trace(st, attrs, config, m, dot_fp32):
     hc, d = st["hc"], st["d"]
     nout = (2 + hc) * hc
-    hyper.hc_mixes(_meta(m, hc, d), _meta(nout, hc * d), _meta(3), _meta(nout), iters=attrs["iters"],
+    hyper.hc_mixes(meta(m, hc, d), meta(nout, hc * d), meta(3), meta(nout), iters=attrs["iters"],
                    eps=attrs["eps"], norm_eps=attrs["norm_eps"], config=config)
 
 
@@ -209,23 +107,23 @@ def _collapse_run(args, attrs, st, config, ctx, dot_fp32):
 
 HC_COLLAPSE_RMS_NORM = Lowering(
     "hc_collapse_rms_norm", _collapse_static, lambda st: {2: "fp32"}, _collapse_run,
-    lambda st, attrs, config, m, f: _collapse(st, _meta(m, st["hc"], st["d"]), _meta(m, st["hc"]), _meta(st["d"]),
+    lambda st, attrs, config, m, f: _collapse(st, meta(m, st["hc"], st["d"]), meta(m, st["hc"]), meta(st["d"]),
                                               attrs["eps"], config),
     lambda st, m: rms_norm_tilelang.default_config(st["d"]) if st.get("kernel") == "tilelang" else {})
 
 HC_EXPAND = Lowering(
     "hc_expand", _hc_static, lambda st: {},
     lambda args, attrs, st, config, ctx, f: hyper.hc_expand(*(a.contiguous() for a in args)),
-    lambda st, attrs, config, m, f: hyper.hc_expand(_meta(m, st["d"]), _meta(m, st["hc"], st["d"]), _meta(m, st["hc"]),
-                                            _meta(m, st["hc"], st["hc"])),
+    lambda st, attrs, config, m, f: hyper.hc_expand(meta(m, st["d"]), meta(m, st["hc"], st["d"]), meta(m, st["hc"]),
+                                            meta(m, st["hc"], st["hc"])),
     lambda st, m: {})
 
 
 # ---- routed experts ----------------------------------------------------------------------------------------------
 
 def _moe_static(node: Node, params: Params) -> dict | None:
-    w1 = _param(node, 3, params)
-    if w1 is None or not _over_tokens(node) or w1.dim() != 3:
+    w1 = param(node, 3, params)
+    if w1 is None or not over_tokens(node) or w1.dim() != 3:
         return None
     fp4 = w1.dtype == torch.uint8
     e, inter, k = w1.shape
@@ -243,11 +141,11 @@ def _moe_run(args, attrs, st, config, ctx, dot_fp32):
 
 def _moe_trace(st, attrs, config, m, dot_fp32):
     e, inter, d, fp4 = st["e"], st["inter"], st["d"], st["fmt"] == "fp4"
-    wd = _weight_dtype(st["fmt"], dot_fp32)
-    w1 = _meta(e, inter, d // 2 if fp4 else d, dtype=wd)
-    w2 = _meta(e, d, inter // 2 if fp4 else inter, dtype=wd)
-    s1, s2 = (_meta(e, inter, d // 32), _meta(e, d, inter // 32)) if fp4 else (None, None)
-    moe.moe_experts(_meta(m, d), _meta(m, st["topk"]), _meta(m, st["topk"], dtype=torch.int64), w1, w2, w1, s1, s2,
+    wd = weight_dtype(st["fmt"], dot_fp32)
+    w1 = meta(e, inter, d // 2 if fp4 else d, dtype=wd)
+    w2 = meta(e, d, inter // 2 if fp4 else inter, dtype=wd)
+    s1, s2 = (meta(e, inter, d // 32), meta(e, d, inter // 32)) if fp4 else (None, None)
+    moe.moe_experts(meta(m, d), meta(m, st["topk"]), meta(m, st["topk"], dtype=torch.int64), w1, w2, w1, s1, s2,
                     s1, limit=attrs["limit"], config=config, dot_fp32=dot_fp32)
 
 
@@ -258,72 +156,13 @@ MOE_EXPERTS = Lowering(
     _moe_run, _moe_trace, lambda st, m: moe.default_config(m, st["fmt"] == "fp4"))
 
 
-# ---- the shared expert and the gate: their projections on the linear kernel -------------------------------------
-
-def _swiglu_static(node: Node, params: Params) -> dict | None:
-    ws = [_param(node, i, params) for i in (1, 2, 3)]
-    fmts = {_weight_format(w, _param(node, i + 3, params)) for i, w in zip((1, 2, 3), ws, strict=True)}
-    if not _over_tokens(node) or len(fmts) != 1 or None in fmts:
-        return None
-    return {"inter": ws[0].shape[0], "d": ws[0].shape[1], "fmt": fmts.pop()}
-
-
-def _swiglu_run(args, attrs, st, config, ctx, dot_fp32):
-    x, w1, w2, w3, s1, s2, s3 = args
-    x, limit = x.contiguous(), attrs["limit"]
-    gate = linear.linear(x, w1, s1, config=config["up"], dot_fp32=dot_fp32)
-    up = linear.linear(x, w3, s3, config=config["up"], dot_fp32=dot_fp32)
-    if limit > 0:
-        up, gate = up.clamp(-limit, limit), gate.clamp(max=limit)
-    return linear.linear(torch.nn.functional.silu(gate) * up, w2, s2, config=config["down"], dot_fp32=dot_fp32)
-
-
-def _swiglu_trace(st, attrs, config, m, dot_fp32):
-    inter, d, fp8 = st["inter"], st["d"], st["fmt"] == "fp8"
-    for n, k, part in ((inter, d, "up"), (d, inter, "down")):
-        w = _meta(n, k, dtype=_weight_dtype(st["fmt"], dot_fp32))
-        linear.linear(_meta(m, k), w, _meta(-(-n // 32), -(-k // 32)) if fp8 else None, config=config[part],
-                      dot_fp32=dot_fp32)
-
-
-SWIGLU = Lowering(
-    "swiglu", _swiglu_static, lambda st: _weight_formats(st["fmt"], (1, 2, 3)), _swiglu_run, _swiglu_trace,
-    lambda st, m: {"up": linear.default_config(m, st["inter"], st["d"], fp8=st["fmt"] == "fp8"),
-                   "down": linear.default_config(m, st["d"], st["inter"], fp8=st["fmt"] == "fp8")})
-
-
-def _gate_static(node: Node, params: Params) -> dict | None:
-    w = _param(node, 1, params)
-    if not _over_tokens(node) or _weight_format(w, None) != "plain" or _param(node, 2, params) is None:
-        return None
-    return {"e": w.shape[0], "d": w.shape[1]}
-
-
-def _gate_run(args, attrs, st, config, ctx, dot_fp32):
-    """dsl.ops.moe.moe_gate with its projection on the kernel, in fp32 products as there: routing is discrete."""
-    x, w, bias = args
-    scores = score(linear.linear(x.contiguous(), w, config=config, dot_fp32=True) / attrs["temp"], attrs["func"])
-    experts = (scores + bias).topk(attrs["topk"], dim=-1)[1]
-    weights = scores.gather(1, experts)
-    if attrs["normalize"] and attrs["topk"] > 1:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * attrs["scaling"], experts
-
-
-MOE_GATE = Lowering(
-    "moe_gate", _gate_static, lambda st: {1: "fp32", 2: "fp32"}, _gate_run,
-    lambda st, attrs, config, m, f: linear.linear(_meta(m, st["d"]), _meta(st["e"], st["d"]), config=config,
-                                                  dot_fp32=True),
-    lambda st, m: linear.default_config(m, st["e"], st["d"], w_bytes=4))
-
-
 # ---- sparse attention --------------------------------------------------------------------------------------------
 
 def _heads_static(node: Node, params: Params) -> dict | None:
     """Queries [N, heads, dim]: the attention's (its sink a weight) and the indexer's."""
     t = node.inputs[0].type
     if t is None or t.rank != 3 or t.shape[0] != num_tokens or (node.op == "sparse_attention"
-                                                                 and _param(node, 2, params) is None):
+                                                                 and param(node, 2, params) is None):
         return None
     return {"h": int(t.shape[1]), "d": int(t.shape[2])}
 
@@ -337,8 +176,8 @@ def _attention_run(args, attrs, st, config, ctx, dot_fp32):
 
 def _attention_trace(st, attrs, config, m, dot_fp32):
     dtype = torch.float32 if dot_fp32 else torch.bfloat16
-    attention.sparse_attention(_meta(m, st["h"], st["d"], dtype=dtype), _meta(1, st["d"], dtype=dtype),
-                               _meta(m, 1, dtype=torch.int32), _meta(st["h"]), scale=attrs["scale"],
+    attention.sparse_attention(meta(m, st["h"], st["d"], dtype=dtype), meta(1, st["d"], dtype=dtype),
+                               meta(m, 1, dtype=torch.int32), meta(st["h"]), scale=attrs["scale"],
                                config=config, dot_fp32=dot_fp32)
 
 
@@ -353,8 +192,8 @@ SPARSE_ATTENTION = Lowering("sparse_attention", _heads_static, lambda st: {2: "f
 # ---- the indexer's scores ----------------------------------------------------------------------------------------
 
 def _scores_trace(st, attrs, config, m, dot_fp32):
-    dtype, pos = torch.float32 if dot_fp32 else torch.bfloat16, _meta(m, dtype=torch.int32)
-    indexer.index_scores(_meta(m, st["h"], st["d"], dtype=dtype), _meta(m, st["h"]), _meta(1, st["d"], dtype=dtype),
+    dtype, pos = torch.float32 if dot_fp32 else torch.bfloat16, meta(m, dtype=torch.int32)
+    indexer.index_scores(meta(m, st["h"], st["d"], dtype=dtype), meta(m, st["h"]), meta(1, st["d"], dtype=dtype),
                          pos, pos, pos, ratio=attrs["ratio"], width=1, config=config, dot_fp32=dot_fp32)
 
 
@@ -370,7 +209,7 @@ INDEX_SCORES = Lowering(
 def _rounding_static(node: Node, params: Params) -> dict | None:
     """None where the last dim is not a multiple of the block: the reference returns x unchanged."""
     block = node.attrs.get("block", 32)  # fp8_round's default
-    if not _over_rows(node) or int(node.inputs[0].type.shape[-1]) % block:
+    if not over_rows(node) or int(node.inputs[0].type.shape[-1]) % block:
         return None
     fp4 = {"e4m3_scale": bool(node.attrs["e4m3_scale"])} if node.op == "fp4_round" else {}
     return {"d": int(node.inputs[0].type.shape[-1]), "block": block} | fp4
@@ -385,7 +224,7 @@ def _round(static: dict, x: torch.Tensor, config: dict) -> torch.Tensor:
 
 FP8_ROUND, FP4_ROUND = (Lowering(template, _rounding_static, lambda st: {},
                                  lambda args, attrs, st, config, ctx, f: _round(st, args[0], config),
-                                 lambda st, attrs, config, m, f: _round(st, _meta(m, st["d"]), config),
+                                 lambda st, attrs, config, m, f: _round(st, meta(m, st["d"]), config),
                                  lambda st, m: rounding.default_config(st["block"]))
                         for template in ("fp8_round", "fp4_round"))
 
