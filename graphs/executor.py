@@ -19,9 +19,9 @@ from dsl.graph import Graph
 from dsl.ops import OPS
 from dsl.ragged import Ragged
 from graphs.capture import CudaGraphs
-from kernels.triton.linear_fp8 import rowwise_weight
 from graphs.lowering import LOWERINGS
 from graphs.plan import Plan
+from kernels.triton.linear_fp8 import rowwise_weight
 
 
 class Executor:

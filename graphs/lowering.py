@@ -31,7 +31,6 @@ from graphs.lowering_base import Lowering, Params, meta, over_rows, over_tokens,
 from graphs.lowering_linear import LINEAR, MOE_GATE, SWIGLU
 from kernels.tilelang.build import available as tilelang_available
 
-
 # ---- rms_norm ----------------------------------------------------------------------------------------------------
 
 def _norm_static(node: Node, params: Params) -> dict | None:

@@ -11,7 +11,6 @@ from dsl.graph import Node
 from dsl.ops.moe import score
 from graphs.lowering_base import Lowering, Params, meta, over_tokens, param, weight_dtype
 
-
 # ---- linear and grouped_linear ---------------------------------------------------------------------------------
 
 def _weight_format(w: torch.Tensor | None, s: torch.Tensor | None, groups: int = 1) -> str | None:

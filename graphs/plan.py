@@ -13,7 +13,6 @@ its split sizes follow the batch's widest entry list).
 from __future__ import annotations
 
 import functools
-
 import importlib
 from dataclasses import dataclass, field
 
