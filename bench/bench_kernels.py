@@ -26,6 +26,7 @@ import kernels.triton.hyper as hyper  # noqa: E402
 import kernels.triton.indexer as indexer  # noqa: E402
 import kernels.triton.linear as linear  # noqa: E402
 import kernels.triton.linear_fp8 as linear_fp8  # noqa: E402
+import kernels.triton.linear_prefill as linear_prefill  # noqa: E402
 import kernels.triton.moe as moe  # noqa: E402
 import kernels.triton.rms_norm as rms_norm  # noqa: E402
 from autotune.cache import TuningCache, cache_key, source_hash  # noqa: E402
@@ -34,7 +35,7 @@ from autotune.tune import time_us  # noqa: E402
 from dsl.ops import dense as dense_ref  # noqa: E402
 from dsl.ops import hyper as hyper_ref  # noqa: E402
 from dsl.ops import moe as moe_ref  # noqa: E402
-from dsl.quant import quantize_fp8_block  # noqa: E402
+from dsl.quant import dequantize_fp8_block, quantize_fp8_block  # noqa: E402
 from graphs.plan import bucket_of  # noqa: E402
 
 HBM_TBS, BF16_TFLOPS, FP8_TFLOPS = 4.28, 754.0, 1265.0  # DESIGN.md's measured ceilings (fp8: low end)
@@ -151,6 +152,34 @@ def bench_prefill_gemm(m: int = 4096) -> None:
         record("linear fp8 32x32 prefill", f"{name} {n}x{k} M={m}", ours, flops=2 * m * n * k,
                base="_scaled_mm rowwise", base_us=base, ceiling_tflops=FP8_TFLOPS)
         bench_prefill_fp8_rowwise(name, q, s, old_us=ours, tokens=[1024, m, 8192])
+        bench_prefill_bf16(name, wb, q, s, tokens=[1024, m, 8192])
+
+
+def bench_prefill_bf16(name: str, wb: torch.Tensor, q: torch.Tensor, s: torch.Tensor, tokens: list[int]) -> None:
+    """The exact-path prefill GEMM (kernels/triton/linear_prefill.py) on bf16 operands, against cuBLAS (bf16 out) and
+    `linear.linear`; with fp8 32x32 weights (the bf16 expansion included) against `linear.linear`; the expansion
+    alone (a byte read and two written per weight)."""
+    n, k = wb.shape
+    wq = dequantize_fp8_block(q, s).bfloat16()  # [N, K]: the fp8 weight's exact bf16 values
+    for m in tokens:
+        xb = torch.randn(m, k, device="cuda").bfloat16()
+        shape, flops = f"{name} {n}x{k} M={m}", 2 * m * n * k
+        for w, scale, values in [(wb, None, wb), (q, s, wq)]:
+            want = xb.float() @ values.float().t()  # cuBLAS fp32 on the same bf16 operands: exact products, as ours
+            err = float((linear_prefill.linear_prefill(xb, w, scale) - want).norm() / want.norm())
+            if not err < 1e-3:
+                raise AssertionError(f"linear_prefill {shape} {w.dtype} differs from cuBLAS: rel L2 {err:.1e}")
+        del want
+        ours = time_us(lambda: linear_prefill.linear_prefill(xb, wb))
+        record("linear prefill bf16", shape, ours, flops=flops, base="cuBLAS bf16",
+               base_us=time_us(lambda: xb @ wb.t()))
+        record("linear prefill bf16", shape, ours, flops=flops, base="linear.linear bf16",
+               base_us=time_us(lambda: linear.linear(xb, wb)))
+        record("linear prefill fp8 32x32", shape, time_us(lambda: linear_prefill.linear_prefill(xb, q, s)),
+               flops=flops, base="linear.linear fp8 32x32", base_us=time_us(lambda: linear.linear(xb, q, s)))
+    record("dequantize_weight", f"{name} {n}x{k}", time_us(lambda: linear_prefill.dequantize_weight(q, s)),
+           nbytes=3 * n * k + s.numel() * 4, base="torch (ref)",
+           base_us=time_us(lambda: dequantize_fp8_block(q, s).bfloat16(), graph=False))  # events: may synchronize
 
 
 def bench_prefill_fp8_rowwise(name: str, q: torch.Tensor, s: torch.Tensor, old_us: float, tokens: list[int]) -> None:
