@@ -1,5 +1,8 @@
 """The lowerings of the linear family: `linear` and `grouped_linear`, the shared expert (`swiglu`) and the MoE gate's
-projection, all on kernels/triton/linear.py; fp8 weights with e4m3 activations on kernels/triton/linear_fp8.py."""
+projection. Buckets up to 512 tokens run kernels/triton/linear.py; larger ones (more than `PREFILL_AFTER`) the
+prefill GEMM, kernels/triton/linear_prefill.py (bf16 products like linear.py's, summed in another order), whose
+config keeps linear.py's beside it for plans that multiply in fp32; fp8 weights with e4m3 activations run
+kernels/triton/linear_fp8.py. The gate's projection always multiplies in fp32 (routing is discrete): linear.py."""
 
 from __future__ import annotations
 
@@ -7,9 +10,17 @@ import torch
 
 import kernels.triton.linear as linear
 import kernels.triton.linear_fp8 as linear_fp8
+import kernels.triton.linear_prefill as linear_prefill
 from dsl.graph import Node
 from dsl.ops.moe import score
 from graphs.lowering_base import Lowering, Params, meta, over_tokens, param, weight_dtype
+
+# Buckets over these token counts run the prefill GEMM: forwards of more than 512 tokens, which CUDA graphs never
+# capture (they run unpadded). With plain weights it served the 512 bucket too in one GPU run, and a test comparing
+# padded CUDA-graph steps with eager ones (non-invariant configs, 1e-3) failed after a 172-token prefill: not
+# explained yet, so that bucket stays on linear.py. fp8 weights also pay a bf16 copy a call (3 bytes a weight).
+PREFILL_AFTER = {"plain": 512, "fp8": 512}
+
 
 # ---- linear and grouped_linear ---------------------------------------------------------------------------------
 
@@ -42,11 +53,32 @@ def _linear_static(node: Node, params: Params) -> dict | None:
     return {"n": w.shape[0] // groups, "k": w.shape[1], "groups": groups, "fmt": fmt}
 
 
+def _config(m: int, n: int, k: int, fmt: str, groups: int = 1) -> dict:
+    """A projection's heuristic config for a bucket of m tokens: linear.py's, or the prefill GEMM's with it."""
+    config = linear.default_config(m, n, k, groups, fmt == "fp8")  # plain weights: bf16
+    if m > PREFILL_AFTER.get(fmt, m):
+        return {"prefill": linear_prefill.default_config(m, n, k), "linear": config}
+    return config
+
+
+def _project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, config: dict, dot_fp32: bool,
+             groups: int = 1) -> torch.Tensor:
+    """x @ W.T (block-diagonal over `groups`) on the kernel the config names; fp32 products run linear.py."""
+    if "prefill" not in config or dot_fp32:
+        return linear.linear(x, w, s, groups=groups, config=config.get("linear", config), dot_fp32=dot_fp32)
+    if groups == 1:
+        return linear_prefill.linear_prefill(x, w, s, config=config["prefill"])
+    n, k = w.shape[0] // groups, w.shape[1]  # fp8 groups hold whole 32-row scale blocks (`_weight_format`)
+    return torch.cat([linear_prefill.linear_prefill(x[:, g * k:(g + 1) * k].contiguous(), w[g * n:(g + 1) * n],
+                                                    None if s is None else s[g * n // 32:(g + 1) * n // 32],
+                                                    config=config["prefill"]) for g in range(groups)], dim=1)
+
+
 def _linear_run(args, attrs, static, config, ctx, dot_fp32):
     x, w, s = args[0], args[1], args[2]
     if static["fmt"] == "fp8_rows":  # e4m3 activations, one scale per token: the fp8 tensor cores (exact products)
         return linear_fp8.linear_rowwise(*linear_fp8.quantize_rows(x.contiguous()), w, s, config=config)
-    return linear.linear(x.contiguous(), w, s, groups=static["groups"], config=config, dot_fp32=dot_fp32)
+    return _project(x.contiguous(), w, s, config, dot_fp32, static["groups"])
 
 
 def _linear_trace(static, attrs, config, m, dot_fp32):
@@ -55,13 +87,13 @@ def _linear_trace(static, attrs, config, m, dot_fp32):
         return _linear_run([meta(m, k), meta(n, k, dtype=torch.float8_e4m3fn), meta(n)], {}, static, config, None, 0)
     w = meta(g * n, k, dtype=weight_dtype(static["fmt"], dot_fp32))
     s = meta(-(-g * n // 32), -(-k // 32)) if static["fmt"] == "fp8" else None
-    linear.linear(meta(m, g * k), w, s, groups=g, config=config, dot_fp32=dot_fp32)
+    return _project(meta(m, g * k), w, s, config, dot_fp32, g)
 
 
 LINEAR = Lowering(
     "linear", _linear_static, lambda st: _weight_formats(st["fmt"], (1,)), _linear_run, _linear_trace,
     lambda st, m: linear_fp8.default_config(m, st["n"], st["k"]) if st["fmt"] == "fp8_rows" else
-    linear.default_config(m, st["n"], st["k"], st["groups"], st["fmt"] == "fp8"),  # plain weights: bf16
+    _config(m, st["n"], st["k"], st["fmt"], st["groups"]),
     fp8_activations=lambda st: dict(st, fmt="fp8_rows") if st["fmt"] == "fp8" and st["groups"] == 1 else None)
 
 
@@ -78,25 +110,24 @@ def _swiglu_static(node: Node, params: Params) -> dict | None:
 def _swiglu_run(args, attrs, st, config, ctx, dot_fp32):
     x, w1, w2, w3, s1, s2, s3 = args
     x, limit = x.contiguous(), attrs["limit"]
-    gate = linear.linear(x, w1, s1, config=config["up"], dot_fp32=dot_fp32)
-    up = linear.linear(x, w3, s3, config=config["up"], dot_fp32=dot_fp32)
+    gate = _project(x, w1, s1, config["up"], dot_fp32)
+    up = _project(x, w3, s3, config["up"], dot_fp32)
     if limit > 0:
         up, gate = up.clamp(-limit, limit), gate.clamp(max=limit)
-    return linear.linear(torch.nn.functional.silu(gate) * up, w2, s2, config=config["down"], dot_fp32=dot_fp32)
+    return _project(torch.nn.functional.silu(gate) * up, w2, s2, config["down"], dot_fp32)
 
 
 def _swiglu_trace(st, attrs, config, m, dot_fp32):
     inter, d, fp8 = st["inter"], st["d"], st["fmt"] == "fp8"
     for n, k, part in ((inter, d, "up"), (d, inter, "down")):
         w = meta(n, k, dtype=weight_dtype(st["fmt"], dot_fp32))
-        linear.linear(meta(m, k), w, meta(-(-n // 32), -(-k // 32)) if fp8 else None, config=config[part],
-                      dot_fp32=dot_fp32)
+        _project(meta(m, k), w, meta(-(-n // 32), -(-k // 32)) if fp8 else None, config[part], dot_fp32)
 
 
 SWIGLU = Lowering(
     "swiglu", _swiglu_static, lambda st: _weight_formats(st["fmt"], (1, 2, 3)), _swiglu_run, _swiglu_trace,
-    lambda st, m: {"up": linear.default_config(m, st["inter"], st["d"], fp8=st["fmt"] == "fp8"),
-                   "down": linear.default_config(m, st["d"], st["inter"], fp8=st["fmt"] == "fp8")})
+    lambda st, m: {"up": _config(m, st["inter"], st["d"], st["fmt"]),
+                   "down": _config(m, st["d"], st["inter"], st["fmt"])})
 
 
 def _gate_static(node: Node, params: Params) -> dict | None:
