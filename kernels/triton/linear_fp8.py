@@ -35,6 +35,7 @@ from dsl.quant import BLOCK, FP8_AMAX_FLOOR, FP8_MAX, pow2_ceil, scale_to_float
 from kernels.launch import launch
 from kernels.triton.cache import _e4m3_bits
 from kernels.triton.lang import tl, triton
+from kernels.triton.tiles import grouped_tile, tile_dot
 
 FP8 = torch.float8_e4m3fn
 SMEM_BUDGET = 227 * 1024  # per block on sm_90
@@ -123,35 +124,9 @@ def rowwise_weight(w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, 
 def linear_rowwise_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr,
                           block_M: tl.constexpr, block_N: tl.constexpr, block_K: tl.constexpr, group_M: tl.constexpr,
                           promote_K: tl.constexpr):
-    # grouped order: group_M row tiles sweep every column tile together, sharing W tiles in L2
-    pid = tl.program_id(0)
-    tiles_n: tl.constexpr = (N + block_N - 1) // block_N
-    tiles_m = tl.cdiv(M, block_M)
-    first_m = (pid // (group_M * tiles_n)) * group_M
-    size_m = tl.minimum(tiles_m - first_m, group_M)
-    pid_m = first_m + (pid % (group_M * tiles_n)) % size_m
-    pid_n = (pid % (group_M * tiles_n)) // size_m
-    offs_m = pid_m * block_M + tl.arange(0, block_M)
-    offs_n = pid_n * block_N + tl.arange(0, block_N)
-    rows_a = offs_m % M  # rows past the end read valid rows; the store drops them
-    rows_b = offs_n % N
-    offs_k = tl.arange(0, block_K)
-    a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * K + offs_k[None, :]  # [block_M, block_K]
-    b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * K + offs_k[None, :]  # [block_N, block_K]
-    acc = tl.zeros([block_M, block_N], dtype=tl.float32)
-    for k0 in range(0, K, block_K):
-        if K % block_K == 0:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-        if promote_K > 0:
-            acc = tl.dot(a, tl.trans(b), acc, max_num_imprecise_acc=promote_K)
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
-        a_ptrs += block_K
-        b_ptrs += block_K
+    offs_m, offs_n = grouped_tile(M, N, block_M, block_N, group_M)
+    acc = tile_dot(a_ptr, b_ptr, offs_m, offs_n, M, N, K, block_M, block_N, block_K, promote_K)
+    rows_a, rows_b = offs_m % M, offs_n % N
     sa = tl.load(sa_ptr + rows_a)  # [block_M]
     sb = tl.load(sb_ptr + rows_b)  # [block_N]
     out = acc * sa[:, None] * sb[None, :]

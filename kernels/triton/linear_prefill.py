@@ -32,6 +32,7 @@ import torch
 
 from kernels.launch import launch
 from kernels.triton.lang import tl, triton
+from kernels.triton.tiles import grouped_tile, tile_dot
 
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 32
@@ -57,32 +58,8 @@ def dequantize_weight_kernel(w_ptr, s_ptr, out_ptr, N: tl.constexpr, K: tl.const
 @triton.jit(do_not_specialize=["M"])
 def linear_prefill_kernel(a_ptr, b_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr, block_M: tl.constexpr,
                           block_N: tl.constexpr, block_K: tl.constexpr, group_M: tl.constexpr):
-    # grouped order: group_M row tiles sweep every column tile together, sharing W tiles in L2
-    pid = tl.program_id(0)
-    tiles_n: tl.constexpr = (N + block_N - 1) // block_N
-    tiles_m = tl.cdiv(M, block_M)
-    first_m = (pid // (group_M * tiles_n)) * group_M
-    size_m = tl.minimum(tiles_m - first_m, group_M)
-    pid_m = first_m + (pid % (group_M * tiles_n)) % size_m
-    pid_n = (pid % (group_M * tiles_n)) // size_m
-    offs_m = pid_m * block_M + tl.arange(0, block_M)
-    offs_n = pid_n * block_N + tl.arange(0, block_N)
-    rows_a = offs_m % M  # rows past the end read valid rows; the store drops them
-    rows_b = offs_n % N
-    offs_k = tl.arange(0, block_K)
-    a_ptrs = a_ptr + rows_a[:, None].to(tl.int64) * K + offs_k[None, :]  # [block_M, block_K] of x, bf16
-    b_ptrs = b_ptr + rows_b[:, None].to(tl.int64) * K + offs_k[None, :]  # [block_N, block_K] of W, bf16
-    acc = tl.zeros([block_M, block_N], dtype=tl.float32)
-    for k0 in range(0, K, block_K):
-        if K % block_K == 0:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            a = tl.load(a_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-            b = tl.load(b_ptrs, mask=offs_k[None, :] < K - k0, other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc)
-        a_ptrs += block_K
-        b_ptrs += block_K
+    offs_m, offs_n = grouped_tile(M, N, block_M, block_N, group_M)
+    acc = tile_dot(a_ptr, b_ptr, offs_m, offs_n, M, N, K, block_M, block_N, block_K, 0)  # bf16 products, fp32 sums
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=mask)
 
