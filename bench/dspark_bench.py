@@ -154,7 +154,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--min-requests", type=int, default=8,
                     help="requests per run at least (a batch of 1 runs them one after another)")
-    ap.add_argument("--budgets", default="1.5,2,3", help="confidence budgets, tokens per step per request")
+    ap.add_argument("--budgets", default="1.5,2,3,4",
+                    help="confidence budgets, tokens per step per request (4 verifies what static 3 does)")
     ap.add_argument("--confidence-drafts", default="5", help="drafts proposed per step under confidence scheduling")
     ap.add_argument("--device", default="cpu", help="where the cpu target's torch code runs (cuda: the H200)")
     ap.add_argument("--target", default="cpu", help="compile target (sm90: the Hopper kernels; --device is then moot)")
