@@ -92,3 +92,15 @@ def test_sm90_fp8_activations_end_to_end(quantized) -> None:
         Path(os.environ["DEEPINFER_RESULTS_DIR"], "e2e_fp8_activations.json").write_text(json.dumps(
             {"rel": error, "argmax": agree, "bf16_products_rel": plain_error}))
     assert 1e-2 < error < 0.12 and agree >= 0.85 and plain_error < error / 2
+
+
+def test_the_llm_and_the_command_line_pass_it_on(capsys) -> None:
+    """`LLM(fp8_activations=True)` asks compile for it (the cpu target refuses it, naming why); the CLI has the flag."""
+    from deepinfer import LLM
+    from deepinfer.cli import main
+
+    with pytest.raises(ValueError, match="fp8_activations"):
+        LLM(fp8_activations=True)
+    with pytest.raises(SystemExit) as done:
+        main(["generate", "--help"])
+    assert done.value.code == 0 and "--fp8-activations" in capsys.readouterr().out
