@@ -21,6 +21,7 @@ import torch
 import kernels.triton.attention as attention
 import kernels.triton.hyper as hyper
 import kernels.triton.linear as linear
+import kernels.triton.linear_prefill as linear_prefill
 import kernels.triton.moe as moe
 from autotune.cache import TuningCache, cache_key, default_cache, source_hash
 from autotune.space import get_configs
@@ -93,15 +94,22 @@ def statics(cfg: dict) -> list[tuple[str, dict]]:
 def select_work(cfg: dict, templates: list[str], buckets: list[int], only: dict[str, str] | None = None
                 ) -> list[tuple[str, dict, int]]:
     """(template, static shapes, token bucket) of every job to tune; ValueError on an unknown template or a bucket
-    that is not a positive integer."""
+    that is not a positive integer. Linears in buckets over `linear_prefill.AFTER_TOKENS` are left out (said on
+    stderr): plans run them on the prefill GEMM, whose configs this tuner does not search, and a linear.py config
+    cached for such a bucket would take its place."""
     unknown = [t for t in templates if t not in MODULES]
     if unknown:
         raise ValueError(f"unknown template(s) {', '.join(unknown)}; tunable: {', '.join(MODULES)}")
     if not buckets or any(b <= 0 for b in buckets):
         raise ValueError(f"buckets must be positive token counts, got {buckets}")
     only = only or {}
-    return [(t, st, b) for t, st in statics(cfg) if t in templates
+    work = [(t, st, b) for t, st in statics(cfg) if t in templates
             and all(str(st.get(k)) == v for k, v in only.items()) for b in buckets]
+    prefill = sorted({b for t, _, b in work if t == "linear" and b > linear_prefill.AFTER_TOKENS})
+    if prefill:
+        print(f"linear at buckets {prefill} left out: over {linear_prefill.AFTER_TOKENS} tokens plans run the "
+              "prefill GEMM, which keeps its heuristic tiles", file=sys.stderr)
+    return [(t, st, b) for t, st, b in work if t != "linear" or b <= linear_prefill.AFTER_TOKENS]
 
 
 def check_device(target: str) -> str:

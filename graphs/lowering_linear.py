@@ -1,5 +1,5 @@
 """The lowerings of the linear family: `linear` and `grouped_linear`, the shared expert (`swiglu`) and the MoE gate's
-projection. Buckets up to 512 tokens run kernels/triton/linear.py; larger ones (more than `PREFILL_AFTER`) the
+projection. Buckets up to 512 tokens (`linear_prefill.AFTER_TOKENS`) run kernels/triton/linear.py; larger ones the
 prefill GEMM, kernels/triton/linear_prefill.py (bf16 products like linear.py's, summed in another order), whose
 config keeps linear.py's beside it for plans that multiply in fp32; fp8 weights with e4m3 activations run
 kernels/triton/linear_fp8.py. The gate's projection always multiplies in fp32 (routing is discrete): linear.py."""
@@ -15,11 +15,11 @@ from dsl.graph import Node
 from dsl.ops.moe import score
 from graphs.lowering_base import Lowering, Params, meta, over_tokens, param, weight_dtype
 
-# Buckets over these token counts run the prefill GEMM: forwards of more than 512 tokens, which CUDA graphs never
-# capture (they run unpadded). With plain weights it served the 512 bucket too in one GPU run, and a test comparing
-# padded CUDA-graph steps with eager ones (non-invariant configs, 1e-3) failed after a 172-token prefill: not
-# explained yet, so that bucket stays on linear.py. fp8 weights also pay a bf16 copy a call (3 bytes a weight).
-PREFILL_AFTER = {"plain": 512, "fp8": 512}
+# Buckets over `linear_prefill.AFTER_TOKENS` run the prefill GEMM: forwards of more than 512 tokens, which CUDA graphs
+# never capture (they run unpadded). With plain weights it served the 512 bucket too in one GPU run, and a test
+# comparing padded CUDA-graph steps with eager ones (non-invariant configs, 1e-3) failed after a 172-token prefill:
+# not explained yet, so that bucket stays on linear.py. fp8 weights also pay a bf16 copy a call (3 bytes a weight).
+PREFILL_FORMATS = ("plain", "fp8")
 
 
 # ---- linear and grouped_linear ---------------------------------------------------------------------------------
@@ -56,7 +56,7 @@ def _linear_static(node: Node, params: Params) -> dict | None:
 def _config(m: int, n: int, k: int, fmt: str, groups: int = 1) -> dict:
     """A projection's heuristic config for a bucket of m tokens: linear.py's, or the prefill GEMM's with it."""
     config = linear.default_config(m, n, k, groups, fmt == "fp8")  # plain weights: bf16
-    if m > PREFILL_AFTER.get(fmt, m):
+    if m > linear_prefill.AFTER_TOKENS and fmt in PREFILL_FORMATS:
         return {"prefill": linear_prefill.default_config(m, n, k), "linear": config}
     return config
 

@@ -134,6 +134,19 @@ def test_autotune_flags_parse_into_jobs(tmp_path) -> None:
     assert work == [("linear", st, b) for st in linears for b in (1, 16, 64)] and len(linears) == 8
 
 
+def test_autotune_leaves_prefill_linears_to_the_prefill_gemm(tmp_path, capsys) -> None:
+    """Over 512 tokens plans run linears on the prefill GEMM: a linear.py config tuned there would replace it."""
+    from autotune.run import load_config, select_work
+    from autotune.space import get_configs
+
+    cfg = load_config(write_config(tmp_path, SMALL))
+    work = select_work(cfg, ["linear", "moe_experts"], [512, 8192])
+    assert {b for t, _, b in work if t == "linear"} == {512} and {b for t, _, b in work if t == "moe_experts"} == {
+        512, 8192}
+    assert "linear at buckets [8192] left out" in capsys.readouterr().err
+    assert get_configs("linear", next(st for t, st, _ in work if t == "linear"), 512)  # still tunable up to 512
+
+
 def test_autotune_without_a_gpu_says_so(monkeypatch, capsys) -> None:
     from deepinfer.cli import main
 

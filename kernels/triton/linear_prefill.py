@@ -36,6 +36,9 @@ from kernels.triton.tiles import grouped_tile, tile_dot
 
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 32
+# Plans give it forwards of more than this many tokens (graphs/lowering_linear.py): the ones CUDA graphs never capture
+# (graphs/capture.py); below, linear.linear. Tuning leaves those buckets to this file's heuristic (autotune/run.py).
+AFTER_TOKENS = 512
 SMEM_BUDGET = 227 * 1024  # per block on sm_90
 DEQUANT_BLOCK_K = 256  # columns of W per dequantize program (its rows: one 32-row scale block)
 
