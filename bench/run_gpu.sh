@@ -11,6 +11,10 @@
 #   DSPARK=1 bash bench/run_gpu.sh   DSpark drafting on the trained checkpoint (bench/dspark_bench.py) on the sm90 target
 #                                    (DSPARK_TARGET, DSPARK_BATCHES, DSPARK_TOKENS, DSPARK_PASSES) instead of the
 #                                    kernel benchmarks
+#   PROFILE=1 bash bench/run_gpu.sh  where the slice's steps go (bench/step_profile.py): decode at PROFILE_BATCHES, and
+#                                    prefill at PROFILE_PREFILL tokens, with artifacts/slice-sm90-fp8 too when carried,
+#                                    instead of the kernel benchmarks (BENCH_KERNELS=1: both)
+# `python bench/prepare_gpu.py` (no GPU) builds what to carry: .cubin-cache and the slice's artifacts.
 # Prebuilt artifacts (.prebuilt/smooth-{bf16,fp32}, compiled on a GPU-less machine and carried to the device: an
 # ignored folder, so name it in the device call's `carry`) are what the artifact test loads when present; make them
 # with deepinfer.compile(DeepseekV41Flash.from_pretrained("tests/fixtures/v41-smooth"), target="sm90"[, dot_fp32=True])
@@ -53,6 +57,20 @@ if [ "${DSPARK:-0}" = 1 ]; then
         --batches "${DSPARK_BATCHES:-1,16,64}" --max-tokens "${DSPARK_TOKENS:-32}" --passes "${DSPARK_PASSES:-1}" \
         --out "$OUT/dspark.json" > "$OUT/dspark.log" 2>&1
     echo "dspark: rc=$? in ${SECONDS}s"; grep -E "^(batch|median|Traceback|[A-Za-z]*Error)" "$OUT/dspark.log"
+    [ "${BENCH_KERNELS:-0}" = 1 ] || exit 0
+fi
+if [ "${PROFILE:-0}" = 1 ]; then
+    SECONDS=0
+    timeout 120 python3 bench/step_profile.py --batches "${PROFILE_BATCHES:-1,64}" --kernels 8 > "$OUT/decode.log" 2>&1
+    grep -E "step |traced" "$OUT/decode.log"
+    for artifact in artifacts/slice-sm90 artifacts/slice-sm90-fp8; do
+        [ -d "$artifact" ] || continue
+        timeout 120 python3 bench/step_profile.py --artifact "$artifact" --prefill "${PROFILE_PREFILL:-1024,8192}" \
+            --top 10 > "$OUT/prefill-$(basename "$artifact").log" 2>&1
+        echo "$artifact:"; grep -E "^prefill|moe_experts |linear |swiglu |sparse_attention " \
+            "$OUT/prefill-$(basename "$artifact").log"
+    done
+    echo "profile: ${SECONDS}s"
     [ "${BENCH_KERNELS:-0}" = 1 ] || exit 0
 fi
 SECONDS=0
