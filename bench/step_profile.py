@@ -75,15 +75,19 @@ def main() -> int:
     step([(context, torch.randint(0, config.vocab_size, (args.context,), generator=gen).tolist())])
     for b in batches:
         states = caches.copies(context, b)
+
+        def tokens(states=states) -> list:  # a random token each: one token for all would route every row alike
+            return [(s, torch.randint(0, config.vocab_size, (1,), generator=gen).tolist()) for s in states]
         for _ in range(3):  # first sight of the token count, capture, one replay
-            step([(s, [1]) for s in states])
+            step(tokens())
         executor = compiled._ready()[0]
         times, calls, total = profile(step, executor, states, config.vocab_size, gen)
         plain = []
         for _ in range(5):
+            batch = tokens()
             torch.cuda.synchronize()
             t = time.perf_counter()
-            step([(s, [1]) for s in states])
+            step(batch)
             torch.cuda.synchronize()
             plain.append(1e3 * (time.perf_counter() - t))
         plain.sort()
@@ -94,12 +98,12 @@ def main() -> int:
         for key, ms in times.most_common(args.top):
             print(f"{key:34s} {calls[key]:5d} {ms:8.2f} {100 * ms / total:5.1f}%")
         if args.kernels:
-            trace_kernels(lambda: step([(s, [1]) for s in states]), args.kernels)
+            trace_kernels(lambda: step(tokens()), args.kernels)
         if args.cprofile:
             profiler = cProfile.Profile()
             with profiler:
                 for _ in range(5):
-                    step([(s, [1]) for s in states])
+                    step(tokens())
                 torch.cuda.synchronize()
             pstats.Stats(profiler).sort_stats("tottime").print_stats(args.cprofile)
     return 0
