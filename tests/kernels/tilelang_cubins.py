@@ -6,6 +6,7 @@ read from $DEEPINFER_ARTIFACTS/tilelang, written on a machine that can (the GPU 
 
 from __future__ import annotations
 
+import argparse
 import functools
 import hashlib
 import json
@@ -89,6 +90,9 @@ def save(root: Path, launches: dict[str, Launch], target: str = "sm90") -> None:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", default=str(ROOT / ".prebuilt" / "tilelang"), help="where the cubins go")
+    out = parser.parse_args().out
     if not available():
         sys.exit("TileLang cannot build here (tilelang and nvcc needed)")
-    save(Path(sys.argv[1] if len(sys.argv) > 1 else ROOT / ".prebuilt" / "tilelang"), launches())
+    save(Path(out), launches())
