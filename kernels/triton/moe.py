@@ -264,7 +264,8 @@ def default_config(m: int, fp4: bool = True) -> dict:
     splits 1 to 8): split 4/2 fastest at T=1, 2/1 at T=16 and T=64; 128-wide tiles and 4 stages no faster; block_K
     64 slower by a third. block_K 256 holds 200+ registers in GEMM 1: two programs per SM. Prefill, tuned on the
     H200 over 23 configs each: up to 512 tokens the decode tiles unsplit; beyond, 64 slots a block in 128 x 64
-    tiles with 8 warps (each dequantized weight tile serves four times the pairs: 2.0x 16-slot 128 x 128 tiles)."""
+    tiles with 8 warps (each dequantized weight tile serves four times the pairs: 2.0x 16-slot 128 x 128 tiles;
+    the committed tuning file has 128 slots in 128 x 128 x 128 tiles at 8192 tokens, 6% faster again)."""
     up_split, down_split = (4, 2) if m <= 16 else (2, 1) if m <= 64 else (1, 1)
     gemm = {"block_M": 16, "block_N": 64, "block_K": 128, "num_warps": 4, "num_stages": 3}
     if m > 512:
