@@ -19,7 +19,6 @@ from graphs.lowering_base import Lowering, Params, meta, over_tokens, param, wei
 # never capture (they run unpadded). With plain weights it served the 512 bucket too in one GPU run, and a test
 # comparing padded CUDA-graph steps with eager ones (non-invariant configs, 1e-3) failed after a 172-token prefill:
 # not explained yet, so that bucket stays on linear.py. fp8 weights also pay a bf16 copy a call (3 bytes a weight).
-PREFILL_FORMATS = ("plain", "fp8")
 
 
 # ---- linear and grouped_linear ---------------------------------------------------------------------------------
@@ -56,7 +55,7 @@ def _linear_static(node: Node, params: Params) -> dict | None:
 def _config(m: int, n: int, k: int, fmt: str, groups: int = 1) -> dict:
     """A projection's heuristic config for a bucket of m tokens: linear.py's, or the prefill GEMM's with it."""
     config = linear.default_config(m, n, k, groups, fmt == "fp8")  # plain weights: bf16
-    if m > linear_prefill.AFTER_TOKENS and fmt in PREFILL_FORMATS:
+    if m > linear_prefill.AFTER_TOKENS:  # plain or fp8 32x32 weights: fp8_rows has its own kernel
         return {"prefill": linear_prefill.default_config(m, n, k), "linear": config}
     return config
 
