@@ -6,7 +6,8 @@ itself run again, so a difference can be told from non-determinism. On a GPU:
     python bench/graphs_vs_eager.py [--prefill-after 512,64] [--invariant]
 
 Written for the GPU test that failed when the prefill GEMM also served the 512 bucket (bench/RESULTS.md, sixth
-session): with 64, the 172-token prefill is the first step that takes it.
+session; with 64, the 172-token prefill is the first step that takes it). bench/padded_vs_unpadded.py --nodes found
+the cause, Engram's gate in torch (its reductions' bits followed the row count); with its kernel every step is equal.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def main() -> int:
         sys.exit("needs a CUDA GPU")
     model = DeepseekV41Flash.from_pretrained(TRAINED_CHECKPOINT)
     for after in (int(a) for a in args.prefill_after.split(",")):
-        linear_prefill.AFTER_TOKENS = after  # read when a plan is made
+        linear_prefill.serves = lambda m, *_, after=after: m > after  # read when a plan is made
         eager = deepinfer.compile(model, target="sm90")
         eager.cuda_graphs = False
         graphs = deepinfer.compile(model, target="sm90")

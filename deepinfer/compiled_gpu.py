@@ -35,7 +35,8 @@ from kernels.launch import use_launcher
 # Reference nodes that run batch-invariant versions: with ties, or a row width set by the batch's longest cache,
 # torch's top-k picks (and their order, which is the attention's summation order) can change with the batch.
 # Engram's gate and the compressor's pooling reduce over a dim with torch, whose CUDA kernels split a row's sum by
-# the tensor's size: their invariant versions sum in a fixed order (bench/invariance_probe.py found them).
+# the tensor's size: their invariant versions sum in a fixed order (bench/invariance_probe.py found them). Plans
+# made since Engram's gate has a kernel (row-invariant in every mode) run it instead; older artifacts keep this.
 INVARIANT_REFERENCES = {"candidate_blocks": invariant.candidate_blocks, "topk_select": invariant.topk_select,
                         "engram_gate": invariant.KERNELS["engram_gate"],
                         "compress_pool": invariant.KERNELS["compress_pool"]}

@@ -20,6 +20,7 @@ import torch
 import kernels.tilelang.hyper as hyper_tilelang
 import kernels.tilelang.rms_norm as rms_norm_tilelang
 import kernels.triton.attention as attention
+import kernels.triton.engram as engram
 import kernels.triton.hyper as hyper
 import kernels.triton.indexer as indexer
 import kernels.triton.moe as moe
@@ -115,6 +116,24 @@ HC_EXPAND = Lowering(
     lambda args, attrs, st, config, ctx, f: hyper.hc_expand(*(a.contiguous() for a in args)),
     lambda st, attrs, config, m, f: hyper.hc_expand(meta(m, st["d"]), meta(m, st["hc"], st["d"]), meta(m, st["hc"]),
                                             meta(m, st["hc"], st["hc"])),
+    lambda st, m: {})
+
+
+def _engram_static(node: Node, params: Params) -> dict | None:
+    static = _hc_static(node, params)
+    kv = node.inputs[1].type
+    if static is None or node.inputs[0].type.dtype != "float32" or kv is None or kv.dtype != "float32":
+        return None
+    return static
+
+
+ENGRAM_GATE = Lowering(
+    "engram_gate", _engram_static, lambda st: {2: "fp32", 3: "fp32"},
+    lambda args, attrs, st, config, ctx, f: engram.engram_gate(args[0].contiguous(), args[1].contiguous(), args[2],
+                                                               args[3], eps=attrs["eps"]),
+    lambda st, attrs, config, m, f: engram.engram_gate(meta(m, st["hc"], st["d"]), meta(m, (st["hc"] + 1) * st["d"]),
+                                                       meta(st["hc"], st["d"]), meta(st["hc"], st["d"]),
+                                                       eps=attrs["eps"]),
     lambda st, m: {})
 
 
@@ -229,7 +248,8 @@ FP8_ROUND, FP4_ROUND = (Lowering(template, _rounding_static, lambda st: {},
 
 LOWERINGS: dict[str, Lowering] = {
     "linear": LINEAR, "grouped_linear": LINEAR, "rms_norm": RMS_NORM, "hc_mixes": HC_MIXES,
-    "hc_collapse_rms_norm": HC_COLLAPSE_RMS_NORM, "hc_expand": HC_EXPAND, "moe_experts": MOE_EXPERTS,
+    "hc_collapse_rms_norm": HC_COLLAPSE_RMS_NORM, "hc_expand": HC_EXPAND, "engram_gate": ENGRAM_GATE,
+    "moe_experts": MOE_EXPERTS,
     "swiglu": SWIGLU, "moe_gate": MOE_GATE, "sparse_attention": SPARSE_ATTENTION,
     "index_scores": INDEX_SCORES, "fp8_round": FP8_ROUND, "fp4_round": FP4_ROUND,
 }

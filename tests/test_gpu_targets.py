@@ -67,8 +67,9 @@ def test_compile_saves_an_artifact_without_a_gpu(target, arch, tmp_path) -> None
     assert all(n["invariant_config"]["split_kv"] == 1 for n in kernel_nodes if n["template"] == "sparse_attention")
 
 
-def test_executor_matches_the_cpu_target_under_the_interpreter(compiled_fixture) -> None:
-    """Every kernel node of the smooth fixture on Triton's interpreter (fp32 products) against the cpu target."""
+@pytest.mark.parametrize("fixture", ["v41-smooth", "v41-smooth-engram"])
+def test_executor_matches_the_cpu_target_under_the_interpreter(fixture, compiled_fixture) -> None:
+    """Every kernel node of a smooth fixture on Triton's interpreter (fp32 products) against the cpu target."""
     from deepinfer.compiled_gpu import INVARIANT_REFERENCES
     from deepinfer.models import DeepseekV41Flash
     from dsl.context import ForwardContext
@@ -78,17 +79,18 @@ def test_executor_matches_the_cpu_target_under_the_interpreter(compiled_fixture)
 
     if torch.cuda.is_available():
         pytest.skip("the interpreter runs where there is no GPU")
-    model = DeepseekV41Flash.from_pretrained(fixture_dir("v41-smooth"))
+    model = DeepseekV41Flash.from_pretrained(fixture_dir(fixture))
     graph = run_passes(model.graph())
-    ids = torch.tensor(oracle("v41-smooth")["input_ids"][0, :6])
+    ids = torch.tensor(oracle(fixture)["input_ids"][0, :6])
     plan = make_plan(graph, model.params(), "sm90", buckets=(16,), dot_fp32=True)
     executor = Executor(graph, plan, model.params(), "cpu")
-    want = compiled_fixture("v41-smooth").forward(ids[None])[0]
+    want = compiled_fixture(fixture).forward(ids[None])[0]
     for invariant in (False, True):  # the bucket's configs, then the invariant ones with their references
         ctx = ForwardContext([SequenceState()], [len(ids)])
         got = executor.run({"input_ids": ids}, ctx, invariant, INVARIANT_REFERENCES if invariant else None)["logits"]
         assert rel_l2(got.numpy(), want.numpy()) < 1e-4
     assert executor.kernel_calls == 2 * len(plan.kernel_nodes()) > 2 * 100
+    assert ("engram_gate" in {n.op for n in plan.kernel_nodes()}) == fixture.endswith("engram")
 
 
 RUN_ARTIFACT = """
