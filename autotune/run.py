@@ -94,9 +94,9 @@ def statics(cfg: dict) -> list[tuple[str, dict]]:
 def select_work(cfg: dict, templates: list[str], buckets: list[int], only: dict[str, str] | None = None
                 ) -> list[tuple[str, dict, int]]:
     """(template, static shapes, token bucket) of every job to tune; ValueError on an unknown template or a bucket
-    that is not a positive integer. Linears in buckets over `linear_prefill.AFTER_TOKENS` are left out (said on
-    stderr): plans run them on the prefill GEMM, whose configs this tuner does not search, and a linear.py config
-    cached for such a bucket would take its place."""
+    that is not a positive integer. Linears in buckets where plans run the prefill GEMM (`linear_prefill.serves`)
+    are left out (said on stderr): this tuner does not search its configs, and a linear.py config cached for such
+    a bucket would take its place."""
     unknown = [t for t in templates if t not in MODULES]
     if unknown:
         raise ValueError(f"unknown template(s) {', '.join(unknown)}; tunable: {', '.join(MODULES)}")
@@ -105,11 +105,13 @@ def select_work(cfg: dict, templates: list[str], buckets: list[int], only: dict[
     only = only or {}
     work = [(t, st, b) for t, st in statics(cfg) if t in templates
             and all(str(st.get(k)) == v for k, v in only.items()) for b in buckets]
-    prefill = sorted({b for t, _, b in work if t == "linear" and b > linear_prefill.AFTER_TOKENS})
+    prefill = [(st, b) for t, st, b in work if t == "linear" and linear_prefill.serves(b, st["n"], st["groups"],
+                                                                                          st["fmt"] == "fp8")]
     if prefill:
-        print(f"linear at buckets {prefill} left out: over {linear_prefill.AFTER_TOKENS} tokens plans run the "
-              "prefill GEMM, which keeps its heuristic tiles", file=sys.stderr)
-    return [(t, st, b) for t, st, b in work if t != "linear" or b <= linear_prefill.AFTER_TOKENS]
+        left = ", ".join(f"{st['groups']}x{st['n']}x{st['k']} {st['fmt']} at {b}" for st, b in prefill)
+        print(f"linear left out where plans run the prefill GEMM, which keeps its heuristic tiles: {left}",
+              file=sys.stderr)
+    return [(t, st, b) for t, st, b in work if t != "linear" or (st, b) not in prefill]
 
 
 def check_device(target: str) -> str:

@@ -21,10 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_prefill import bench_prefill_gemm  # noqa: E402
+from bench_prefill import bench_prefill_gemm, bench_prefill_switch  # noqa: E402
 from bench_rows import FP8_TFLOPS, LINEARS, ROWS, record  # noqa: E402
 
 import kernels.triton.attention as attention  # noqa: E402
+import kernels.triton.engram as engram  # noqa: E402
 import kernels.triton.hyper as hyper  # noqa: E402
 import kernels.triton.indexer as indexer  # noqa: E402
 import kernels.triton.linear as linear  # noqa: E402
@@ -34,6 +35,7 @@ from autotune.cache import TuningCache, cache_key, source_hash  # noqa: E402
 from autotune.run import rotation  # noqa: E402
 from autotune.tune import time_us  # noqa: E402
 from dsl.ops import dense as dense_ref  # noqa: E402
+from dsl.ops import engram as engram_ref  # noqa: E402
 from dsl.ops import hyper as hyper_ref  # noqa: E402
 from dsl.ops import moe as moe_ref  # noqa: E402
 from dsl.quant import quantize_fp8_block  # noqa: E402
@@ -127,6 +129,11 @@ def bench_norms(tokens: list[int]) -> None:
         record("hc_expand", f"{m}x{hc}x{d}", time_us(lambda: hyper.hc_expand(y, h, post, comb)),
                nbytes=(2 * hc + 1) * m * d * 4, base="torch eager (dsl ref)",
                base_us=time_us(lambda: hyper_ref.hc_expand(y, h, post, comb)))
+        kv = torch.randn(m, (hc + 1) * d, device="cuda")
+        qk = torch.randn(hc, d, device="cuda"), torch.randn(hc, d, device="cuda")
+        record("engram_gate", f"{m}x{hc}x{d}", time_us(lambda: engram.engram_gate(h, kv, *qk, eps=1e-20)),
+               nbytes=(3 * hc + 1) * m * d * 4 + 2 * hc * d * 4, base="torch eager (dsl ref)",
+               base_us=time_us(lambda: engram_ref.engram_gate(h, kv, *qk, eps=1e-20)))
         fn = torch.randn(24, hc * d, device="cuda") * (hc * d) ** -0.5
         sc, base = torch.rand(3, device="cuda") + 0.5, torch.randn(24, device="cuda")
         kw = dict(iters=20, eps=1e-6, norm_eps=1e-20)
@@ -310,6 +317,7 @@ def main() -> int:
 
 TOKENS = [1, 16, 64]
 PARTS = {"ceilings": ceilings, "linear": lambda: bench_linear(TOKENS), "prefill_gemm": bench_prefill_gemm,
+         "prefill_switch": bench_prefill_switch,
          "norms": lambda: bench_norms([1, 64, 4096]), "tilelang": lambda: bench_tilelang_norms([1, 64, 4096]),
          "moe": lambda: bench_moe(TOKENS), "attention": lambda: bench_attention(TOKENS),
          "indexer": lambda: bench_indexer(TOKENS), "cache": lambda: bench_cache([1, 16, 64])}

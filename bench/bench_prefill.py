@@ -34,6 +34,34 @@ def bench_prefill_gemm(m: int = 4096) -> None:
         bench_prefill_bf16(name, wb, q, s, tokens=[1024, m, 8192])
 
 
+def bench_prefill_switch(tokens: tuple[int, ...] = (128, 256, 512, 1024)) -> None:
+    """Where plans should hand linears to the prefill GEMM (`linear_prefill.AFTER_TOKENS`): at each token count, each
+    V4.1 linear as a plan runs it, fp32 x in, with plain and fp8 32x32 weights, on the prefill GEMM (its heuristic
+    tile; a grouped weight one GEMM a group, as graphs/lowering_linear.py runs it) against linear.py (its heuristic:
+    the tuning file has no entry over 64 tokens for linears)."""
+    for name, n, k, g in LINEARS:
+        w = torch.randn(g * n, k, device="cuda") * k**-0.5
+        q, s = quantize_fp8_block(w)
+        wb = w.bfloat16()
+        for m in tokens:
+            x = torch.randn(m, g * k, device="cuda")
+            config = linear_prefill.default_config(m, n, k)
+
+            def prefill(weight, scale):
+                if g == 1:
+                    return linear_prefill.linear_prefill(x, weight, scale, config=config)
+                return torch.cat([linear_prefill.linear_prefill(
+                    x[:, i * k:(i + 1) * k].contiguous(), weight[i * n:(i + 1) * n],
+                    None if scale is None else scale[i * n // 32:(i + 1) * n // 32], config=config)
+                    for i in range(g)], dim=1)
+            for fmt, weight, scale in (("bf16", wb, None), ("fp8 32x32", q, s)):
+                lin = linear.default_config(m, n, k, g, scale is not None)
+                record(f"prefill GEMM {fmt}", f"{name} {g}x{n}x{k} M={m}", time_us(lambda: prefill(weight, scale)),
+                       flops=2 * m * g * n * k, base="linear.linear", base_us=time_us(
+                           lambda: linear.linear(x, weight, scale, groups=g, config=lin)))
+        del w, q, s, wb
+
+
 def bench_prefill_bf16(name: str, wb: torch.Tensor, q: torch.Tensor, s: torch.Tensor, tokens: list[int]) -> None:
     """The exact-path prefill GEMM (kernels/triton/linear_prefill.py) on bf16 operands, against cuBLAS (bf16 out) and
     `linear.linear`; with fp8 32x32 weights (the bf16 expansion included) against `linear.linear`; the expansion
@@ -93,4 +121,4 @@ def bench_prefill_fp8_rowwise(name: str, q: torch.Tensor, s: torch.Tensor, old_u
                    base_us=old_us, ceiling_tflops=FP8_TFLOPS)
 
 
-__all__ = ["bench_prefill_gemm"]
+__all__ = ["bench_prefill_gemm", "bench_prefill_switch"]

@@ -1,7 +1,7 @@
 """The lowerings of the linear family: `linear` and `grouped_linear`, the shared expert (`swiglu`) and the MoE gate's
-projection. Buckets up to 512 tokens (`linear_prefill.AFTER_TOKENS`) run kernels/triton/linear.py; larger ones the
-prefill GEMM, kernels/triton/linear_prefill.py (bf16 products like linear.py's, summed in another order), whose
-config keeps linear.py's beside it for plans that multiply in fp32; fp8 weights with e4m3 activations run
+projection. Decode buckets run kernels/triton/linear.py; prefill buckets with enough output tiles
+(`linear_prefill.serves`) the prefill GEMM, kernels/triton/linear_prefill.py (bf16 products like linear.py's, summed
+in another order), whose config keeps linear.py's beside it for plans that multiply in fp32; fp8 weights with e4m3 activations run
 kernels/triton/linear_fp8.py. The gate's projection always multiplies in fp32 (routing is discrete): linear.py."""
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from dsl.graph import Node
 from dsl.ops.moe import score
 from graphs.lowering_base import Lowering, Params, meta, over_tokens, param, weight_dtype
 
-# Buckets over `linear_prefill.AFTER_TOKENS` run the prefill GEMM: forwards of more than 512 tokens, which CUDA graphs
-# never capture (they run unpadded). With plain weights it served the 512 bucket too in one GPU run, and a test
-# comparing padded CUDA-graph steps with eager ones (non-invariant configs, 1e-3) failed after a 172-token prefill:
-# not explained yet, so that bucket stays on linear.py. fp8 weights also pay a bf16 copy a call (3 bytes a weight).
+# A projection runs the prefill GEMM in the buckets `linear_prefill.serves` gives it (enough tokens and output tiles;
+# fp8 weights pay a bf16 copy a call there, 3 bytes a weight). Both GEMMs give a row the same bits padded or not, so
+# a bucket CUDA graphs capture may take either: where the switch sits is a speed question, measured per shape.
 
 
 # ---- linear and grouped_linear ---------------------------------------------------------------------------------
@@ -55,7 +54,7 @@ def _linear_static(node: Node, params: Params) -> dict | None:
 def _config(m: int, n: int, k: int, fmt: str, groups: int = 1) -> dict:
     """A projection's heuristic config for a bucket of m tokens: linear.py's, or the prefill GEMM's with it."""
     config = linear.default_config(m, n, k, groups, fmt == "fp8")  # plain weights: bf16
-    if m > linear_prefill.AFTER_TOKENS:  # plain or fp8 32x32 weights: fp8_rows has its own kernel
+    if linear_prefill.serves(m, n, groups, fmt == "fp8"):  # plain or fp8 32x32 weights: fp8_rows has its own kernel
         return {"prefill": linear_prefill.default_config(m, n, k), "linear": config}
     return config
 

@@ -22,8 +22,8 @@ is close to `linear.linear`'s but not bitwise equal to it. A row's result depend
 config: no split-K, and rows past M read valid rows whose results are dropped. block_K is 64 in every default
 config, but a config change (another tile or block_K) can change the summation order and so the last bits.
 
-Used for prefill buckets (the tile fills from a few hundred tokens); decode stays on `linear.linear`. Groups
-(block-diagonal linears, wo_a) are not supported here.
+Used for prefill buckets where enough tiles fill the SMs (`serves`); decode stays on `linear.linear`. Groups
+(block-diagonal linears, wo_a) are not supported here: graphs/lowering_linear.py runs them a group at a time.
 """
 
 from __future__ import annotations
@@ -36,9 +36,13 @@ from kernels.triton.tiles import grouped_tile, tile_dot
 
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 32
-# Plans give it forwards of more than this many tokens (graphs/lowering_linear.py): the ones CUDA graphs never capture
-# (graphs/capture.py); below, linear.linear. Tuning leaves those buckets to this file's heuristic (autotune/run.py).
-AFTER_TOKENS = 512
+# Which linears plans run here rather than on linear.linear (`serves`; graphs/lowering_linear.py), from
+# `bench_kernels.py --only prefill_switch` (bench/RESULTS.md): with no split-K, a launch of few output tiles leaves
+# SMs idle through the whole K loop, so the count of 128 x 128 tiles decides, not the tokens alone.
+MIN_TILES = 40  # one launch's output tiles: wq_a at 512 tokens (40) 1.25x linear.py, wkv at 1024 (32) 0.95x
+MIN_TOKENS = 128  # linear.py's decode buckets (up to 64) are tuned; this GEMM was not measured there
+MIN_TOKENS_FP8 = 256  # fp8 weights are expanded to bf16 every call: wo_b at 128 tokens 0.97x, at 256 1.76x
+MIN_TOKENS_GROUPED = 2048  # one launch a group (wo_a, 8 x 64 tiles at 1024 tokens): 0.78x there; won at 8192
 SMEM_BUDGET = 227 * 1024  # per block on sm_90
 DEQUANT_BLOCK_K = 256  # columns of W per dequantize program (its rows: one 32-row scale block)
 
@@ -65,6 +69,14 @@ def linear_prefill_kernel(a_ptr, b_ptr, out_ptr, M, N: tl.constexpr, K: tl.const
     acc = tile_dot(a_ptr, b_ptr, offs_m, offs_n, M, N, K, block_M, block_N, block_K, 0)  # bf16 products, fp32 sums
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=mask)
+
+
+def serves(m: int, n: int, groups: int = 1, fp8: bool = False) -> bool:
+    """Whether a linear of weight `groups` x [n, k] runs here for a bucket of `m` tokens (its top), rather than on
+    `linear.linear`: enough tokens, and output tiles to fill the SMs (the constants above, as measured)."""
+    if groups > 1:
+        return m >= MIN_TOKENS_GROUPED
+    return m >= (MIN_TOKENS_FP8 if fp8 else MIN_TOKENS) and triton.cdiv(m, 128) * triton.cdiv(n, 128) >= MIN_TILES
 
 
 def smem_bytes(config: dict) -> int:

@@ -12,22 +12,30 @@ from deepinfer.models import DeepseekV41Flash
 from dsl.passes import run_passes
 from dsl.quant import quantize_fp8_block
 from graphs.aot import record_launches
-from graphs.capture import BUCKETS
 from graphs.lowering_linear import _config, _project
 from graphs.plan import make_plan
-from kernels.triton.linear_prefill import AFTER_TOKENS
 from tests.conftest import fixture_dir, rel_l2
 
 SMALL = {"block_M": 16, "block_N": 32, "block_K": 64, "group_M": 2, "num_warps": 4, "num_stages": 2}
 
 
-def test_prefill_buckets_take_the_prefill_gemm() -> None:
-    assert "prefill" not in _config(512, 1024, 512, "plain") and "prefill" not in _config(512, 1024, 512, "fp8")
-    for m, fmt in ((8192, "fp8"), (8192, "plain")):
-        config = _config(m, 1024, 512, fmt)
-        assert config["linear"] == linear.default_config(m, 1024, 512, 1, fmt == "fp8")  # for fp32 products
+@pytest.mark.parametrize("m,n,groups,fmt,prefill", [
+    (64, 32768, 1, "plain", False),  # decode buckets: linear.py, tuned
+    (128, 32768, 1, "plain", True),  # wq_b: 256 output tiles at 128 tokens
+    (128, 5120, 1, "fp8", False),  # wo_b: 40 tiles, but the fp8 weight's bf16 copy is not paid back yet
+    (256, 5120, 1, "fp8", True),
+    (256, 1280, 1, "plain", False),  # wq_a: 20 tiles
+    (512, 1280, 1, "plain", True),  # 40 tiles
+    (1024, 512, 1, "plain", False),  # wkv: 32 tiles
+    (1024, 1024, 8, "plain", False),  # wo_a, one launch a group
+    (8192, 1024, 8, "fp8", True),
+])
+def test_which_buckets_take_the_prefill_gemm(m, n, groups, fmt, prefill) -> None:
+    config = _config(m, n, 512, fmt, groups)
+    assert ("prefill" in config) == prefill
+    if prefill:
+        assert config["linear"] == linear.default_config(m, n, 512, groups, fmt == "fp8")  # for fp32 products
         assert config["prefill"]["block_K"] == 64
-    assert AFTER_TOKENS == BUCKETS[-1]  # beyond what CUDA graphs capture: those steps run unpadded
 
 
 @pytest.mark.parametrize("fmt", ["plain", "fp8"])
