@@ -31,6 +31,7 @@ import kernels.triton.indexer as indexer  # noqa: E402
 import kernels.triton.linear as linear  # noqa: E402
 import kernels.triton.moe as moe  # noqa: E402
 import kernels.triton.rms_norm as rms_norm  # noqa: E402
+import kernels.triton.rope as rope  # noqa: E402
 from autotune.cache import TuningCache, cache_key, source_hash  # noqa: E402
 from autotune.run import rotation  # noqa: E402
 from autotune.tune import time_us  # noqa: E402
@@ -38,6 +39,7 @@ from dsl.ops import dense as dense_ref  # noqa: E402
 from dsl.ops import engram as engram_ref  # noqa: E402
 from dsl.ops import hyper as hyper_ref  # noqa: E402
 from dsl.ops import moe as moe_ref  # noqa: E402
+from dsl.ops import rope as rope_ref  # noqa: E402
 from dsl.quant import quantize_fp8_block  # noqa: E402
 from graphs.plan import bucket_of  # noqa: E402
 
@@ -134,6 +136,14 @@ def bench_norms(tokens: list[int]) -> None:
         record("engram_gate", f"{m}x{hc}x{d}", time_us(lambda: engram.engram_gate(h, kv, *qk, eps=1e-20)),
                nbytes=(3 * hc + 1) * m * d * 4 + 2 * hc * d * 4, base="torch eager (dsl ref)",
                base_us=time_us(lambda: engram_ref.engram_gate(h, kv, *qk, eps=1e-20)))
+        q, positions = torch.randn(m, 64, 512, device="cuda"), torch.arange(m, device="cuda") + 1000
+        yarn = rope_ref.rope_params({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "beta_fast": 32,
+                                     "beta_slow": 1, "original_max_position_embeddings": 65536,
+                                     "attention_factor": 1.0})
+        freqs = rope_ref._freqs_on(yarn, 64, q.device)
+        record("rope", f"q {m}x64x512 rope 64", time_us(lambda: rope.rope(q, positions, freqs)),
+               nbytes=2 * q.numel() * 4, base="torch eager (dsl ref)",
+               base_us=time_us(lambda: rope_ref.rotate(q, positions, yarn, 64, False)))
         fn = torch.randn(24, hc * d, device="cuda") * (hc * d) ** -0.5
         sc, base = torch.rand(3, device="cuda") + 0.5, torch.randn(24, device="cuda")
         kw = dict(iters=20, eps=1e-6, norm_eps=1e-20)

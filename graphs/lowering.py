@@ -25,8 +25,10 @@ import kernels.triton.hyper as hyper
 import kernels.triton.indexer as indexer
 import kernels.triton.moe as moe
 import kernels.triton.rms_norm as rms_norm
+import kernels.triton.rope as rope
 import kernels.triton.rounding as rounding
 from dsl.graph import Node
+from dsl.ops.rope import _freqs_on, inv_freq
 from dsl.tensor import num_tokens
 from graphs.lowering_base import Lowering, Params, meta, over_rows, over_tokens, param, weight_dtype
 from graphs.lowering_linear import LINEAR, MOE_GATE, SWIGLU
@@ -135,6 +137,35 @@ ENGRAM_GATE = Lowering(
                                                        meta(st["hc"], st["d"]), meta(st["hc"], st["d"]),
                                                        eps=attrs["eps"]),
     lambda st, m: {})
+
+
+# ---- rotary embedding --------------------------------------------------------------------------------------------
+
+def _rope_static(node: Node, params: Params) -> dict | None:
+    t = node.inputs[0].type
+    if not over_tokens(node) or any(not isinstance(s, int) for s in t.shape[1:]):
+        return None
+    rows = 1
+    for s in t.shape[1:-1]:
+        rows *= s
+    return {"rows": rows, "d": int(t.shape[-1])}
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, attrs: dict, config: dict) -> torch.Tensor:
+    rope_dim = attrs["rope_dim"]
+    return rope.rope(x, positions, _freqs_on(attrs["params"], rope_dim, x.device),
+                     magnitude=inv_freq(attrs["params"], rope_dim)[1], inverse=attrs.get("inverse", False),
+                     config=config)
+
+
+ROPE = Lowering(
+    "rope", _rope_static, lambda st: {},
+    lambda args, attrs, st, config, ctx, f: _rope(args[0].contiguous(), ctx.positions, attrs, config),
+    lambda st, attrs, config, m, f: rope.rope(meta(m, st["rows"], st["d"]), meta(m, dtype=torch.int64),
+                                              meta(attrs["rope_dim"] // 2), magnitude=inv_freq(
+                                                  attrs["params"], attrs["rope_dim"])[1],
+                                              inverse=attrs.get("inverse", False), config=config),
+    lambda st, m: rope.default_config(st["rows"], st["d"]))
 
 
 # ---- routed experts ----------------------------------------------------------------------------------------------
@@ -249,7 +280,7 @@ FP8_ROUND, FP4_ROUND = (Lowering(template, _rounding_static, lambda st: {},
 LOWERINGS: dict[str, Lowering] = {
     "linear": LINEAR, "grouped_linear": LINEAR, "rms_norm": RMS_NORM, "hc_mixes": HC_MIXES,
     "hc_collapse_rms_norm": HC_COLLAPSE_RMS_NORM, "hc_expand": HC_EXPAND, "engram_gate": ENGRAM_GATE,
-    "moe_experts": MOE_EXPERTS,
+    "rope": ROPE, "moe_experts": MOE_EXPERTS,
     "swiglu": SWIGLU, "moe_gate": MOE_GATE, "sparse_attention": SPARSE_ATTENTION,
     "index_scores": INDEX_SCORES, "fp8_round": FP8_ROUND, "fp4_round": FP4_ROUND,
 }

@@ -60,7 +60,7 @@ def test_compile_saves_an_artifact_without_a_gpu(target, arch, tmp_path) -> None
         assert cubin_arch((out / "kernels" / f"{file_id}.cubin").read_bytes()) == arch
         assert f".target sm_{arch}a" in (out / "kernels" / f"{file_id}.ptx").read_text()
     templates = {n["template"] for n in plan["nodes"] if n["template"]}
-    assert templates == {"linear", "rms_norm", "hc_mixes", "hc_collapse_rms_norm", "hc_expand", "moe_experts",
+    assert templates == {"linear", "rms_norm", "hc_mixes", "hc_collapse_rms_norm", "hc_expand", "rope", "moe_experts",
                          "swiglu", "moe_gate", "sparse_attention", "index_scores"}
     kernel_nodes = [n for n in plan["nodes"] if n["template"]]
     assert all(n["invariant_config"] is not None for n in kernel_nodes)
