@@ -186,8 +186,9 @@ def _warm(task: tuple[str, dict, int, dict, list[dict]]) -> int:
     template, st, bucket, cfg, configs = task
     if template == "moe_experts":  # the expert count is a runtime size: a few experts compile the same kernels
         st = dict(st, e=min(st["e"], 16))
-    try:
-        run, _, _ = job(template, st, bucket, cfg)
+    try:  # the token count is a runtime size too: at most 512 (a multiple of 16, as the buckets past it are), so
+        # workers in parallel do not each hold a prefill bucket's inputs (8192 tokens of attention: 20 GiB)
+        run, _, _ = job(template, st, min(bucket, 512), cfg)
     except Exception as e:  # the timing process meets the same error and reports it
         print(f"precompile {template} {st}: {type(e).__name__}: {e}", flush=True)
         return 0

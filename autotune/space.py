@@ -69,9 +69,15 @@ def attention_configs(static: dict, bucket: int, target: str = "sm90") -> list[d
 
 
 def mixes_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
-    return [{"block_M": 16, "block_K": bk, "split_k": s, "num_warps": w, "num_stages": st}
-            for bk, s, w, st in itertools.product([32, 64], [4, 8, 16, 32, 64], [4], [2, 3])
-            if static["hc"] * static["d"] // s >= bk]
+    """Decode buckets: 16 tokens a program and K split 4 to 64 ways (few tokens fill the GPU only so); prefill
+    buckets: 32 or 64 tokens a program (each tile of the projection read from L2 serves more of them), little or
+    no split."""
+    if bucket <= 64:
+        grid = itertools.product([16], [32, 64], [4, 8, 16, 32, 64], [4], [2, 3])
+    else:
+        grid = itertools.product([32, 64], [32, 64], [1, 2, 4], [4, 8], [2, 3])
+    return [{"block_M": bm, "block_K": bk, "split_k": s, "num_warps": w, "num_stages": st}
+            for bm, bk, s, w, st in grid if static["hc"] * static["d"] // s >= bk]
 
 
 def norm_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
