@@ -10,9 +10,10 @@ acceptance, mean tokens per verifying step and tokens/s of a whole `generate` ca
 same requests (they load the kernels and capture the CUDA graphs of the token-count buckets the run meets: a one-time
 cost a long offline run amortises; the first one's tokens/s is reported as "cold"). Confidence
 scheduling ("confidence k/budget") proposes k drafts a step and is run at several verification budgets (tokens per
-step for all running requests); `--regex` constrains every request (structured outputs drafting under the grammar's
-masks). A batch of b runs max(b, --min-requests) requests, b at a time, so a batch of 1 is not one prompt's luck.
-`--passes` runs the modes several times in alternating order and prints each one's median.
+step for all running requests), and also with draft blocks sized per request ("adaptive k/budget": two more than
+the drafts it accepted last, at most k); `--regex` constrains every request (structured outputs drafting under the
+grammar's masks). A batch of b runs max(b, --min-requests) requests, b at a time, so a batch of 1 is not one
+prompt's luck. `--passes` runs the modes several times in alternating order and prints each one's median.
 """
 
 from __future__ import annotations
@@ -130,8 +131,8 @@ def run_mode(model: str, speculative: dict | None, prompts: list[str], batch: in
         for name, executor in zip(("forward", "draft"), getattr(llm.compiled, "_executors", None) or ()):
             graphs = getattr(executor, "cuda_graphs", None)
             if graphs is not None:
-                print(f"    {name} segments (every run of the mode): {graphs.replays} replayed, {graphs.captures} captured, "
-                      f"{graphs.eager} eager over a bucket, {len(graphs.broken)} broken")
+                print(f"    {name} segments (every run of the mode): {graphs.replays} replayed, "
+                      f"{graphs.captures} captured, {graphs.eager} eager over a bucket, {len(graphs.broken)} broken")
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     depth = max((len(o.metrics.drafts_verified) for o in outs), default=0)
     verified, accepted = [0] * depth, [0] * depth
@@ -180,6 +181,8 @@ def main() -> None:
             for per_seq in (float(b) for b in args.budgets.split(",")):
                 budget = max(batch + 1, round(per_seq * batch)) if batch > 1 else k + 1
                 modes.append((f"confidence {k}/{budget}", {"num_speculative_tokens": k, "verify_budget": budget}))
+                modes.append((f"adaptive {k}/{budget}", {"num_speculative_tokens": k, "verify_budget": budget,
+                                                         "draft_lengths": "adaptive"}))
                 if batch == 1:
                     break
         if args.modes:

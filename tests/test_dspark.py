@@ -73,9 +73,20 @@ def test_speculative_config_errors_name_the_field() -> None:
     assert SpeculativeConfig.from_dict({"method": "dspark"}).num_speculative_tokens == 5
     for bad, field in [({"method": "eagle"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"schedule": "fastest"}, "schedule"), ({"verify_budget": 0}, "verify_budget"),
-                       ({"confidence_temperature": 0}, "confidence_temperature"), ({"draft_len": 3}, "draft_len")]:
+                       ({"confidence_temperature": 0}, "confidence_temperature"), ({"draft_len": 3}, "draft_len"),
+                       ({"draft_lengths": "short"}, "draft_lengths")]:
         with pytest.raises(ValueError, match=field):
             SpeculativeConfig.from_dict(bad)
+
+
+def test_adaptive_draft_lengths_follow_the_last_verification() -> None:
+    fixed, adaptive = SpeculativeConfig(), SpeculativeConfig(draft_lengths="adaptive")
+    assert fixed.next_length(2, verified=3, accepted=0) == 5  # fixed: always num_speculative_tokens
+    assert adaptive.next_length(None, verified=0, accepted=0) == 5  # nothing verified yet: the full block
+    assert adaptive.next_length(5, verified=4, accepted=0) == 2  # two more than it accepted
+    assert adaptive.next_length(2, verified=2, accepted=2) == 4
+    assert adaptive.next_length(4, verified=4, accepted=4) == 5  # at most num_speculative_tokens
+    assert adaptive.next_length(3, verified=0, accepted=0) == 3  # a step without drafts keeps its block
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +154,9 @@ def llms():
             "confidence": LLM(default_model(), max_num_seqs=4,
                               speculative_config={"method": "dspark", "num_speculative_tokens": 5}),
             "static": LLM(default_model(), max_num_seqs=4,
-                          speculative_config={"num_speculative_tokens": 3, "schedule": "static", "verify_budget": 6})}
+                          speculative_config={"num_speculative_tokens": 3, "schedule": "static", "verify_budget": 6}),
+            "adaptive": LLM(default_model(), max_num_seqs=4,
+                            speculative_config={"num_speculative_tokens": 5, "draft_lengths": "adaptive"})}
 
 
 PROMPTS = ["def fib(n):", {"prompt_token_ids": list(range(100, 235))}]  # the second wraps the 128-token windows
@@ -154,7 +167,9 @@ PROMPTS = ["def fib(n):", {"prompt_token_ids": list(range(100, 235))}]  # the se
     (SamplingParams(max_tokens=8, temperature=0.8, seed=3), "confidence"),
     (SamplingParams(max_tokens=8, temperature=0.8, seed=5), "static"),
     (SamplingParams(max_tokens=6, temperature=1.0, top_k=50, seed=11, presence_penalty=0.5, logprobs=2), "confidence"),
-], ids=["greedy", "seeded", "static", "penalties"])
+    (SamplingParams(max_tokens=8, temperature=0), "adaptive"),  # random drafts: blocks shrink to 2 (ragged)
+    (SamplingParams(max_tokens=8, temperature=0.8, seed=3), "adaptive"),
+], ids=["greedy", "seeded", "static", "penalties", "adaptive-greedy", "adaptive-seeded"])
 def test_drafting_is_lossless(llms, params: SamplingParams, schedule: str) -> None:
     want = llms["off"].generate(PROMPTS, params, use_tqdm=False)
     got = llms[schedule].generate(PROMPTS, params, use_tqdm=False)
@@ -183,6 +198,15 @@ def trained_llms():
 def test_drafting_on_the_trained_checkpoint_is_lossless_and_accepts(trained_llms, params: SamplingParams) -> None:
     """The trained drafter is right often enough to matter, and drafting changes no token."""
     check_lossless_and_accepts(*trained_llms, params)  # measured 1.8 to 3.4 tokens per verifying step
+
+
+def test_adaptive_draft_blocks_on_the_trained_checkpoint_are_lossless_and_accept(trained_llms) -> None:
+    """Draft blocks sized per request (ragged draft passes) change no token either, and still accept."""
+    from deepinfer.default_model import trained_model
+
+    adaptive = LLM(trained_model(), max_num_seqs=4, speculative_config={"num_speculative_tokens": 5,
+                                                                        "draft_lengths": "adaptive"})
+    check_lossless_and_accepts(trained_llms[0], adaptive, SamplingParams(max_tokens=24, temperature=0))
 
 
 def tokens_per_verifying_step(outputs) -> float:

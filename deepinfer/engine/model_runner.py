@@ -113,6 +113,7 @@ class ModelRunner:
             else None
         self.states: dict[int, SequenceState] = {}
         self.last_sampled: dict[int, int] = {}
+        self.draft_lengths: dict[int, int] = {}  # each drafting sequence's draft block this step
         self.failed: set[int] = set()  # sequences of a failed step: skipped until the CPU side frees them
 
     def execute(self, step: StepInput) -> StepOutput:
@@ -121,6 +122,7 @@ class ModelRunner:
         for seq_id in step.freed:
             self.states.pop(seq_id, None)
             self.last_sampled.pop(seq_id, None)
+            self.draft_lengths.pop(seq_id, None)
             self.failed.discard(seq_id)
         if self.constraint is not None and step.finished:
             self.constraint.finish(step.finished)
@@ -167,7 +169,7 @@ class ModelRunner:
         # plain greedy rows take the argmax of their logits: every row's, read back once for the step
         argmax = torch.argmax(logits, dim=-1).tolist() if allowed is None and any(
             plain_greedy(row.sample, o) for (_, row), o in zip(sampled, outputs, strict=True)) else None
-        out, drafting = {}, []
+        out, drafting, lengths = {}, [], []
         for j, (i, row) in enumerate(sampled):
             s = row.sample
             rows_of = slice(first[i], first[i] + 1 + row.num_drafts)
@@ -179,11 +181,15 @@ class ModelRunner:
                 self.compiled.rollback(batch[i][0], num_kept, self.drafter.config.num_speculative_tokens)
             if self.drafter is not None:
                 drafting.append((batch[i][0], s, outputs[j] + out[row.seq_id][0]))
+                length = self.drafter.config.next_length(self.draft_lengths.get(row.seq_id), row.num_drafts,
+                                                         len(out[row.seq_id][0]) - 1)
+                self.draft_lengths[row.seq_id] = length
+                lengths.append(length)
         if self.constraint is not None and sampled:
             ended.update(self.constraint.accept(samples, [out[row.seq_id][0] for _, row in sampled]) or {})
         if drafting:
             fill_next = self.constraint.fill_next if self.constraint is not None else None
-            made = self.drafter.propose(drafting, fill_next)
+            made = self.drafter.propose(drafting, fill_next, lengths)
             proposals.update({s.seq_id: p for (_, s, _), p in zip(drafting, made, strict=True)})
         return out
 

@@ -26,6 +26,7 @@ from deepinfer.sampler import as_allowed, sample, top_logprobs
 from dsl.context import SequenceState
 
 SCHEDULES = ("confidence", "static")
+DRAFT_LENGTHS = ("fixed", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class SpeculativeConfig:
     - `verify_budget`: tokens per step for the decoding requests (each gets one, drafts share the rest); None: the
       scheduler's `max_num_batched_tokens`.
     - `confidence_temperature`: the confidence head's sigmoid temperature.
+    - `draft_lengths`: "fixed" drafts `num_speculative_tokens` for every request each step; "adaptive" sizes each
+      request's draft block by its last verification: two more than the drafts it accepted, at most
+      `num_speculative_tokens` (the full count until it has verified some), so the draft pass spends less on
+      requests whose drafts fail early.
     """
 
     method: str = "dspark"
@@ -47,6 +52,7 @@ class SpeculativeConfig:
     schedule: str = "confidence"
     verify_budget: int | None = None
     confidence_temperature: float = 1.0
+    draft_lengths: str = "fixed"
 
     def __post_init__(self) -> None:
         if self.method != "dspark":
@@ -63,6 +69,17 @@ class SpeculativeConfig:
         t = self.confidence_temperature
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise ValueError(f"confidence_temperature must be a number > 0, got {t!r}")
+        if self.draft_lengths not in DRAFT_LENGTHS:
+            raise ValueError(f"speculative_config draft_lengths must be one of {DRAFT_LENGTHS}, "
+                             f"got {self.draft_lengths!r}")
+
+    def next_length(self, previous: int | None, verified: int, accepted: int) -> int:
+        """A request's draft block for its next step, after it verified `verified` drafts and accepted `accepted`
+        of them; `previous`: its block this step (None: it has none yet)."""
+        k = self.num_speculative_tokens
+        if self.draft_lengths == "fixed":
+            return k
+        return min(k, accepted + 2) if verified else (k if previous is None else previous)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any] | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -101,18 +118,31 @@ class Drafter:
         self.eos_token_ids, self.batch_invariant = eos_token_ids, batch_invariant
         self.greedy = GreedyDrafts(self.head)
 
-    def propose(self, rows: list[tuple[SequenceState, object, list[int]]], fill_next=None) -> list[Proposal]:
+    def propose(self, rows: list[tuple[SequenceState, object, list[int]]], fill_next=None,
+                lengths: list[int] | None = None) -> list[Proposal]:
         """Drafts for sequences (state after the step, sample row, outputs so far including the step's tokens).
 
         `fill_next` is the token constraint's (TokenConstraint.fill_next), or None: each draft is then sampled among
         the tokens the sequence's constraint allows after the drafts before it, and a row whose drafts end or break
-        the constraint drafts no further (its last draft dropped: nothing may follow it in the verification)."""
+        the constraint drafts no further (its last draft dropped: nothing may follow it in the verification).
+        `lengths`: each row's draft block (1 to num_speculative_tokens; None: that many for every row)."""
         if not rows:
             return []
         k, cfg = self.config.num_speculative_tokens, self.compiled.config
-        batch = [(state, block_tokens(outputs[-1], cfg, k)) for state, _, outputs in rows]
+        lengths = lengths or [k] * len(rows)
+        if len(lengths) != len(rows) or not all(1 <= n <= k for n in lengths):
+            raise ValueError(f"draft lengths must be 1 to {k}, one a row: got {lengths} for {len(rows)} rows")
+        batch = [(state, block_tokens(outputs[-1], cfg, n)) for (state, _, outputs), n in zip(rows, lengths)]
         hidden, logits = self.compiled.draft(batch, **({"batch_invariant": True} if self.batch_invariant else {}))
-        hidden, logits = hidden.reshape(len(rows), k, -1), logits.reshape(len(rows), k, -1)
+        hidden, logits = _blocks(hidden, lengths, k), _blocks(logits, lengths, k)
+        drafts = self._drafts(rows, hidden, logits, fill_next, lengths)
+        return [Proposal(p.tokens[:n], p.confidences[:n]) for p, n in zip(drafts, lengths, strict=True)]
+
+    def _drafts(self, rows, hidden: torch.Tensor, logits: torch.Tensor, fill_next,
+                lengths: list[int]) -> list[Proposal]:
+        """Each row's drafts and confidences from its draft block's hidden states and logits [rows, k, ...]: up to
+        its length (the greedy path drafts all k of every row, which `propose` cuts)."""
+        k = hidden.shape[1]
         drafts: list[list[int]] = [[] for _ in rows]
         live = [True] * len(rows)
         device = hidden.device
@@ -137,7 +167,7 @@ class Drafter:
             emb, markov = self.head.markov(previous)
             confidences[:, i] = self.head.confidence(hidden[:, i], emb)
             for r, (_, s, outputs) in enumerate(rows):
-                if not live[r]:
+                if not live[r] or i >= lengths[r]:
                     continue
                 row_logits = logits[r, i] + markov[r]
                 if allowed is not None:
@@ -148,6 +178,17 @@ class Drafter:
             previous = torch.tensor([d[-1] if d else outputs[-1] for d, (_, _, outputs) in zip(drafts, rows)],
                                     device=device)
         return [Proposal(d, c[: len(d)]) for d, c in zip(drafts, confidences.tolist(), strict=True)]
+
+
+def _blocks(values: torch.Tensor, lengths: list[int], k: int) -> torch.Tensor:
+    """A draft pass's rows [sum(lengths), ...] as [len(lengths), k, ...], each block's rows first and zeros after
+    them (positions past a block are drafted from and then dropped)."""
+    if all(n == k for n in lengths):
+        return values.reshape(len(lengths), k, -1)
+    out = values.new_zeros(len(lengths), k, values.shape[-1])
+    mask = torch.arange(k)[None, :] < torch.tensor(lengths)[:, None]
+    out[mask.to(values.device)] = values
+    return out
 
 
 class GreedyDrafts:
