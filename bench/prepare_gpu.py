@@ -1,7 +1,8 @@
 """Build, on a machine without a GPU, what a device call should carry so the GPU compiles nothing: the cubins of every
 model the GPU tests and benches compile (`.cubin-cache`, read through DEEPINFER_CACHE by bench/run_gpu.sh) and the
 full-width slice's artifacts (`artifacts/slice-sm90`, and `artifacts/slice-sm90-fp8` with fp8 activations and the
-prefill bucket only). Prints what the working tree plus these weigh against the device's 64 MiB.
+prefill bucket only), without their PTX (no load reads it). Prints what the working tree plus these weigh against
+the device's 64 MiB.
 
     python bench/prepare_gpu.py [--skip-slice]
     then: run(command="... bash bench/run_gpu.sh", carry=[".cubin-cache", "artifacts/slice-sm90", ...])
@@ -78,6 +79,9 @@ def main() -> int:
                 run(["bench/bench_slice.py", "--build-artifact", f"artifacts/{name}", *extra],
                     DEEPINFER_CACHE=slice_cache)
                 carried.append(ROOT / "artifacts" / name)
+    for path in carried:  # PTX is for people to read, and no load needs it: it would travel for nothing
+        for ptx in path.rglob("*.ptx"):
+            ptx.unlink()
     tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     tree = sum((ROOT / f).stat().st_size for f in tracked.decode().split("\0") if f and (ROOT / f).is_file()) / 2**20
     for path in carried:

@@ -4,8 +4,9 @@
     dir/plan.json          the plan: per graph node its kernel (or the reference), static shapes, configs per bucket
     dir/draft_plan.json    the DSpark draft layers' plan, when compiled with drafting (manifest "drafting": true)
     dir/tuning.json        where each config came from (tuned or heuristic) per kernel node and bucket
-    dir/kernels/<id>.cubin one per compiled variant, with <id>.json (its launch spec) and <id>.ptx (to read); a
-                           TileLang kernel's CUDA source as <id>.cu
+    dir/kernels/<id>.cubin one per compiled variant, with <id>.json (its launch spec) and <id>.ptx (to read: not
+                           loaded, and absent where the kernel came from a cache without it); a TileLang kernel's
+                           CUDA source as <id>.cu
 
 Running it needs torch and the CUDA driver only (`graphs.launcher`), plus this package's wrappers.
 """
@@ -36,7 +37,8 @@ def save(path: str | Path, plan: Plan, built: dict[str, Built], model_config: di
     index = {}
     for key, b in sorted(built.items()):
         (root / "kernels" / f"{b.file_id}.cubin").write_bytes(b.cubin)
-        (root / "kernels" / f"{b.file_id}.ptx").write_text(b.ptx)
+        if b.ptx:
+            (root / "kernels" / f"{b.file_id}.ptx").write_text(b.ptx)
         (root / "kernels" / f"{b.file_id}.json").write_text(json.dumps(b.spec, indent=1) + "\n")
         if b.source:
             (root / "kernels" / f"{b.file_id}.cu").write_text(b.source)

@@ -67,6 +67,41 @@ def test_compile_saves_an_artifact_without_a_gpu(target, arch, tmp_path) -> None
     assert all(n["invariant_config"]["split_kv"] == 1 for n in kernel_nodes if n["template"] == "sparse_attention")
 
 
+CACHE_WITHOUT_PTX = """
+import json, sys, torch
+from pathlib import Path
+import graphs.aot as aot
+from graphs.artifact import save
+from graphs.plan import make_plan
+from deepinfer.models import DeepseekV41Flash
+from kernels.launch import use_launcher
+from kernels.triton.engram import engram_gate
+meta = lambda *s: torch.empty(*s, device="meta")
+found = {}
+with use_launcher(lambda call: found.setdefault(call.key(), call)):
+    engram_gate(meta(4, 4, 64), meta(4, 320), meta(4, 64), meta(4, 64), eps=1e-20)
+first = aot.build(found, "sm90")
+cache = Path(sys.argv[1]) / "cubins"
+for ptx in cache.glob("*.ptx"):
+    ptx.unlink()
+aot.compile_launch = lambda *a: sys.exit("compiled again: the cache was not used")
+again = aot.build(found, "sm90")
+key = next(iter(found))
+assert again[key].cubin == first[key].cubin and first[key].ptx and again[key].ptx == ""
+model = DeepseekV41Flash.from_pretrained("tests/fixtures/v41-smooth")
+save(Path(sys.argv[1]) / "artifact", make_plan(model.graph(), model.params(), "sm90"), again, {}, None)
+print(json.dumps(sorted(p.suffix for p in (Path(sys.argv[1]) / "artifact" / "kernels").iterdir())))
+"""
+
+
+def test_a_cache_without_ptx_still_serves_its_cubins(tmp_path) -> None:
+    """bench/prepare_gpu.py drops the PTX from what a device call carries: the cubins are still found, and an
+    artifact saved from them simply has no PTX to read."""
+    out = run_python(CACHE_WITHOUT_PTX.replace("sys.argv[1]", repr(str(tmp_path))), CUDA_VISIBLE_DEVICES="",
+                     DEEPINFER_CACHE=str(tmp_path))
+    assert json.loads(out.splitlines()[-1]) == [".cubin", ".json"]
+
+
 @pytest.mark.parametrize("fixture", ["v41-smooth", "v41-smooth-engram"])
 def test_executor_matches_the_cpu_target_under_the_interpreter(fixture, compiled_fixture) -> None:
     """Every kernel node of a smooth fixture on Triton's interpreter (fp32 products) against the cpu target."""
