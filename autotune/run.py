@@ -34,7 +34,8 @@ V41 = {"hidden_size": 5120, "q_lora_rank": 1280, "num_attention_heads": 64, "hea
        "o_lora_rank": 1024, "n_routed_experts": 384, "num_experts_per_tok": 6, "moe_intermediate_size": 2304,
        "hc_mult": 4, "sliding_window": 128, "index_topk": 512, "index_n_heads": 32, "index_head_dim": 128,
        "vocab_size": 129280}
-MODULES = {"linear": linear, "moe_experts": moe, "sparse_attention": attention, "hc_mixes": hyper}
+MODULES = {"linear": linear, "moe_gate": linear, "moe_experts": moe, "sparse_attention": attention,
+           "hc_mixes": hyper}
 ARCHS = {"sm90": (9, 0), "sm100": (10, 0)}  # the compute capability whose tiles a target's tuning measures
 
 
@@ -84,6 +85,7 @@ def statics(cfg: dict) -> list[tuple[str, dict]]:
             st = ("linear", {"n": n, "k": k, "groups": groups, "fmt": fmt})
             if st not in out:
                 out.append(st)
+    out.append(("moe_gate", {"e": cfg["n_routed_experts"], "d": h}))
     out.append(("moe_experts", {"e": cfg["n_routed_experts"], "inter": cfg["moe_intermediate_size"], "d": h,
                                 "topk": cfg["num_experts_per_tok"], "fmt": "fp4"}))
     out.append(("sparse_attention", {"h": heads, "d": d}))
@@ -150,6 +152,11 @@ def job(template: str, st: dict, m: int, cfg: dict) -> tuple[Callable[[dict], to
         copies = rotation(w)  # equal copies past the L2: each call streams its weight from HBM, as in a model
         step = iter(range(1 << 62))
         return (lambda c: linear.linear(x, copies[next(step) % len(copies)], s, groups=groups, config=c)), ref, 1e-4
+    if template == "moe_gate":  # fp32 weights and products, as graphs/lowering_linear.py runs the gate
+        w = torch.randn(st["e"], st["d"], device=dev) * st["d"] ** -0.5
+        x = torch.randn(m, st["d"], device=dev)
+        ref = (x.double() @ w.double().t()).float()
+        return (lambda c: linear.linear(x, w, config=c, dot_fp32=True)), ref, 1e-5
     if template == "moe_experts":
         e, inter, d, topk = st["e"], st["inter"], st["d"], st["topk"]
         ws = [torch.randint(0, 256, (e, o, i // 2), device=dev, dtype=torch.uint8) for o, i in ((inter, d), (d, inter),

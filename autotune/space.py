@@ -59,6 +59,26 @@ def moe_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
     return out
 
 
+def gate_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
+    """The MoE gate's projection: linear.py with fp32 weights and fp32 products (routing is discrete), so its tiles
+    are the FMA path's, not the tensor cores': decode buckets split K; prefill buckets try smaller K stages and
+    more warps, whose fp32 operands and accumulators would otherwise spill."""
+    if bucket <= 64:
+        bm = min(64, max(16, 1 << (bucket - 1).bit_length()))
+        grid = itertools.product([bm], [32, 64, 128], [64, 128], [1, 2, 4, 8], [4], [2, 3])
+    else:
+        grid = itertools.product([32, 64, 128], [32, 64, 128], [16, 32, 64], [1], [4, 8], [2, 3])
+    out = []
+    for bm, bn, bk, split, warps, stages in grid:
+        if split > 1 and static["d"] // split < 2 * bk:
+            continue
+        config = {"block_M": bm, "block_N": bn, "block_K": bk, "split_k": split, "num_warps": warps,
+                  "num_stages": stages}
+        if _pipelined_bytes(config, bk * (bn + bm) * 4) <= SMEM_LIMIT[target]:
+            out.append(config)
+    return out
+
+
 def attention_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
     d = 1 << (static["d"] - 1).bit_length()
     out = []
@@ -84,8 +104,8 @@ def norm_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
     return [{"num_warps": w} for w in (4, 8, 16)]
 
 
-SPACES = {"linear": linear_configs, "moe_experts": moe_configs, "sparse_attention": attention_configs,
-          "hc_mixes": mixes_configs, "rms_norm": norm_configs}
+SPACES = {"linear": linear_configs, "moe_gate": gate_configs, "moe_experts": moe_configs,
+          "sparse_attention": attention_configs, "hc_mixes": mixes_configs, "rms_norm": norm_configs}
 
 
 def get_configs(template: str, static: dict, bucket: int, target: str = "sm90") -> list[dict]:

@@ -14,7 +14,8 @@ from autotune.cache import TUNED_DIR, TuningCache, cache_key, source_hash
 from autotune.space import SMEM_LIMIT
 from autotune.tune import tune
 
-MODULES = {"linear": "linear", "moe_experts": "moe", "sparse_attention": "attention", "hc_mixes": "hyper"}
+MODULES = {"linear": "linear", "moe_gate": "linear", "moe_experts": "moe", "sparse_attention": "attention",
+           "hc_mixes": "hyper"}
 LINEAR = {"n": 5120, "k": 8192, "groups": 1, "fmt": "fp8"}
 
 
@@ -26,6 +27,18 @@ def test_linear_space_respects_shared_memory_and_fp8_blocks(bucket) -> None:
         assert c["num_stages"] * c["block_K"] * (c["block_N"] + c["block_M"] * 4) <= SMEM_LIMIT["sm90"]
         assert c["block_N"] % 32 == 0 and c["block_K"] % 32 == 0
         assert c["split_k"] == 1 or LINEAR["k"] // c["split_k"] >= 2 * c["block_K"]
+
+
+@pytest.mark.parametrize("bucket", [1, 64, 8192])
+def test_gate_space_holds_fp32_tiles(bucket) -> None:
+    """The MoE gate's projection (fp32 x and W, fp32 products): tiles within shared memory at four bytes a value,
+    split-K only at decode buckets and only where each split keeps two K stages."""
+    configs = get_configs("moe_gate", {"e": 384, "d": 5120}, bucket)
+    assert configs
+    for c in configs:
+        assert c["num_stages"] * c["block_K"] * (c["block_N"] + c["block_M"]) * 4 <= SMEM_LIMIT["sm90"]
+        assert c["split_k"] == 1 or (bucket <= 64 and 5120 // c["split_k"] >= 2 * c["block_K"])
+    assert bucket <= 64 or {c["block_K"] for c in configs} == {16, 32, 64}
 
 
 def test_cache_round_trip_and_fallback(tmp_path) -> None:
