@@ -12,6 +12,7 @@ import kernels.triton.linear_fp8 as linear_fp8
 import kernels.triton.linear_prefill as linear_prefill
 from autotune.tune import time_us
 from dsl.quant import dequantize_fp8_block, quantize_fp8_block
+from graphs.lowering_linear import _project
 
 
 def bench_prefill_gemm(m: int = 4096) -> None:
@@ -35,9 +36,9 @@ def bench_prefill_gemm(m: int = 4096) -> None:
 
 
 def bench_prefill_switch(tokens: tuple[int, ...] = (128, 256, 512, 1024)) -> None:
-    """Where plans should hand linears to the prefill GEMM (`linear_prefill.AFTER_TOKENS`): at each token count, each
-    V4.1 linear as a plan runs it, fp32 x in, with plain and fp8 32x32 weights, on the prefill GEMM (its heuristic
-    tile; a grouped weight one GEMM a group, as graphs/lowering_linear.py runs it) against linear.py (its heuristic:
+    """Where plans should hand linears to the prefill GEMM (`linear_prefill.serves`): at each token count, each V4.1
+    linear run as plans run it (`graphs.lowering_linear._project`: fp32 x in, a grouped weight one GEMM a group),
+    with plain and fp8 32x32 weights, on the prefill GEMM (its heuristic tile) against linear.py (its heuristic:
     the tuning file has no entry over 64 tokens for linears)."""
     for name, n, k, g in LINEARS:
         w = torch.randn(g * n, k, device="cuda") * k**-0.5
@@ -45,20 +46,12 @@ def bench_prefill_switch(tokens: tuple[int, ...] = (128, 256, 512, 1024)) -> Non
         wb = w.bfloat16()
         for m in tokens:
             x = torch.randn(m, g * k, device="cuda")
-            config = linear_prefill.default_config(m, n, k)
-
-            def prefill(weight, scale):
-                if g == 1:
-                    return linear_prefill.linear_prefill(x, weight, scale, config=config)
-                return torch.cat([linear_prefill.linear_prefill(
-                    x[:, i * k:(i + 1) * k].contiguous(), weight[i * n:(i + 1) * n],
-                    None if scale is None else scale[i * n // 32:(i + 1) * n // 32], config=config)
-                    for i in range(g)], dim=1)
             for fmt, weight, scale in (("bf16", wb, None), ("fp8 32x32", q, s)):
                 lin = linear.default_config(m, n, k, g, scale is not None)
-                record(f"prefill GEMM {fmt}", f"{name} {g}x{n}x{k} M={m}", time_us(lambda: prefill(weight, scale)),
-                       flops=2 * m * g * n * k, base="linear.linear", base_us=time_us(
-                           lambda: linear.linear(x, weight, scale, groups=g, config=lin)))
+                both = {"prefill": linear_prefill.default_config(m, n, k), "linear": lin}
+                record(f"prefill GEMM {fmt}", f"{name} {g}x{n}x{k} M={m}",
+                       time_us(lambda: _project(x, weight, scale, both, False, g)), flops=2 * m * g * n * k,
+                       base="linear.linear", base_us=time_us(lambda: _project(x, weight, scale, lin, False, g)))
         del w, q, s, wb
 
 

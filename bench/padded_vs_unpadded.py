@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-if "cuda" not in sys.argv:
+if not any(a.endswith("cuda") for a in sys.argv):  # --device cuda or --device=cuda
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 

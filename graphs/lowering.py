@@ -161,10 +161,7 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, attrs: dict, config: dict) -
 ROPE = Lowering(
     "rope", _rope_static, lambda st: {},
     lambda args, attrs, st, config, ctx, f: _rope(args[0].contiguous(), ctx.positions, attrs, config),
-    lambda st, attrs, config, m, f: rope.rope(meta(m, st["rows"], st["d"]), meta(m, dtype=torch.int64),
-                                              meta(attrs["rope_dim"] // 2), magnitude=inv_freq(
-                                                  attrs["params"], attrs["rope_dim"])[1],
-                                              inverse=attrs.get("inverse", False), config=config),
+    lambda st, attrs, config, m, f: _rope(meta(m, st["rows"], st["d"]), meta(m, dtype=torch.int64), attrs, config),
     lambda st, m: rope.default_config(st["rows"], st["d"]))
 
 
