@@ -9,7 +9,9 @@ overlap a real step has), grouped by op.
 
 --kernels N also traces 5 unsynchronised steps with torch's profiler and prints the N kernels of most GPU time and
 the GPU's busy time a step, against the step's wall time: how far the step is from GPU-bound. --cprofile N prints
-the N functions of most own host time over 5 unsynchronised steps.
+the N functions of most own host time over 5 unsynchronised steps. --syncs lists where one step makes the host wait
+for the device (torch's sync debug mode: reads back, blocking copies), each place by the project's frames that led
+to it: every such wait empties the GPU's queue, so the host's next launches find it idle.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import cProfile
 import pstats
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -58,6 +62,7 @@ def main() -> int:
     p.add_argument("--kernels", type=int, default=0, help="the N kernels of most GPU time over 5 traced steps")
     p.add_argument("--cprofile", type=int, default=0, help="the N functions of most own host time over 5 steps")
     p.add_argument("--prefill", default="", help="prefill token counts to profile (comma-separated), not decode")
+    p.add_argument("--syncs", action="store_true", help="where a step makes the host wait for the device")
     args = p.parse_args()
     config = slice_config()
     model = DeepseekV41Flash(config, slice_weights(config, "cuda"))
@@ -98,6 +103,8 @@ def main() -> int:
             print(f"{key:34s} {calls[key]:5d} {ms:8.2f} {100 * ms / total:5.1f}%")
         if args.kernels:
             trace_kernels(lambda: step(tokens()), args.kernels)
+        if args.syncs:
+            print_syncs(lambda: step(tokens()))
         if args.cprofile:
             profiler = cProfile.Profile()
             with profiler:
@@ -133,6 +140,32 @@ def profile_prefills(step, compiled, caches, prefills: list[int], vocab: int, ge
         if args.kernels:
             trace_kernels(lambda: step([(caches.fresh(1), ids)]), args.kernels, steps=1)
     return 0
+
+
+def print_syncs(run_step) -> None:
+    """Run one step under torch's sync debug mode and print each place (the innermost three project frames) where the
+    host waited for the device, with how many times."""
+    places = collections.Counter()
+    root = str(Path(__file__).resolve().parent.parent)
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        ours = [f for f in traceback.extract_stack()[:-1]
+                if f.filename.startswith(root) and not f.filename.endswith("step_profile.py")]
+        places[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in ours[::-1][:3]) or "(torch)"] += 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    print(f"host waits in one step: {sum(places.values())}")
+    for where, count in places.most_common():
+        print(f"  {count:4d}  {where}")
 
 
 def trace_kernels(run_step, top: int, steps: int = 5) -> None:

@@ -26,6 +26,7 @@ from deepinfer import batch_invariant as invariant
 from deepinfer.compiled import CompiledModel
 from deepinfer.config import DeepseekV41Config
 from dsl.context import ForwardContext, SequenceState
+from dsl.transfer import host_to, to_device
 from dsl.graph import Graph
 from graphs import artifact
 from graphs.aot import Built
@@ -144,8 +145,8 @@ class GpuCompiledModel:
         lengths = [len(tokens) for _, tokens in batch]
         if any(n == 0 for n in lengths):
             raise ValueError("every sequence in a step needs at least one token")
-        ids = torch.tensor([t for _, tokens in batch for t in tokens], dtype=torch.long, device="cuda")
-        rows = None if all_logits else _logit_rows(lengths, num_logits).cuda()
+        ids = to_device([t for _, tokens in batch for t in tokens], torch.device("cuda"))
+        rows = None if all_logits else host_to(_logit_rows(lengths, num_logits), torch.device("cuda"))
         ctx = ForwardContext([s for s, _ in batch], lengths, device="cuda", logit_rows=rows)
         references = INVARIANT_REFERENCES if batch_invariant else None
         with use_launcher(self._launcher), self._pools([s for s, _ in batch]):
@@ -166,7 +167,7 @@ class GpuCompiledModel:
         lengths = [len(tokens) for _, tokens in batch]
         if any(n == 0 for n in lengths):
             raise ValueError("every block needs at least one token")
-        ids = torch.tensor([t for _, tokens in batch for t in tokens], dtype=torch.long, device="cuda")
+        ids = to_device([t for _, tokens in batch for t in tokens], torch.device("cuda"))
         ctx = ForwardContext([s for s, _ in batch], lengths, device="cuda")
         references = DRAFT_REFERENCES | (INVARIANT_REFERENCES if batch_invariant else {})
         with use_launcher(self._launcher), self._pools([s for s, _ in batch]):

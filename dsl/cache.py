@@ -25,6 +25,7 @@ import torch
 
 from dsl.cache_format import EntryFormat
 from dsl.graph import Graph
+from dsl.transfer import to_device
 
 if TYPE_CHECKING:
     from dsl.context import SequenceState
@@ -204,7 +205,7 @@ class PagedCache:
         self.write_window_rows(layer, slots, positions, values[values.shape[0] - positions.shape[0]:])
 
     def _table(self, state: SequenceState, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.tensor([state.block_table], dtype=torch.long, device=self.device),
+        return (to_device(state.block_table, self.device).view(1, -1),
                 torch.zeros(count, dtype=torch.long, device=self.device))
 
     def write_entries(self, state: SequenceState, name: str, layer: int, first: int, values: torch.Tensor) -> None:

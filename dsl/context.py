@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dsl.cache import PagedCache
+from dsl.transfer import host_to, to_device
 from dsl.unpaged_cache import UNPAGED, UnpagedCache
 
 
@@ -57,11 +58,6 @@ class Chunk:
     @property
     def rows(self) -> slice:
         return slice(self.start, self.start + self.length)
-
-
-def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 tensor of host ints on `device`, copied without waiting for the device's queued work."""
-    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
 
 
 def cast(t: torch.Tensor, dtype: torch.dtype | None = None, device: torch.device | None = None) -> torch.Tensor:
@@ -105,9 +101,11 @@ class ForwardContext:
         meta = torch.tensor([self.starts, self.lengths, [c.start for c in self.chunks]], dtype=torch.long)
         meta = meta.reshape(3, len(self.chunks))
         run = torch.repeat_interleave(torch.arange(len(self.chunks)), meta[1], output_size=start)
-        self.positions = (torch.arange(start) + (meta[0] - meta[2])[run]).to(self.device, non_blocking=True)
-        self.chunk_starts, self.chunk_lengths, self.chunk_rows = meta.to(self.device, non_blocking=True)
-        self.row_chunks = run.to(self.device, non_blocking=True)
+        # one copy: the positions, each row's chunk, then the chunks' starts, lengths and first rows
+        both = host_to(torch.cat([torch.arange(start) + (meta[0] - meta[2])[run], run, meta.reshape(-1)]),
+                       self.device)
+        self.positions, self.row_chunks = both[:start], both[start: 2 * start]
+        self.chunk_starts, self.chunk_lengths, self.chunk_rows = both[2 * start:].view(3, len(self.chunks))
         self.logit_rows = logit_rows
         self._memo: dict = {}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dsl.context import to_device
+from dsl.transfer import to_device
 from dsl.ops.attention import CacheView
 from dsl.ops.registry import op
 from dsl.tensor import TensorType, context
