@@ -61,6 +61,18 @@ def test_tune_rejects_configs_whose_output_is_wrong() -> None:
     assert best is None and all(t.us is None and "rel_l2" in t.error for t in trials)
 
 
+def test_the_tuners_heuristic_is_the_plans_for_every_job() -> None:
+    """The summary's "heur us" column times the config a plan would run untuned, for every template and bucket."""
+    from autotune.run import _default, load_config, select_work
+    from graphs.lowering import LOWERINGS
+
+    by_template = {lowering.template: lowering for lowering in LOWERINGS.values()}
+    work = select_work(load_config(None), list(MODULES), [1, 16, 64, 512, 8192])
+    assert {t for t, _, _ in work} == set(MODULES)
+    for template, st, bucket in work:
+        assert _default(template, st, bucket) == by_template[template].default_config(st, bucket), (template, bucket)
+
+
 def test_committed_h200_tuning_matches_the_kernels() -> None:
     """Every entry of autotune/tuned/sm90.json was measured on the kernels as they are: an edited kernel source
     needs `python -m autotune.run` on an H200 again (bench/run_gpu.sh with TUNE=1)."""

@@ -52,14 +52,20 @@ def _e2m1_asm(b):
 
 @triton.jit
 def _dequant(b, s, ASM: tl.constexpr, DOT_FP32: tl.constexpr, block_N: tl.constexpr, block_K: tl.constexpr):
-    """Packed codes b uint8 [block_N, block_K/2] and scales s fp32 [block_N, block_K/32] -> the even and odd
-    columns' weights * 2^-63, bf16 (fp32 with DOT_FP32)."""
+    """Packed codes b uint8 [block_N, block_K/2] and scales s [block_N, block_K/32] (fp32 powers of two, or their
+    ue8m0 bytes: 2^(byte - 127)) -> the even and odd columns' weights * 2^-63, bf16 (fp32 with DOT_FP32)."""
     if ASM:
-        f = (s * 9.223372036854775808e18).to(tl.bfloat16)  # scale * 2^63
+        if s.dtype == tl.uint8:  # scale * 2^63 as bf16 bits: exponent byte + 63 (inf past bf16's range, as below)
+            f = (tl.minimum(s.to(tl.int32) + 63, 255) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+        else:
+            f = (s * 9.223372036854775808e18).to(tl.bfloat16)  # scale * 2^63
         f = tl.reshape(tl.broadcast_to(f[:, :, None], [block_N, block_K // 32, 16]), [block_N, block_K // 2])
         lo, hi = _e2m1_asm(b)
         return lo * f, hi * f
     else:
+        if s.dtype == tl.uint8:  # 2^(byte - 127): the byte is an fp32 exponent (0: 2^-127, a subnormal)
+            e = s.to(tl.int32)
+            s = tl.where(e == 0, 5.877471754111438e-39, (e << 23).to(tl.float32, bitcast=True))
         # the code as an fp16 exponent/mantissa: e2m1 * 2^-14 (e = 0 on fp16 subnormals, exact)
         f = s * 1.7763568394002505e-15  # scale * 2^-49: with the 2^-14, the 2^-63 of the bf16 path
         f = tl.reshape(tl.broadcast_to(f[:, :, None], [block_N, block_K // 32, 16]), [block_N, block_K // 2])
@@ -118,7 +124,7 @@ def _fp4_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, w_rows, ma
                 s = tl.load(sp + so)
             else:
                 b = tl.load(wp + wo, mask=mask_n[:, None] & mask_k[None, :], other=0)
-                s = tl.load(sp + so, mask=mask_n[:, None] & (sg < SC)[None, :], other=0.0)
+                s = tl.load(sp + so, mask=mask_n[:, None] & (sg < SC)[None, :], other=0)
             lo, hi = _dequant(b, s, ASM, DOT_FP32, block_N, block_K)
             if which == 0:
                 acc1 = tl.dot(lo, x_even, acc1, input_precision="ieee" if DOT_FP32 else None)
@@ -282,14 +288,16 @@ def _check(x, weights, experts, ws: list[torch.Tensor], scales: list[torch.Tenso
     if weights.dtype != torch.float32 or experts.dtype not in (torch.int64, torch.int32):
         raise TypeError("weights must be float32 and experts int32/int64")
     fp4 = ws[0].dtype == torch.uint8
+    if fp4 and len({getattr(s, "dtype", None) for s in scales}) != 1:
+        raise TypeError(f"s1, s2, s3 must share a dtype, got {[getattr(s, 'dtype', None) for s in scales]}")
     for w, s in zip(ws, scales, strict=True):
         if w.dim() != 3 or not w.is_contiguous() or (w.dtype == torch.uint8) != fp4:
             raise ValueError("w1, w2, w3 must be contiguous [E, out, in] of one format")
         if fp4:
             e, o, half = w.shape
             want = (e, o, triton.cdiv(2 * half, 32))
-            if s is None or tuple(s.shape) != want or s.dtype != torch.float32:
-                raise ValueError(f"fp4 weight {list(w.shape)} needs float32 scales {list(want)}")
+            if s is None or tuple(s.shape) != want or s.dtype not in (torch.float32, torch.uint8):
+                raise ValueError(f"fp4 weight {list(w.shape)} needs float32 or ue8m0-byte (uint8) scales {list(want)}")
         elif w.dtype not in (torch.bfloat16, torch.float32) or s is not None:
             raise TypeError(f"plain expert weights are bfloat16/float32 without scales, got {w.dtype}")
     d, inter = x.shape[1], ws[0].shape[1]
@@ -318,7 +326,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     """sum over each token's k experts of weight * w2(silu(min(w1 x, L)) * clamp(w3 x, ±L)): x [T, D] -> fp32 [T, D].
 
     weights fp32 [T, k], experts int [T, k]. w1, w3 [E, I, D], w2 [E, D, I]: packed fp4 (uint8, [.., in/2]) with
-    fp32 power-of-two scales [E, out, in/32], or bfloat16/float32. `config`: {"up": tiles, "down": tiles} for the
+    power-of-two scales [E, out, in/32] (fp32, or their ue8m0 bytes as uint8: a quarter of the bytes, the same
+    products; `dsl.quant.scale_to_e8m0`), or bfloat16/float32. `config`: {"up": tiles, "down": tiles} for the
     two GEMMs (block_M, block_N, block_K, num_warps, num_stages, split_k).
     """
     fp4 = _check(x, weights, experts, [w1, w2, w3], [s1, s2, s3])
