@@ -28,7 +28,7 @@ from autotune.space import get_configs
 from autotune.tune import tune
 from dsl.ops import dense
 from dsl.ops import hyper as hyper_ref
-from dsl.quant import quantize_fp8_block, scale_to_e8m0
+from dsl.quant import quantize_fp8_block
 
 V41 = {"hidden_size": 5120, "q_lora_rank": 1280, "num_attention_heads": 64, "head_dim": 512, "o_groups": 8,
        "o_lora_rank": 1024, "n_routed_experts": 384, "num_experts_per_tok": 6, "moe_intermediate_size": 2304,
@@ -161,9 +161,9 @@ def job(template: str, st: dict, m: int, cfg: dict) -> tuple[Callable[[dict], to
         e, inter, d, topk = st["e"], st["inter"], st["d"], st["topk"]
         ws = [torch.randint(0, 256, (e, o, i // 2), device=dev, dtype=torch.uint8) for o, i in ((inter, d), (d, inter),
                                                                                                (inter, d))]
-        ss = [scale_to_e8m0(torch.ldexp(torch.ones(e, o, i // 32, device=dev),
+        ss = [moe.prescaled(torch.ldexp(torch.ones(e, o, i // 32, device=dev),
                                         torch.randint(-7, -3, (e, o, i // 32), device=dev)))
-              for o, i in ((inter, d), (d, inter), (inter, d))]  # ue8m0 bytes, as the executor gives the kernel
+              for o, i in ((inter, d), (d, inter), (inter, d))]  # the form the executor gives the kernel
         experts = torch.stack([torch.randperm(e, device=dev)[:topk] for _ in range(m)])
         weights = torch.rand(m, topk, device=dev)
         x = torch.randn(m, d, device=dev)

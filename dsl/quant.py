@@ -48,20 +48,6 @@ def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
     return scale.float()
 
 
-def scale_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
-    """Power-of-two scales as their ue8m0 bytes, uint8 (2^(byte - 127)): `scale_to_float`'s inverse, a quarter of an
-    fp32 scale's bytes. Raises on a scale that is not a finite power of two in [2^-127, 2^127]."""
-    if scale.dtype == torch.float8_e8m0fnu:
-        return scale.view(torch.uint8)
-    s = scale_to_float(scale)
-    mantissa, exponent = torch.frexp(s)  # s = mantissa * 2^exponent, mantissa in [0.5, 1)
-    bad = ~torch.isfinite(s) | (mantissa != 0.5) | (exponent < -126) | (exponent > 128)
-    if bool(bad.any()):
-        value = s[bad][0].item()
-        raise ValueError(f"{int(bad.sum())} scales are not powers of two in [2^-127, 2^127] (ue8m0), e.g. {value!r}")
-    return (exponent + 126).to(torch.uint8)
-
-
 def _blocks_amax(w: torch.Tensor, rows: int) -> torch.Tensor:
     """max |w| over blocks of `rows` x 32 (edges padded with zeros): [ceil(O/rows), ceil(I/32)]."""
     o, i = w.shape

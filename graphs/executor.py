@@ -3,7 +3,7 @@
 It reads like `dsl.interpret` (the cpu target), which it mirrors node for node. Weights are placed on the device
 once, and converted once per format a kernel asks for (plain weights to bf16, or fp32 when the plan multiplies
 in fp32; fp8 32x32-block weights to one scale per row where the plan rounds activations to e4m3; the fp4 experts'
-power-of-two scales to their ue8m0 bytes). Kernel
+power-of-two scales to the bf16 factor their kernel multiplies codes by). Kernel
 launches go through whatever launcher is current: Triton's JIT, or an artifact's cubins.
 `run(..., batch_invariant=True)` gives every kernel node its batch-invariant config and runs the reference nodes
 named in `references` with those implementations instead (same signature, as `dsl.interpret`'s `kernels`).
@@ -18,12 +18,12 @@ import torch
 
 from dsl.graph import Graph
 from dsl.ops import OPS
-from dsl.quant import scale_to_e8m0
 from dsl.ragged import Ragged
 from graphs.capture import CudaGraphs
 from graphs.lowering import LOWERINGS
 from graphs.plan import Plan
 from kernels.triton.linear_fp8 import rowwise_weight
+from kernels.triton.moe import prescaled
 
 
 class Executor:
@@ -61,8 +61,8 @@ class Executor:
                 t = t.to(torch.bfloat16)
             elif fmt == "fp32":
                 t = t.float()
-            elif fmt == "e8m0":  # power-of-two scales as their exponent bytes
-                t = scale_to_e8m0(t)
+            elif fmt == "prescaled":  # fp4 experts' scales as the kernel's bf16 factor (kernels/triton/moe.py)
+                t = prescaled(t)
             self.formatted[key] = t.contiguous()
         return self.formatted[key]
 

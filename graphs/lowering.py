@@ -190,7 +190,7 @@ def _moe_trace(st, attrs, config, m, dot_fp32):
     wd = weight_dtype(st["fmt"], dot_fp32)
     w1 = meta(e, inter, d // 2 if fp4 else d, dtype=wd)
     w2 = meta(e, d, inter // 2 if fp4 else inter, dtype=wd)
-    s1, s2 = (meta(e, inter, d // 32, dtype=torch.uint8), meta(e, d, inter // 32, dtype=torch.uint8)) if fp4 \
+    s1, s2 = (meta(e, inter, d // 32, dtype=torch.bfloat16), meta(e, d, inter // 32, dtype=torch.bfloat16)) if fp4 \
         else (None, None)
     moe.moe_experts(meta(m, d), meta(m, st["topk"]), meta(m, st["topk"], dtype=torch.int64), w1, w2, w1, s1, s2,
                     s1, limit=attrs["limit"], config=config, dot_fp32=dot_fp32)
@@ -198,7 +198,7 @@ def _moe_trace(st, attrs, config, m, dot_fp32):
 
 MOE_EXPERTS = Lowering(
     "moe_experts", _moe_static,
-    lambda st: {3: "raw", 4: "raw", 5: "raw", 6: "e8m0", 7: "e8m0", 8: "e8m0"} if st["fmt"] == "fp4"
+    lambda st: {3: "raw", 4: "raw", 5: "raw", 6: "prescaled", 7: "prescaled", 8: "prescaled"} if st["fmt"] == "fp4"
     else {3: "plain", 4: "plain", 5: "plain"},
     _moe_run, _moe_trace, lambda st, m: moe.default_config(m, st["fmt"] == "fp4"))
 

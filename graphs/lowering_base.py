@@ -19,7 +19,7 @@ Params = dict[str, torch.Tensor]
 class Lowering:
     template: str  # the kernel template (tuning cache's op name)
     static: Callable[[Node, Params], dict | None]  # None: the kernel does not apply to this node
-    formats: Callable[[dict], dict[int, str]]  # input position -> weight format ("bf16", "fp32", "e8m0", "raw")
+    formats: Callable[[dict], dict[int, str]]  # input position -> weight format ("bf16", "fp32", "prescaled", "raw")
     run: Callable[..., Any]  # run(args, attrs, static, config, ctx, dot_fp32) -> node outputs
     trace: Callable[..., None]  # trace(static, attrs, config, m, dot_fp32): calls the wrapper on meta
     default_config: Callable[[dict, int], dict]
