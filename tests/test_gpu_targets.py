@@ -67,6 +67,28 @@ def test_compile_saves_an_artifact_without_a_gpu(target, arch, tmp_path) -> None
     assert all(n["invariant_config"]["split_kv"] == 1 for n in kernel_nodes if n["template"] == "sparse_attention")
 
 
+def test_sm100_builds_the_checkpoints_fp8_and_fp4_kernels_without_a_gpu(tmp_path) -> None:
+    """The checkpoint's storage formats for Blackwell: fp8 32x32-block linears and the fp4 experts, whose codes go
+    through inline PTX (built, not run: there is no sm_100 GPU here)."""
+    from deepinfer.config import DeepseekV41Config
+    from tests.test_checkpoint import _quantize, _tensors, _write
+
+    config = DeepseekV41Config.from_pretrained(fixture_dir("v41-smooth"))
+    checkpoint = _write(tmp_path / "checkpoint", _quantize(_tensors("v41-smooth"), config), fixture_dir("v41-smooth"))
+    out = tmp_path / "sm100"
+    run_python(BUILD.format(fixture=str(checkpoint), target="sm100", out=str(out)), CUDA_VISIBLE_DEVICES="",
+               DEEPINFER_CACHE=str(tmp_path / "cache"))
+    plan = json.loads((out / "plan.json").read_text())
+    experts = [n for n in plan["nodes"] if n["template"] == "moe_experts"]
+    assert experts and all(n["static"]["fmt"] == "fp4" and n["formats"]["6"] == "prescaled" for n in experts)
+    assert "fp8" in {n["static"].get("fmt") for n in plan["nodes"] if n["template"] == "linear"}
+    specs = [json.loads(f.read_text()) for f in (out / "kernels").glob("*.json")]
+    assert any(s["name"].startswith("moe_gemm_kernel") and s["constexprs"]["FP4"] and s["constexprs"]["ASM"]
+               for s in specs)
+    for f in (out / "kernels").glob("*.cubin"):
+        assert cubin_arch(f.read_bytes()) == 100, f.name
+
+
 CACHE_WITHOUT_PTX = """
 import json, sys, torch
 from pathlib import Path
