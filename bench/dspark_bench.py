@@ -10,8 +10,9 @@ acceptance, mean tokens per verifying step and tokens/s of a whole `generate` ca
 same requests (they load the kernels and capture the CUDA graphs of the token-count buckets the run meets: a one-time
 cost a long offline run amortises; the first one's tokens/s is reported as "cold"). Confidence
 scheduling ("confidence k/budget") proposes k drafts a step and is run at several verification budgets (tokens per
-step for all running requests), and also with draft blocks sized per request ("adaptive k/budget": two more than
-the drafts it accepted last, at most k); `--regex` constrains every request (structured outputs drafting under the
+step for all running requests), with the draft distribution's probabilities as confidences instead of the
+confidence head's ("conf-draft k/budget"), and with draft blocks sized per request ("adaptive k/budget": two more
+than the drafts it accepted last, at most k); `--regex` constrains every request (structured outputs drafting under the
 grammar's masks). A batch of b runs max(b, --min-requests) requests, b at a time, so a batch of 1 is not one
 prompt's luck. `--passes` runs the modes several times in alternating order and prints each one's median.
 """
@@ -181,6 +182,8 @@ def main() -> None:
             for per_seq in (float(b) for b in args.budgets.split(",")):
                 budget = max(batch + 1, round(per_seq * batch)) if batch > 1 else k + 1
                 modes.append((f"confidence {k}/{budget}", {"num_speculative_tokens": k, "verify_budget": budget}))
+                modes.append((f"conf-draft {k}/{budget}", {"num_speculative_tokens": k, "verify_budget": budget,
+                                                           "confidence": "draft"}))
                 modes.append((f"adaptive {k}/{budget}", {"num_speculative_tokens": k, "verify_budget": budget,
                                                          "draft_lengths": "adaptive"}))
                 if batch == 1:

@@ -46,6 +46,16 @@ class DraftHead:
         return torch.sigmoid((z / self.temperature).clamp(-60.0, 60.0))
 
 
+def draft_probability(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The draft distribution's probability of each drafted token: softmax(logits)[tokens], fp32 [n], for logits
+    [n, vocab] (the draft's, Markov term included, masked as the token was drafted) and tokens [n]. A confidence
+    (`SpeculativeConfig.confidence="draft"`): on the trained checkpoint it ranks accepted drafts above rejected ones
+    far better than the confidence head (bench/dspark_oracle.py)."""
+    logits = logits.float()
+    picked = logits.gather(-1, tokens.long()[:, None]).squeeze(-1)
+    return torch.exp(picked - torch.logsumexp(logits, dim=-1))
+
+
 def block_tokens(last_token: int, config: DeepseekV41Config, length: int | None = None) -> list[int]:
     """A draft block: the last accepted token, then noise tokens up to `length` (the config's block size)."""
     length = config.dspark_block_size if length is None else length

@@ -74,7 +74,7 @@ def test_speculative_config_errors_name_the_field() -> None:
     for bad, field in [({"method": "eagle"}, "method"), ({"num_speculative_tokens": 0}, "num_speculative_tokens"),
                        ({"schedule": "fastest"}, "schedule"), ({"verify_budget": 0}, "verify_budget"),
                        ({"confidence_temperature": 0}, "confidence_temperature"), ({"draft_len": 3}, "draft_len"),
-                       ({"draft_lengths": "short"}, "draft_lengths")]:
+                       ({"draft_lengths": "short"}, "draft_lengths"), ({"confidence": "oracle"}, "confidence")]:
         with pytest.raises(ValueError, match=field):
             SpeculativeConfig.from_dict(bad)
 
@@ -209,6 +209,17 @@ def test_adaptive_draft_blocks_on_the_trained_checkpoint_are_lossless_and_accept
     check_lossless_and_accepts(trained_llms[0], adaptive, SamplingParams(max_tokens=24, temperature=0))
 
 
+def test_draft_probability_confidence_on_the_trained_checkpoint_is_lossless_and_accepts(trained_llms) -> None:
+    """Confidences from the draft distribution (not the head) only change which drafts are verified: no token."""
+    from deepinfer.default_model import trained_model
+
+    draft = LLM(trained_model(), max_num_seqs=4, speculative_config={"num_speculative_tokens": 5,
+                                                                     "confidence": "draft"})
+    for params in (SamplingParams(max_tokens=24, temperature=0), SamplingParams(max_tokens=16, temperature=0.7,
+                                                                                 seed=2)):
+        check_lossless_and_accepts(trained_llms[0], draft, params)
+
+
 def tokens_per_verifying_step(outputs) -> float:
     """Accepted drafts plus one, per verifying step, over requests' outputs."""
     steps = sum(o.metrics.drafts_verified[0] for o in outputs if o.metrics.drafts_verified)
@@ -224,13 +235,14 @@ def check_lossless_and_accepts(off: LLM, on: LLM, params: SamplingParams, at_lea
     assert tokens_per_verifying_step(got) > at_least
 
 
-def test_greedy_fast_paths_match_the_sampler(compiled) -> None:
+@pytest.mark.parametrize("confidence", ["head", "draft"])
+def test_greedy_fast_paths_match_the_sampler(compiled, confidence: str) -> None:
     """Rows that sample plain greedily propose and verify on the argmax read back once: the same drafts and
     confidences as the per-token sampler's path, and the same verified tokens, for matching and mismatching drafts."""
     from deepinfer.engine.model_runner import SampleRow
     from deepinfer.engine.speculative import Drafter, plain_greedy, verify
 
-    drafter = Drafter(compiled, SpeculativeConfig.from_dict({"method": "dspark", "num_speculative_tokens": 4}), (1,),
+    drafter = Drafter(compiled, SpeculativeConfig(num_speculative_tokens=4, confidence=confidence), (1,),
                       batch_invariant=True)
     gen = torch.Generator().manual_seed(3)
     rows = []
@@ -246,7 +258,10 @@ def test_greedy_fast_paths_match_the_sampler(compiled) -> None:
     slow = drafter.propose(rows, fill_next=lambda samples, drafts: torch.ones(len(samples), vocab, dtype=torch.bool))
     # (a constraint allowing every token: the per-token sampler's path, masks applied)
     assert [p.tokens for p in fast] == [p.tokens for p in slow]
-    assert [p.confidences for p in fast] == [p.confidences for p in slow]
+    fast_c, slow_c = torch.tensor([p.confidences for p in fast]), torch.tensor([p.confidences for p in slow])
+    assert torch.allclose(fast_c, slow_c, rtol=1e-6, atol=0) and ((fast_c > 0) & (fast_c <= 1)).all()
+    if confidence == "head":
+        assert torch.equal(fast_c, slow_c)
     logits = torch.randn(5, 64, generator=gen)
     target = torch.argmax(logits, dim=-1).tolist()
     penalised = SampleRow(9, "9", 0, SamplingParams(temperature=0, presence_penalty=1e-9), 0, [1], [], 0)

@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 
-from deepinfer.dspark import DraftHead, block_tokens
+from deepinfer.dspark import DraftHead, block_tokens, draft_probability
 from deepinfer.outputs import Logprob
 from deepinfer.sampler import as_allowed, sample, top_logprobs
 from dsl.context import SequenceState
 
 SCHEDULES = ("confidence", "static")
 DRAFT_LENGTHS = ("fixed", "adaptive")
+CONFIDENCES = ("head", "draft")
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class SpeculativeConfig:
       drafts per request while the budget lasts (for comparison).
     - `verify_budget`: tokens per step for the decoding requests (each gets one, drafts share the rest); None: the
       scheduler's `max_num_batched_tokens`.
+    - `confidence`: what a draft's confidence is: "head", the model's confidence head (its estimate that the draft
+      is accepted given the ones before it), or "draft", the draft distribution's probability of the drafted token.
     - `confidence_temperature`: the confidence head's sigmoid temperature.
     - `draft_lengths`: "fixed" drafts `num_speculative_tokens` for every request each step; "adaptive" sizes each
       request's draft block by its last verification: two more than the drafts it accepted, at most
@@ -53,6 +56,7 @@ class SpeculativeConfig:
     verify_budget: int | None = None
     confidence_temperature: float = 1.0
     draft_lengths: str = "fixed"
+    confidence: str = "head"
 
     def __post_init__(self) -> None:
         if self.method != "dspark":
@@ -69,6 +73,8 @@ class SpeculativeConfig:
         t = self.confidence_temperature
         if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
             raise ValueError(f"confidence_temperature must be a number > 0, got {t!r}")
+        if self.confidence not in CONFIDENCES:
+            raise ValueError(f"speculative_config confidence must be one of {CONFIDENCES}, got {self.confidence!r}")
         if self.draft_lengths not in DRAFT_LENGTHS:
             raise ValueError(f"speculative_config draft_lengths must be one of {DRAFT_LENGTHS}, "
                              f"got {self.draft_lengths!r}")
@@ -116,7 +122,7 @@ class Drafter:
         self.head = DraftHead(compiled.params, model_config, config.confidence_temperature,
                               getattr(compiled, "device", None))
         self.eos_token_ids, self.batch_invariant = eos_token_ids, batch_invariant
-        self.greedy = GreedyDrafts(self.head)
+        self.greedy = GreedyDrafts(self.head, config.confidence)
 
     def propose(self, rows: list[tuple[SequenceState, object, list[int]]], fill_next=None,
                 lengths: list[int] | None = None) -> list[Proposal]:
@@ -152,7 +158,7 @@ class Drafter:
         if masks is None and all(plain_greedy(s, outputs) for _, s, outputs in rows):
             picks, confidences = self.greedy(hidden, logits, previous)  # every row's argmax, read back once
             return [Proposal(d, c) for d, c in zip(picks.tolist(), confidences.tolist(), strict=True)]
-        confidences = torch.empty(len(rows), k, device=device)
+        confidences = torch.zeros(len(rows), k, device=device)  # positions a row does not draft keep 0
         for i in range(k + 1):  # the check after the last draft only drops it if it ends the constraint
             if i and fill_next is not None:
                 masks = fill_next(samples, drafts)
@@ -165,7 +171,8 @@ class Drafter:
             if i == k:
                 break
             emb, markov = self.head.markov(previous)
-            confidences[:, i] = self.head.confidence(hidden[:, i], emb)
+            if self.config.confidence == "head":
+                confidences[:, i] = self.head.confidence(hidden[:, i], emb)
             for r, (_, s, outputs) in enumerate(rows):
                 if not live[r] or i >= lengths[r]:
                     continue
@@ -175,6 +182,9 @@ class Drafter:
                 seen = outputs + drafts[r]
                 drafts[r].append(sample(row_logits, s.params, s.seed, len(s.prompt_token_ids) + len(seen), seen,
                                         s.prompt_token_ids, self.eos_token_ids))
+                if self.config.confidence == "draft":
+                    token = torch.tensor([drafts[r][-1]], device=row_logits.device)
+                    confidences[r, i] = draft_probability(row_logits[None], token)[0]
             previous = torch.tensor([d[-1] if d else outputs[-1] for d, (_, _, outputs) in zip(drafts, rows)],
                                     device=device)
         return [Proposal(d, c[: len(d)]) for d, c in zip(drafts, confidences.tolist(), strict=True)]
@@ -202,8 +212,8 @@ class GreedyDrafts:
     a shape runs eagerly, the second captures, later ones replay; at most `max_shapes` kept, the least recently used
     dropped). The returned tensors are the graph's: read them before the next call."""
 
-    def __init__(self, head: DraftHead, max_shapes: int = 8) -> None:
-        self.head, self.max_shapes = head, max_shapes
+    def __init__(self, head: DraftHead, confidence: str = "head", max_shapes: int = 8) -> None:
+        self.head, self.confidence, self.max_shapes = head, confidence, max_shapes
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self.seen: set[tuple] = set()
 
@@ -211,8 +221,12 @@ class GreedyDrafts:
         picks, confidences = [], []
         for i in range(logits.shape[1]):
             emb, markov = self.head.markov(previous)
-            confidences.append(self.head.confidence(hidden[:, i], emb))
-            previous = torch.argmax(logits[:, i] + markov, dim=-1)
+            if self.confidence == "head":
+                confidences.append(self.head.confidence(hidden[:, i], emb))
+            scores = logits[:, i] + markov
+            previous = torch.argmax(scores, dim=-1)
+            if self.confidence == "draft":
+                confidences.append(draft_probability(scores, previous))
             picks.append(previous)
         return torch.stack(picks, dim=1), torch.stack(confidences, dim=1)
 
