@@ -117,11 +117,13 @@ class Executor:
             v = node.inputs[pos]
             if v is not None and v.name in self.graph.params:
                 args[pos] = self.param(v.name, fmt)
-        ragged = args[0] if isinstance(args[0], Ragged) else None
+        lowering = LOWERINGS[node.op]
+        ragged = args[0] if isinstance(args[0], Ragged) and not lowering.ragged else None
         if ragged is not None:
             args[0] = ragged.values
-        config = entry.config(args[0].shape[0], self.plan.buckets, batch_invariant)
-        result = LOWERINGS[node.op].run(args, node.attrs, entry.static, config, ctx, self.plan.dot_fp32)
+        rows = args[0].values.shape[0] if isinstance(args[0], Ragged) else args[0].shape[0]
+        config = entry.config(rows, self.plan.buckets, batch_invariant)
+        result = lowering.run(args, node.attrs, entry.static, config, ctx, self.plan.dot_fp32)
         self.kernel_calls += 1
         return result if ragged is None else ragged.replace(result)
 

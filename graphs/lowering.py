@@ -4,7 +4,8 @@ A lowering reads a node and the weights to decide whether its kernel applies and
 (`static`: the tuning key's weight-fixed dims), names the weight formats the kernel wants (`formats`), runs the
 kernel on the node's runtime arguments (`run`), makes meta-tensor arguments of a bucket's token count for the
 ahead-of-time builder (`trace`), and turns a config into its batch-invariant form (`invariant`; graphs/plan.py).
-RMSNorm and the cache roundings also run over the compressed entries a forward completes (a `Ragged`, flat over E).
+RMSNorm, rope and the cache roundings also run over the compressed entries a forward completes (a `Ragged`, flat
+over E).
 Nodes without a lowering, or not flat over N (or E, for those), run their DSL reference on the device. RMSNorm's
 kernel, and the hyper-connections' collapse + RMSNorm's, are TileLang's (kernels/tilelang/) where TileLang kernels
 can be built (tilelang and nvcc installed: the static shapes say `"kernel": "tilelang"`), else Triton's; the GPU
@@ -165,6 +166,29 @@ ROPE = Lowering(
     lambda st, m: rope.default_config(st["rows"], st["d"]))
 
 
+def _entries_static(node: Node, params: Params) -> dict | None:
+    t = node.inputs[0].type
+    if not over_rows(node) or t.rank != 2 or not isinstance(t.shape[-1], int):
+        return None
+    return {"rows": 1, "d": int(t.shape[-1])}
+
+
+def _rope_entries(args, attrs, st, config, ctx, f):
+    """dsl.ops.rope.rope_entries on the rope kernel: entry j of ratio r at position j * r, made once per layout."""
+    x = args[0]
+    if not x.values.shape[0]:
+        return x
+    key = ("entry positions", attrs["ratio"], tuple(x.first), tuple(x.counts))
+    positions = ctx.memo(key, lambda: ctx.entry_layout(x.first, x.counts)[3] * attrs["ratio"])
+    return x.replace(_rope(x.values.contiguous(), positions, attrs, config))
+
+
+ROPE_ENTRIES = Lowering(  # the rope kernel over compressed entries: its template, configs and cubins
+    "rope", _entries_static, lambda st: {}, _rope_entries,
+    lambda st, attrs, config, m, f: _rope(meta(m, st["d"]), meta(m, dtype=torch.int64), attrs, config),
+    lambda st, m: rope.default_config(st["rows"], st["d"]), ragged=True)
+
+
 # ---- routed experts ----------------------------------------------------------------------------------------------
 
 def _moe_static(node: Node, params: Params) -> dict | None:
@@ -278,7 +302,7 @@ FP8_ROUND, FP4_ROUND = (Lowering(template, _rounding_static, lambda st: {},
 LOWERINGS: dict[str, Lowering] = {
     "linear": LINEAR, "grouped_linear": LINEAR, "rms_norm": RMS_NORM, "hc_mixes": HC_MIXES,
     "hc_collapse_rms_norm": HC_COLLAPSE_RMS_NORM, "hc_expand": HC_EXPAND, "engram_gate": ENGRAM_GATE,
-    "rope": ROPE, "moe_experts": MOE_EXPERTS,
+    "rope": ROPE, "rope_entries": ROPE_ENTRIES, "moe_experts": MOE_EXPERTS,
     "swiglu": SWIGLU, "moe_gate": MOE_GATE, "sparse_attention": SPARSE_ATTENTION,
     "index_scores": INDEX_SCORES, "fp8_round": FP8_ROUND, "fp4_round": FP4_ROUND,
 }

@@ -27,6 +27,9 @@ class Lowering:
     # and K ranges; rows never share a reduction), except where a split follows the batch: the default is a copy.
     invariant: Callable[[dict], dict] = dict
     fp8_activations: Callable[[dict], dict | None] = lambda static: None  # the static of an e4m3-input variant
+    # Over compressed entries (a `Ragged`): False, `run` gets their rows and its result is wrapped back; True, it
+    # gets the `Ragged` itself (the entries' layout too) and returns one.
+    ragged: bool = False
 
 
 def param(node: Node, i: int, params: Params) -> torch.Tensor | None:

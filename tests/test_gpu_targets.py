@@ -148,6 +148,7 @@ def test_executor_matches_the_cpu_target_under_the_interpreter(fixture, compiled
         assert rel_l2(got.numpy(), want.numpy()) < 1e-4
     assert executor.kernel_calls == 2 * len(plan.kernel_nodes()) > 2 * 100
     assert ("engram_gate" in {n.op for n in plan.kernel_nodes()}) == fixture.endswith("engram")
+    assert "rope_entries" in {n.op for n in plan.kernel_nodes()}  # the rope kernel on the compressed entries
 
 
 RUN_ARTIFACT = """
