@@ -5,8 +5,9 @@ read and write the caches).
 The step runs node by node as `graphs.executor.Executor` runs it on the GPU, with three stand-ins for what needs one:
 - a `ForwardContext` that batches like the GPU's (`compute_per_chunk` False: the batched attention, pooling and
   scores);
-- the attention and indexer-score kernels: their lowering's host code runs (gathering the keys, building the index
-  tensors), the Triton launch is replaced by its torch equivalent, counted as one op;
+- the attention, indexer-score, compressor-pooling and entries' rope kernels: their lowering's host code runs
+  (gathering the keys, building the index tensors, the partial rows' reads and writes), the Triton launch is
+  replaced by its torch equivalent, counted as one op;
 - the pools' entry encoders and decoders: the cache kernels the GPU installs (kernels/triton/cache.py) are one launch
   each, so the torch code they replace is counted as one op.
 Each aten op dispatched counts (views too: a proxy for launches plus Python), `_local_scalar_dense` as a host sync.
@@ -35,19 +36,27 @@ from bench_slice import slice_config, slice_weights
 from slice_caches import Caches
 
 import kernels.triton.attention as attention_kernels
+import kernels.triton.compressor as compressor_kernels
 import kernels.triton.indexer as indexer_kernels
+import kernels.triton.rope as rope_kernels
 from deepinfer.models import DeepseekV41Flash
 from dsl.cache import PagedCache, load_rows, store_rows
 from dsl.context import ForwardContext
 from dsl.ops import OPS
 from dsl.ops.attention import _attend as attend
+from dsl.ops.compressor import _pool as pool
 from dsl.ops.indexer import mask_incomplete
+from dsl.ops.rope import _rotated as rotated
 from dsl.passes import run_passes
+from dsl.ragged import Ragged
 from graphs.capture import find_segments
 from graphs.lowering import LOWERINGS
 from graphs.plan import make_plan
 
 CAPTURED = "(CUDA-graph segments)"
+# Kernel nodes whose lowering does host work around the launch (layouts, the caches' reads and writes): run, with
+# their launch stood in for; any other kernel node counts one op.
+HOST_CODE = ("sparse_attention", "index_scores", "compress_pool", "rope_entries")
 
 
 class GpuLayoutContext(ForwardContext):
@@ -92,14 +101,17 @@ def one_launch(fn):
 @contextlib.contextmanager
 def kernels_replaced(cache: PagedCache):
     """The attention, indexer and cache kernels' launches replaced by their torch stand-ins, each one op."""
-    kept = attention_kernels.sparse_attention, indexer_kernels.index_scores
+    kept = (attention_kernels.sparse_attention, indexer_kernels.index_scores, compressor_kernels.pool_groups,
+            rope_kernels.rope)
     attention_kernels.sparse_attention = one_launch(attention_kernel)
     indexer_kernels.index_scores = one_launch(scores_kernel)
+    compressor_kernels.pool_groups, rope_kernels.rope = one_launch(pool_kernel), one_launch(rope_kernel)
     cache.writer, cache.reader = one_launch(store_rows), one_launch(load_rows)
     try:
         yield
     finally:
-        attention_kernels.sparse_attention, indexer_kernels.index_scores = kept
+        (attention_kernels.sparse_attention, indexer_kernels.index_scores, compressor_kernels.pool_groups,
+         rope_kernels.rope) = kept
         cache.writer, cache.reader = store_rows, load_rows
 
 
@@ -119,6 +131,19 @@ def scores_kernel(q, weights, keys, start, length, positions, *, ratio, width, c
              * q.shape[1] ** -0.5).sum(0)
         out[t, : k.shape[0]] = mask_incomplete(s[None], positions[t: t + 1].long(), ratio)[0]
     return out
+
+
+def pool_kernel(kv, gate, kept_kv, kept_gate, source, config=None) -> torch.Tensor:
+    """The compressor's pooling kernel in torch: [G, D]."""
+    return pool(torch.cat([kv, kept_kv])[source], torch.cat([gate, kept_gate])[source])
+
+
+def rope_kernel(x, positions, freqs, *, magnitude=1.0, inverse=False, config=None) -> torch.Tensor:
+    """The rope kernel in torch."""
+    angles = positions.float()[:, None] * freqs[None, :]
+    cos, sin = angles.cos() * magnitude, angles.sin() * magnitude
+    sin = -sin if inverse else sin
+    return rotated(x, torch.stack([cos, sin, -sin, cos], dim=-1).unflatten(-1, (2, 2)))
 
 
 @dataclasses.dataclass
@@ -169,8 +194,9 @@ class Step:
         kwargs = dict(node.attrs, ctx=ctx) if opdef.uses_context else node.attrs
         if not entry.template:
             return opdef.reference(*args, **kwargs)
-        if node.op in ("sparse_attention", "index_scores"):  # their host code, and a stand-in for the launch
-            config = entry.config(args[0].shape[0], self.plan.buckets)
+        if node.op in HOST_CODE:  # their host code, and a stand-in for the launch
+            rows = args[0].values if isinstance(args[0], Ragged) else args[0]  # entries' lowerings take the Ragged
+            config = entry.config(rows.shape[0], self.plan.buckets)
             return LOWERINGS[node.op].run(args, node.attrs, entry.static, config, ctx, True)
         return one_launch(opdef.reference)(*args, **kwargs)  # another kernel: one launch
 

@@ -21,6 +21,7 @@ import torch
 import kernels.tilelang.hyper as hyper_tilelang
 import kernels.tilelang.rms_norm as rms_norm_tilelang
 import kernels.triton.attention as attention
+import kernels.triton.compressor as compressor
 import kernels.triton.engram as engram
 import kernels.triton.hyper as hyper
 import kernels.triton.indexer as indexer
@@ -29,6 +30,7 @@ import kernels.triton.rms_norm as rms_norm
 import kernels.triton.rope as rope
 import kernels.triton.rounding as rounding
 from dsl.graph import Node
+from dsl.ops.compressor import pool_entries
 from dsl.ops.rope import _freqs_on, inv_freq
 from dsl.tensor import num_tokens
 from graphs.lowering_base import Lowering, Params, meta, over_rows, over_tokens, param, weight_dtype
@@ -189,6 +191,27 @@ ROPE_ENTRIES = Lowering(  # the rope kernel over compressed entries: its templat
     lambda st, m: rope.default_config(st["rows"], st["d"]), ragged=True)
 
 
+# ---- the compressor ----------------------------------------------------------------------------------------------
+
+def _pool_static(node: Node, params: Params) -> dict | None:
+    t = node.inputs[0].type
+    if node.attrs["ratio"] == 1 or not over_tokens(node) or t.rank != 2 or node.inputs[1] is None:
+        return None
+    return {"d": int(t.shape[-1]), "ratio": int(node.attrs["ratio"])}
+
+
+def _pool_run(args, attrs, st, config, ctx, f):
+    return pool_entries(args[0], args[1], layer=attrs["layer"], ratio=attrs["ratio"], ctx=ctx,
+                        pool_groups=lambda *a: compressor.pool_groups(*a, config=config))
+
+
+COMPRESS_POOL = Lowering(  # a paged batch's completed groups on the kernel; the partial rows' reads and writes as are
+    "compress_pool", _pool_static, lambda st: {}, _pool_run,
+    lambda st, attrs, config, m, f: compressor.pool_groups(*(meta(m, st["d"]) for _ in range(4)),
+                                                           meta(m, st["ratio"], dtype=torch.int64), config=config),
+    lambda st, m: compressor.default_config(st["d"]))
+
+
 # ---- routed experts ----------------------------------------------------------------------------------------------
 
 def _moe_static(node: Node, params: Params) -> dict | None:
@@ -302,7 +325,7 @@ FP8_ROUND, FP4_ROUND = (Lowering(template, _rounding_static, lambda st: {},
 LOWERINGS: dict[str, Lowering] = {
     "linear": LINEAR, "grouped_linear": LINEAR, "rms_norm": RMS_NORM, "hc_mixes": HC_MIXES,
     "hc_collapse_rms_norm": HC_COLLAPSE_RMS_NORM, "hc_expand": HC_EXPAND, "engram_gate": ENGRAM_GATE,
-    "rope": ROPE, "rope_entries": ROPE_ENTRIES, "moe_experts": MOE_EXPERTS,
+    "rope": ROPE, "rope_entries": ROPE_ENTRIES, "compress_pool": COMPRESS_POOL, "moe_experts": MOE_EXPERTS,
     "swiglu": SWIGLU, "moe_gate": MOE_GATE, "sparse_attention": SPARSE_ATTENTION,
     "index_scores": INDEX_SCORES, "fp8_round": FP8_ROUND, "fp4_round": FP4_ROUND,
 }

@@ -120,9 +120,10 @@ def gathered(window, compressed, topk, ctx) -> tuple[torch.Tensor, torch.Tensor]
     return kv[idx.clamp(min=0)] * (idx >= 0)[..., None], idx >= 0
 
 
-def play(seed: int, num_seqs: int, steps: int, device: str, check) -> None:
-    """Run a random schedule on both copies of every sequence, `check(paged outputs, plain outputs, contexts)` after
-    each step; now and then a chunk's last tokens are taken back (at most `spare`, as rejected drafts)."""
+def play(seed: int, num_seqs: int, steps: int, device: str, check, paged_ops: dict = OPS_REF) -> None:
+    """Run a random schedule on both copies of every sequence (the paged one through `paged_ops`), `check(paged
+    outputs, plain outputs, contexts)` after each step; now and then a chunk's last tokens are taken back (at most
+    `spare`, as rejected drafts)."""
     rng, gen = random.Random(seed), torch.Generator().manual_seed(seed)
     twin = Twin(num_seqs, rng, device)
     for _ in range(steps):
@@ -132,7 +133,7 @@ def play(seed: int, num_seqs: int, steps: int, device: str, check) -> None:
         contexts = [ForwardContext([states[i] for i, _ in step], lengths, device)
                     for states in (twin.paged, twin.plain)]
         assert contexts[0].paged is not None and contexts[1].paged is None
-        outs = [run_ops(ctx, inputs) for ctx in contexts]
+        outs = [run_ops(ctx, inputs, ops) for ctx, ops in zip(contexts, (paged_ops, OPS_REF), strict=True)]
         check(outs[0], outs[1], contexts, inputs)
         for ctx in contexts:
             ctx.commit()

@@ -7,6 +7,8 @@ every token's rows are written, so a sequence taken back to fewer tokens still f
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dsl.context import ForwardContext, PagedBatch, cast, segments, take_rows
@@ -31,13 +33,20 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor | None = None, *, layer: 
     Ratio 1 passes every token through (no gate). Returns the completed entries (fp32, pre-norm and pre-rope)
     of each sequence, with their absolute entry indices.
     """
+    return pool_entries(kv, gate, layer=layer, ratio=ratio, ctx=ctx)
+
+
+def pool_entries(kv: torch.Tensor, gate: torch.Tensor | None, *, layer: int, ratio: int, ctx,
+                 pool_groups: Callable | None = None) -> Ragged:
+    """`compress_pool`; with `pool_groups(kv, gate, kept_kv, kept_gate, source)` (kernels/triton/compressor.py)
+    pooling a paged batch's completed groups in place of `_pool`'s torch."""
     first = [s // ratio for s in ctx.starts]
     counts = [(s % ratio + n) // ratio for s, n in zip(ctx.starts, ctx.lengths, strict=True)]
     if ratio == 1:
         return Ragged(cast(kv, torch.float32), counts, first)
     if ctx.paged is not None:
         kv, gate = cast(kv, torch.float32), cast(gate, torch.float32)
-        return Ragged(_pool_batch(kv, gate, layer, ratio, ctx, ctx.paged, sum(counts)), counts, first)
+        return Ragged(_pool_batch(kv, gate, layer, ratio, ctx, ctx.paged, sum(counts), pool_groups), counts, first)
     values = []
     for c in ctx.chunks:
         storage, pending = c.state.storage, c.start_pos % ratio
@@ -48,15 +57,20 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor | None = None, *, layer: 
         if pending:
             ckv, cgate = torch.cat([kept_kv.to(ckv.device), ckv]), torch.cat([kept_gate.to(ckv.device), cgate])
         usable = ckv.shape[0] // ratio * ratio
+        if pool_groups is not None:  # the chunk's own rows, the kept ones first: no separate kept rows
+            empty = ckv.new_empty(0, ckv.shape[-1])
+            values.append(pool_groups(ckv.contiguous(), cgate.contiguous(), empty, empty,
+                                      torch.arange(usable, device=ckv.device).reshape(-1, ratio)))
+            continue
         values.append(_pool(ckv[:usable].reshape(-1, ratio, ckv.shape[-1]),
                             cgate[:usable].reshape(-1, ratio, ckv.shape[-1])))
     return Ragged(torch.cat(values) if values else kv.new_zeros(0, kv.shape[-1], dtype=torch.float32), counts, first)
 
 
 def _pool_batch(kv: torch.Tensor, gate: torch.Tensor, layer: int, ratio: int, ctx: ForwardContext,
-                batch: PagedBatch, total: int) -> torch.Tensor:
+                batch: PagedBatch, total: int, pool_groups: Callable | None = None) -> torch.Tensor:
     """`compress_pool` of every chunk at once: read the partial groups, store the chunks' rows, pool the `total`
-    completed groups. kv, gate [N, D] fp32 -> [total, D]."""
+    completed groups (with `pool_groups` where given). kv, gate [N, D] fp32 -> [total, D]."""
     cache = batch.cache
     ring = cache.partials[layer].shape[2]
     slots, positions, source = ctx.memo(("pool", ratio), lambda: _pool_layout(ctx, batch, ratio, total))
@@ -65,6 +79,9 @@ def _pool_batch(kv: torch.Tensor, gate: torch.Tensor, layer: int, ratio: int, ct
     cache.write_partial_rows(layer, slots, ctx.positions, take_rows(kv, rows), take_rows(gate, rows))
     if not total:  # no group completed (most decode steps)
         return kv.new_empty(0, kv.shape[-1])
+    if pool_groups is not None and not ctx.compute_per_chunk:
+        return pool_groups(kv.contiguous(), gate.contiguous(), cast(kept_kv, device=kv.device).contiguous(),
+                           cast(kept_gate, device=kv.device).contiguous(), source)
     groups = torch.cat([kv, cast(kept_kv, device=kv.device)])[source]
     gates = torch.cat([gate, cast(kept_gate, device=kv.device)])[source]
     if not ctx.compute_per_chunk:
