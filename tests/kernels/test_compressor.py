@@ -69,3 +69,13 @@ def test_paged_batches_pool_on_the_kernel_as_in_torch(monkeypatch) -> None:
 
     play(6, num_seqs=4, steps=6, device="cpu", check=check, paged_ops=ops)
     assert sum(pooled) > 0  # groups completed, through the kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ratio,count", [(4, 1), (4, 300), (128, 3)])
+def test_pool_groups_at_v41_shapes_on_the_gpu(ratio, count) -> None:
+    """V4.1's compressors (ratios 4 and 128, head_dim 512): a decode step's one group, a prefill's many."""
+    args = groups(ratio * count, ratio - 1, count, ratio, 512, "cuda", seed=ratio)
+    got, want = pool_groups(*args), reference(*args)
+    assert rel_l2(got, want) < 1e-6, rel_l2(got, want)
+    assert torch.equal(pool_groups(*args[:4], args[4][-1:])[0], got[-1])
