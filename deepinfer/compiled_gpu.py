@@ -26,8 +26,8 @@ from deepinfer import batch_invariant as invariant
 from deepinfer.compiled import CompiledModel
 from deepinfer.config import DeepseekV41Config
 from dsl.context import ForwardContext, SequenceState
-from dsl.transfer import host_to, to_device
 from dsl.graph import Graph
+from dsl.transfer import host_to, to_device
 from graphs import artifact
 from graphs.aot import Built
 from graphs.plan import Plan

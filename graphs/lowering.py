@@ -205,7 +205,7 @@ def _pool_run(args, attrs, st, config, ctx, f):
                         pool_groups=lambda *a: compressor.pool_groups(*a, config=config))
 
 
-COMPRESS_POOL = Lowering(  # a paged batch's completed groups on the kernel; the partial rows' reads and writes as are
+COMPRESS_POOL = Lowering(  # the completed groups on the kernel; the partial rows' reads and writes as they were
     "compress_pool", _pool_static, lambda st: {}, _pool_run,
     lambda st, attrs, config, m, f: compressor.pool_groups(*(meta(m, st["d"]) for _ in range(4)),
                                                            meta(m, st["ratio"], dtype=torch.int64), config=config),

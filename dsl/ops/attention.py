@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsl.context import ForwardContext, cast, segments, take_rows
-from dsl.transfer import to_device
 from dsl.ops.registry import op
 from dsl.tensor import TensorType, context
+from dsl.transfer import to_device
 
 if TYPE_CHECKING:
     from dsl.cache import PagedCache

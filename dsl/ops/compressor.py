@@ -39,7 +39,7 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor | None = None, *, layer: 
 def pool_entries(kv: torch.Tensor, gate: torch.Tensor | None, *, layer: int, ratio: int, ctx,
                  pool_groups: Callable | None = None) -> Ragged:
     """`compress_pool`; with `pool_groups(kv, gate, kept_kv, kept_gate, source)` (kernels/triton/compressor.py)
-    pooling a paged batch's completed groups in place of `_pool`'s torch."""
+    pooling the completed groups in place of `_pool`'s torch (not where the cpu target pools chunk by chunk)."""
     first = [s // ratio for s in ctx.starts]
     counts = [(s % ratio + n) // ratio for s, n in zip(ctx.starts, ctx.lengths, strict=True)]
     if ratio == 1:
