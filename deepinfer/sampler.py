@@ -3,7 +3,9 @@
 Seeded sampling is stateless: the noise for token id v at sequence position p of a request with seed s is
 Gumbel(u) with u = uniform(hash(s, p, v)), a counter-based hash (splitmix64's mixer, exact in wrapping int64
 arithmetic). Picking argmax(logits / T + Gumbel) over the allowed tokens samples from softmax(logits / T) restricted
-to them, and the choice depends only on (seed, position, logits): not on the batch, the step, or drafting.
+to them, and the choice depends only on (seed, position, logits): not on the batch, the step, or drafting. The
+logits are scaled as logits * (1 / T), one rounding whether T comes as a number or as a row of a tensor, so
+`sample_plain` draws many rows at once with each row's `sample` token.
 """
 
 from __future__ import annotations
@@ -131,12 +133,45 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: in
             logits[torch.as_tensor(banned, dtype=torch.int64, device=logits.device)] = float("-inf")
     if params.is_greedy:
         return int(torch.argmax(logits))  # torch.argmax returns the first of equal maxima: the lowest id
-    scaled = logits / params.temperature
+    scaled = logits * (1.0 / params.temperature)  # one rounding, the same for a scalar or a tensor factor, any device
     allowed = allowed_mask(scaled, params)
     device = logits.device
     noise = gumbel_noise(torch.tensor([_int64(seed)], device=device), torch.tensor([position], device=device),
                          logits.shape[-1])[0]
     return int(torch.argmax(scaled.masked_fill(~allowed, float("-inf")) + noise))
+
+
+def plain_sampled(params: SamplingParams, num_outputs: int, vocab_size: int) -> bool:
+    """Whether `sample` draws a row's next tokens from its temperature-scaled logits alone (`sample_plain` then
+    draws them for many rows at once): not greedy, no penalty, no min_p / top_k / top_p cut, min_tokens reached
+    (`num_outputs` tokens so far), no log-probabilities asked for."""
+    p = params
+    return (not p.is_greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0 and p.min_p == 0.0 and not 0 < p.top_k < vocab_size and p.top_p >= 1.0
+            and num_outputs >= p.min_tokens and p.logprobs is None)
+
+
+def sample_plain(logits: torch.Tensor, temperatures: Sequence[float], seeds: Sequence[int],
+                 positions: Sequence[int], max_elements: int = 1 << 24) -> torch.Tensor:
+    """`sample`'s token for each row of logits [R, V] whose params `plain_sampled` admits, at once: the argmax of
+    logits * (1 / temperature) plus the row's hashed Gumbel noise (seed, position), over its tokens above -inf;
+    int64 [R] on the logits' device, -1 for a row with none (`sample` falls back to its argmax alone). Every
+    operation is elementwise or a row's argmax, so each row's token is bitwise `sample`'s. At most `max_elements`
+    logits at a time (the float64 noise of 129k-token rows is a GB at 1k rows)."""
+    rows, vocab = logits.shape
+    device = logits.device
+    out = torch.empty(rows, dtype=torch.int64, device=device)
+    step = max(1, max_elements // max(1, vocab))
+    for start in range(0, rows, step):
+        part = slice(start, min(rows, start + step))
+        factor = torch.tensor([1.0 / t for t in temperatures[part]], dtype=torch.float64).to(device)
+        scaled = logits[part].to(torch.float64) * factor[:, None]
+        keep = scaled > float("-inf")  # also drops NaN
+        noise = gumbel_noise(torch.tensor([_int64(s) for s in seeds[part]]).to(device),
+                             torch.tensor(list(positions[part])).to(device), vocab)
+        picks = torch.argmax(scaled.masked_fill(~keep, float("-inf")) + noise, dim=-1)
+        out[part] = torch.where(keep.any(dim=-1), picks, -1)
+    return out
 
 
 def top_logprobs(logits: torch.Tensor, token_id: int, num_logprobs: int) -> dict[int, Logprob]:

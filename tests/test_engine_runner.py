@@ -142,3 +142,26 @@ def test_the_constraint_can_end_a_sequence_or_fail_its_request(llm: LLM, async_s
     assert len(done.outputs[0].token_ids) == 3 and done.outputs[0].finish_reason == "stop" and done.error is None
     assert failed.error == "token 2 breaks the grammar" and failed.outputs[0].finish_reason == "error"
     assert len(free.outputs[0].token_ids) == 6 and free.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("drafting", [False, True])
+def test_sampled_rows_drawn_for_the_whole_step_are_each_rows_sample(monkeypatch, drafting: bool) -> None:
+    """Rows that sample from their scaled logits alone are drawn for the whole step at once (`step_picks`); their
+    tokens are the ones sampling each row alone gives, beside greedy and top-p rows, with and without drafts."""
+    import deepinfer.engine.speculative as speculative
+    from deepinfer.default_model import trained_model
+
+    spec = {"num_speculative_tokens": 3} if drafting else None
+    llm = LLM(trained_model(), max_num_seqs=6, speculative_config=spec)
+    prompts = ["def fib(n):\n", "import os\n", "class A:\n", "x = [", "for i in range(", "# a comment\n"]
+    params = [SamplingParams(max_tokens=12, temperature=t, top_p=p, seed=40 + i, ignore_eos=True)
+              for i, (t, p) in enumerate([(0.7, 1.0), (1.3, 1.0), (0.0, 1.0), (0.9, 0.9), (0.4, 1.0), (1.0, 1.0)])]
+    drawn = []
+    sample_plain = speculative.sample_plain
+    monkeypatch.setattr(speculative, "sample_plain", lambda logits, *a: drawn.append(len(logits)) or
+                        sample_plain(logits, *a))
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert max(drawn) >= 4  # the four plain sampled requests' rows together (more with drafts)
+    monkeypatch.setattr(speculative, "plain_sampled", lambda *args: False)  # every sampled row alone
+    alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert batched == alone

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.sampler import allowed_mask, derive_seed, gumbel_noise, hash_uniform, mix64, sample, top_logprobs
+from deepinfer.sampler import (allowed_mask, derive_seed, gumbel_noise, hash_uniform, mix64, plain_sampled, sample,
+                               sample_plain, top_logprobs)
 from deepinfer.sampling_params import SamplingParams
 
 _M = (1 << 64) - 1
@@ -164,3 +165,34 @@ def test_top_logprobs_rank_and_include_the_sampled_token(num_logprobs: int) -> N
     assert out[3].rank == 5 and abs(out[3].logprob - float(full[3])) < 1e-6
     if num_logprobs:
         assert out[1].rank == 1 and abs(out[1].logprob - float(full[1])) < 1e-6
+
+
+def test_many_rows_sampled_at_once_are_each_rows_sample() -> None:
+    """`sample_plain` over a batch (in parts smaller than the batch, too) picks each row's `sample` token bitwise:
+    temperatures that round differently, tokens at -inf and NaN, a row with nothing allowed (-1: sampled alone)."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(13, 300, generator=gen) * 4
+    logits[2, :150] = float("-inf")
+    logits[5, 7] = float("nan")
+    logits[9] = float("-inf")
+    temperatures = [0.3, 0.7, 1.0, 1.3, 0.05, 2.0, 0.9, 0.6, 1.1, 0.8, 0.4, 1.7, 0.7]
+    seeds, positions = [3 * i - 5 for i in range(13)], [11 * i for i in range(13)]
+    for max_elements in (1 << 24, 4 * 300):
+        got = sample_plain(logits, temperatures, seeds, positions, max_elements=max_elements).tolist()
+        for r in range(13):
+            params = SamplingParams(temperature=temperatures[r])
+            assert plain_sampled(params, 0, 300)
+            want = sample(logits[r], params, seeds[r], positions[r]) if r != 9 else -1
+            assert got[r] == want, r
+
+
+def test_only_rows_sample_draws_from_the_scaled_logits_alone_go_batched() -> None:
+    plain = SamplingParams(temperature=0.8)
+    assert plain_sampled(plain, 0, 100)
+    for other in (SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_p=0.9),
+                  SamplingParams(temperature=0.8, top_k=5), SamplingParams(temperature=0.8, min_p=0.1),
+                  SamplingParams(temperature=0.8, presence_penalty=0.5), SamplingParams(temperature=0.8, logprobs=1)):
+        assert not plain_sampled(other, 0, 100)
+    assert plain_sampled(SamplingParams(temperature=0.8, top_k=100), 0, 100)  # a cut past the vocabulary: none
+    assert not plain_sampled(SamplingParams(temperature=0.8, min_tokens=3), 2, 100)
+    assert plain_sampled(SamplingParams(temperature=0.8, min_tokens=3), 3, 100)

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from deepinfer.engine.speculative import Drafter, Proposal, plain_greedy, verify
+from deepinfer.engine.speculative import Drafter, Proposal, step_picks, verify
 from deepinfer.outputs import Logprob
 from deepinfer.sampler import as_allowed
 from deepinfer.sampling_params import SamplingParams
@@ -166,16 +166,17 @@ class ModelRunner:
         mask_first = list(accumulate((1 + len(d) for d in drafts), initial=0))  # each sampled row's first mask row
         outputs = [row.sample.output_token_ids + ([self.last_sampled[row.seq_id]] if row.sample.num_pending else [])
                    for _, row in sampled]
-        # plain greedy rows take the argmax of their logits: every row's, read back once for the step
-        argmax = torch.argmax(logits, dim=-1).tolist() if allowed is None and any(
-            plain_greedy(row.sample, o) for (_, row), o in zip(sampled, outputs, strict=True)) else None
+        # plain greedy and plain sampled rows: every row's token read back once for the step
+        picks = None if allowed is not None else step_picks(
+            logits, [(row.sample, o, range(first[i], first[i] + 1 + row.num_drafts))
+                     for (i, row), o in zip(sampled, outputs, strict=True)])
         out, drafting, lengths = {}, [], []
         for j, (i, row) in enumerate(sampled):
             s = row.sample
             rows_of = slice(first[i], first[i] + 1 + row.num_drafts)
             row_allowed = None if allowed is None else allowed[mask_first[j]: mask_first[j + 1]]
             out[row.seq_id] = verify(logits[rows_of], row_allowed, s, outputs[j], drafts[j], self.eos_token_ids,
-                                     None if argmax is None else argmax[rows_of])
+                                     None if picks is None else picks[rows_of])
             if row.num_drafts:
                 num_kept = row.start + len(out[row.seq_id][0])
                 self.compiled.rollback(batch[i][0], num_kept, self.drafter.config.num_speculative_tokens)

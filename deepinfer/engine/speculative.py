@@ -22,7 +22,7 @@ import torch
 
 from deepinfer.dspark import DraftHead, block_tokens, draft_probability
 from deepinfer.outputs import Logprob
-from deepinfer.sampler import as_allowed, sample, top_logprobs
+from deepinfer.sampler import as_allowed, plain_sampled, sample, sample_plain, top_logprobs
 from dsl.context import SequenceState
 
 SCHEDULES = ("confidence", "static")
@@ -256,6 +256,27 @@ class GreedyDrafts:
         return outputs
 
 
+def step_picks(logits: torch.Tensor, rows: list[tuple[object, list[int], range]]) -> list[int] | None:
+    """Every row of a step's logits [R, V] as `sample` would pick it, read back once, for the sequences whose tokens
+    allow it: `rows` (sample row, outputs so far, its logits rows). A plain greedy sequence's rows get their argmax,
+    a plain sampled one's their draw (`sample_plain`: position by position, as `verify` samples them); the others -1.
+    None when no sequence is either."""
+    vocab = logits.shape[-1]
+    greedy = [r for s, outputs, r in rows if plain_greedy(s, outputs)]
+    plain = [(s, outputs, r) for s, outputs, r in rows if not plain_greedy(s, outputs)
+             and plain_sampled(s.params, len(outputs), vocab)]
+    if not greedy and not plain:
+        return None
+    picks = torch.argmax(logits, dim=-1) if greedy else torch.full((logits.shape[0],), -1, device=logits.device)
+    if plain:
+        index = [i for _, _, r in plain for i in r]
+        temperatures = [s.params.temperature for s, _, r in plain for _ in r]
+        seeds = [s.seed for s, _, r in plain for _ in r]
+        positions = [len(s.prompt_token_ids) + len(outputs) + k for s, outputs, r in plain for k in range(len(r))]
+        picks[torch.tensor(index, device=logits.device)] = sample_plain(logits[index], temperatures, seeds, positions)
+    return picks.tolist()
+
+
 def plain_greedy(sample_row, outputs: list[int]) -> bool:
     """Whether `sample` picks a row's every next token as the plain argmax of its logits: greedy, no penalty, no
     token banned by min_tokens any more, no log-probabilities asked for."""
@@ -265,16 +286,23 @@ def plain_greedy(sample_row, outputs: list[int]) -> bool:
 
 
 def verify(logits: torch.Tensor, allowed: torch.Tensor | None, sample_row, outputs: list[int], drafts: list[int],
-           eos_token_ids: tuple[int, ...], argmax: list[int] | None = None,
+           eos_token_ids: tuple[int, ...], picks: list[int] | None = None,
            ) -> tuple[list[int], list[dict[int, Logprob] | None]]:
     """The tokens a step gives a sequence that fed its last token then `drafts`: the target's token at every
     position up to and including the first that differs from its draft (just the one token without drafts).
     `logits` [len(drafts) + 1, vocab]; `allowed` (bool, same shape) the constraint's mask of each position, or
-    None; `argmax`, if the caller read them back for the whole step at once, the argmax of each row of `logits`.
+    None; `picks`, if the caller read them back for the whole step at once, each row's token as `sample` draws it
+    (`step_picks`: a plain greedy row's argmax, a plain sampled row's draw; -1 where not read).
     Log-probabilities, when asked for, are of the raw logits (before mask and penalties)."""
     s = sample_row
+    n = len(drafts) + 1
+    targets = None
     if allowed is None and plain_greedy(s, outputs):  # every position's argmax in one read back
-        targets = argmax if argmax is not None else torch.argmax(logits[: len(drafts) + 1], dim=-1).tolist()
+        targets = picks if picks is not None else torch.argmax(logits[:n], dim=-1).tolist()
+    elif allowed is None and picks is not None and min(picks[:n]) >= 0 \
+            and plain_sampled(s.params, len(outputs), logits.shape[-1]):
+        targets = picks
+    if targets is not None:
         kept = next((j for j, (t, d) in enumerate(zip(targets, drafts)) if t != d), len(drafts))
         return targets[: kept + 1], [None] * (kept + 1)
     tokens, logprobs = [], []
