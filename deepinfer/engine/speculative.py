@@ -259,8 +259,9 @@ class GreedyDrafts:
 def step_picks(logits: torch.Tensor, rows: list[tuple[object, list[int], range]]) -> list[int] | None:
     """Every row of a step's logits [R, V] as `sample` would pick it, read back once, for the sequences whose tokens
     allow it: `rows` (sample row, outputs so far, its logits rows). A plain greedy sequence's rows get their argmax,
-    a plain sampled one's their draw (`sample_plain`: position by position, as `verify` samples them); the others -1.
-    None when no sequence is either."""
+    a plain sampled one's their draw (`sample_plain`: position by position, as `verify` samples them), -1 where a
+    row allows no token; the other sequences' rows hold their argmax, which `verify` does not use for them. None
+    when no sequence is either."""
     vocab = logits.shape[-1]
     greedy = [r for s, outputs, r in rows if plain_greedy(s, outputs)]
     plain = [(s, outputs, r) for s, outputs, r in rows if not plain_greedy(s, outputs)
