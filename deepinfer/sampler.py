@@ -154,10 +154,10 @@ def plain_sampled(params: SamplingParams, num_outputs: int, vocab_size: int) -> 
 def sample_plain(logits: torch.Tensor, temperatures: Sequence[float], seeds: Sequence[int],
                  positions: Sequence[int], max_elements: int = 1 << 24) -> torch.Tensor:
     """`sample`'s token for each row of logits [R, V] whose params `plain_sampled` admits, at once: the argmax of
-    logits * (1 / temperature) plus the row's hashed Gumbel noise (seed, position), over its tokens above -inf;
-    int64 [R] on the logits' device, -1 for a row with none (`sample` falls back to its argmax alone). Every
-    operation is elementwise or a row's argmax, so each row's token is bitwise `sample`'s. At most `max_elements`
-    logits at a time (the float64 noise of 129k-token rows is a GB at 1k rows)."""
+    logits * (1 / temperature) plus the row's hashed Gumbel noise (seed, position), over its tokens above -inf
+    (a row with none: the argmax of its scaled logits, as `sample` falls back); int64 [R] on the logits' device.
+    Every operation is elementwise or a row's argmax, so each row's token is bitwise `sample`'s. At most
+    `max_elements` logits at a time (the float64 noise of 129k-token rows is a GB at 1k rows)."""
     rows, vocab = logits.shape
     device = logits.device
     out = torch.empty(rows, dtype=torch.int64, device=device)
@@ -170,7 +170,7 @@ def sample_plain(logits: torch.Tensor, temperatures: Sequence[float], seeds: Seq
         noise = gumbel_noise(torch.tensor([_int64(s) for s in seeds[part]]).to(device),
                              torch.tensor(list(positions[part])).to(device), vocab)
         picks = torch.argmax(scaled.masked_fill(~keep, float("-inf")) + noise, dim=-1)
-        out[part] = torch.where(keep.any(dim=-1), picks, -1)
+        out[part] = torch.where(keep.any(dim=-1), picks, torch.argmax(scaled, dim=-1))
     return out
 
 

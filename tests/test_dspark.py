@@ -268,3 +268,33 @@ def test_greedy_fast_paths_match_the_sampler(compiled, confidence: str) -> None:
     for drafts in (target[:4], target[:2] + [target[2] + 1, target[3]], [target[0] + 1] * 4, []):
         assert verify(logits, None, rows[0][1], [5], drafts, (1,)) == \
             verify(logits, None, penalised, [5], drafts, (1,))  # the per-token sampler (a penalty that changes none)
+
+
+@pytest.mark.parametrize("confidence", ["head", "draft"])
+def test_sampled_drafts_for_every_row_at_once_match_the_sampler(compiled, confidence: str) -> None:
+    """Rows that sample from their scaled logits alone (beside a greedy one) draft every position of every row at
+    once (`_plain_drafts`): the drafts and confidences of the per-token sampler's path."""
+    from deepinfer.engine.model_runner import SampleRow
+    from deepinfer.engine.speculative import Drafter
+    from deepinfer.sampler import plain_sampled
+
+    drafter = Drafter(compiled, SpeculativeConfig(num_speculative_tokens=4, confidence=confidence), (1,),
+                      batch_invariant=True)
+    gen = torch.Generator().manual_seed(5)
+    rows = []
+    for n, temperature in ((30, 0.8), (7, 0.0), (55, 1.3), (12, 0.5)):
+        state = compiled.new_sequence()
+        prompt = torch.randint(4, 5000, (n,), generator=gen).tolist()
+        compiled.step([(state, prompt)], batch_invariant=True)
+        params = SamplingParams(temperature=temperature, seed=len(rows))
+        rows.append((state, SampleRow(len(rows), str(len(rows)), 0, params, 9 + len(rows), prompt, [prompt[-1]], 0),
+                     [prompt[-1]]))
+    vocab = compiled.config.vocab_size
+    assert [plain_sampled(s.params, 1, vocab) for _, s, _ in rows] == [True, False, True, True]  # and 1 greedy
+    for lengths in (None, [4, 2, 1, 3]):
+        fast = drafter.propose(rows, lengths=lengths)
+        slow = drafter.propose(rows, fill_next=lambda samples, drafts: torch.ones(len(samples), vocab,
+                                                                                  dtype=torch.bool), lengths=lengths)
+        assert [p.tokens for p in fast] == [p.tokens for p in slow]
+        assert torch.allclose(torch.tensor(sum((p.confidences for p in fast), [])),
+                              torch.tensor(sum((p.confidences for p in slow), [])), rtol=1e-6, atol=0)

@@ -169,12 +169,15 @@ def test_top_logprobs_rank_and_include_the_sampled_token(num_logprobs: int) -> N
 
 def test_many_rows_sampled_at_once_are_each_rows_sample() -> None:
     """`sample_plain` over a batch (in parts smaller than the batch, too) picks each row's `sample` token bitwise:
-    temperatures that round differently, tokens at -inf and NaN, a row with nothing allowed (-1: sampled alone)."""
+    temperatures that round differently, tokens at -inf and NaN, rows with nothing allowed (all -inf; -inf and a
+    NaN), where `sample` falls back to the argmax."""
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(13, 300, generator=gen) * 4
     logits[2, :150] = float("-inf")
     logits[5, 7] = float("nan")
     logits[9] = float("-inf")
+    logits[11] = float("-inf")
+    logits[11, 42] = float("nan")
     temperatures = [0.3, 0.7, 1.0, 1.3, 0.05, 2.0, 0.9, 0.6, 1.1, 0.8, 0.4, 1.7, 0.7]
     seeds, positions = [3 * i - 5 for i in range(13)], [11 * i for i in range(13)]
     for max_elements in (1 << 24, 4 * 300):
@@ -182,8 +185,8 @@ def test_many_rows_sampled_at_once_are_each_rows_sample() -> None:
         for r in range(13):
             params = SamplingParams(temperature=temperatures[r])
             assert plain_sampled(params, 0, 300)
-            want = sample(logits[r], params, seeds[r], positions[r]) if r != 9 else -1
-            assert got[r] == want, r
+            assert got[r] == sample(logits[r], params, seeds[r], positions[r]), r
+    assert got[9] == 0 and got[11] == 42
 
 
 def test_only_rows_sample_draws_from_the_scaled_logits_alone_go_batched() -> None:

@@ -158,6 +158,9 @@ class Drafter:
         if masks is None and all(plain_greedy(s, outputs) for _, s, outputs in rows):
             picks, confidences = self.greedy(hidden, logits, previous)  # every row's argmax, read back once
             return [Proposal(d, c) for d, c in zip(picks.tolist(), confidences.tolist(), strict=True)]
+        if masks is None and all(plain_greedy(s, outputs) or plain_sampled(s.params, len(outputs), logits.shape[-1])
+                                 for _, s, outputs in rows):
+            return self._plain_drafts(rows, hidden, logits, previous)
         confidences = torch.zeros(len(rows), k, device=device)  # positions a row does not draft keep 0
         for i in range(k + 1):  # the check after the last draft only drops it if it ends the constraint
             if i and fill_next is not None:
@@ -188,6 +191,31 @@ class Drafter:
             previous = torch.tensor([d[-1] if d else outputs[-1] for d, (_, _, outputs) in zip(drafts, rows)],
                                     device=device)
         return [Proposal(d, c[: len(d)]) for d, c in zip(drafts, confidences.tolist(), strict=True)]
+
+
+    def _plain_drafts(self, rows, hidden: torch.Tensor, logits: torch.Tensor,
+                      previous: torch.Tensor) -> list[Proposal]:
+        """`_drafts` for rows that each sample greedily or from their scaled logits alone (`plain_sampled`): each
+        position's drafts of every row at once (the sampled rows' by `sample_plain`, at the positions `sample` would
+        use), all k of every row, read back once."""
+        sampled = [r for r, (_, s, outputs) in enumerate(rows) if not plain_greedy(s, outputs)]
+        temperatures = [rows[r][1].params.temperature for r in sampled]
+        seeds = [rows[r][1].seed for r in sampled]
+        first = [len(rows[r][1].prompt_token_ids) + len(rows[r][2]) for r in sampled]
+        index = torch.tensor(sampled, device=hidden.device)
+        picks, confidences = [], []
+        for i in range(logits.shape[1]):
+            emb, markov = self.head.markov(previous)
+            if self.config.confidence == "head":
+                confidences.append(self.head.confidence(hidden[:, i], emb))
+            scores = logits[:, i] + markov
+            previous = torch.argmax(scores, dim=-1)
+            previous[index] = sample_plain(scores[index], temperatures, seeds, [p + i for p in first])
+            if self.config.confidence == "draft":
+                confidences.append(draft_probability(scores, previous))
+            picks.append(previous)
+        drafts, confidences = torch.stack(picks, dim=1).tolist(), torch.stack(confidences, dim=1).tolist()
+        return [Proposal(d, c) for d, c in zip(drafts, confidences, strict=True)]
 
 
 def _blocks(values: torch.Tensor, lengths: list[int], k: int) -> torch.Tensor:
@@ -259,9 +287,9 @@ class GreedyDrafts:
 def step_picks(logits: torch.Tensor, rows: list[tuple[object, list[int], range]]) -> list[int] | None:
     """Every row of a step's logits [R, V] as `sample` would pick it, read back once, for the sequences whose tokens
     allow it: `rows` (sample row, outputs so far, its logits rows). A plain greedy sequence's rows get their argmax,
-    a plain sampled one's their draw (`sample_plain`: position by position, as `verify` samples them), -1 where a
-    row allows no token; the other sequences' rows hold their argmax, which `verify` does not use for them. None
-    when no sequence is either."""
+    a plain sampled one's their draw (`sample_plain`: position by position, as `verify` samples them); the other
+    sequences' rows hold their argmax (or -1), which `verify` does not use for them. None when no sequence is
+    either."""
     vocab = logits.shape[-1]
     greedy = [r for s, outputs, r in rows if plain_greedy(s, outputs)]
     plain = [(s, outputs, r) for s, outputs, r in rows if not plain_greedy(s, outputs)
@@ -293,15 +321,14 @@ def verify(logits: torch.Tensor, allowed: torch.Tensor | None, sample_row, outpu
     position up to and including the first that differs from its draft (just the one token without drafts).
     `logits` [len(drafts) + 1, vocab]; `allowed` (bool, same shape) the constraint's mask of each position, or
     None; `picks`, if the caller read them back for the whole step at once, each row's token as `sample` draws it
-    (`step_picks`: a plain greedy row's argmax, a plain sampled row's draw; -1 where not read).
+    (`step_picks`: a plain greedy row's argmax, a plain sampled row's draw).
     Log-probabilities, when asked for, are of the raw logits (before mask and penalties)."""
     s = sample_row
     n = len(drafts) + 1
     targets = None
     if allowed is None and plain_greedy(s, outputs):  # every position's argmax in one read back
         targets = picks if picks is not None else torch.argmax(logits[:n], dim=-1).tolist()
-    elif allowed is None and picks is not None and min(picks[:n]) >= 0 \
-            and plain_sampled(s.params, len(outputs), logits.shape[-1]):
+    elif allowed is None and picks is not None and plain_sampled(s.params, len(outputs), logits.shape[-1]):
         targets = picks
     if targets is not None:
         kept = next((j for j, (t, d) in enumerate(zip(targets, drafts)) if t != d), len(drafts))
