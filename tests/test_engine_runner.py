@@ -148,7 +148,7 @@ def test_the_constraint_can_end_a_sequence_or_fail_its_request(llm: LLM, async_s
 def test_sampled_rows_drawn_for_the_whole_step_are_each_rows_sample(monkeypatch, drafting: bool) -> None:
     """Rows that sample from their scaled logits alone are drawn for the whole step at once (`step_picks`); their
     tokens are the ones sampling each row alone gives, beside greedy and top-p rows, with and without drafts."""
-    import deepinfer.engine.speculative as speculative
+    from deepinfer.engine import speculative
     from deepinfer.default_model import trained_model
 
     spec = {"num_speculative_tokens": 3} if drafting else None
