@@ -44,9 +44,10 @@ from dsl.cache import PagedCache, load_rows, store_rows
 from dsl.context import ForwardContext
 from dsl.ops import OPS
 from dsl.ops.attention import _attend as attend
-from dsl.ops.compressor import _pool as pool
+from dsl.ops.compressor import pool_rows
 from dsl.ops.indexer import mask_incomplete
 from dsl.ops.rope import _rotated as rotated
+from dsl.ops.rope import rotation_at
 from dsl.passes import run_passes
 from dsl.ragged import Ragged
 from graphs.capture import find_segments
@@ -135,15 +136,12 @@ def scores_kernel(q, weights, keys, start, length, positions, *, ratio, width, c
 
 def pool_kernel(kv, gate, kept_kv, kept_gate, source, config=None) -> torch.Tensor:
     """The compressor's pooling kernel in torch: [G, D]."""
-    return pool(torch.cat([kv, kept_kv])[source], torch.cat([gate, kept_gate])[source])
+    return pool_rows(kv, gate, kept_kv, kept_gate, source)
 
 
 def rope_kernel(x, positions, freqs, *, magnitude=1.0, inverse=False, config=None) -> torch.Tensor:
     """The rope kernel in torch."""
-    angles = positions.float()[:, None] * freqs[None, :]
-    cos, sin = angles.cos() * magnitude, angles.sin() * magnitude
-    sin = -sin if inverse else sin
-    return rotated(x, torch.stack([cos, sin, -sin, cos], dim=-1).unflatten(-1, (2, 2)))
+    return rotated(x, rotation_at(positions, freqs, magnitude, inverse))
 
 
 @dataclasses.dataclass

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -192,30 +193,23 @@ class Drafter:
                                     device=device)
         return [Proposal(d, c[: len(d)]) for d, c in zip(drafts, confidences.tolist(), strict=True)]
 
-
     def _plain_drafts(self, rows, hidden: torch.Tensor, logits: torch.Tensor,
                       previous: torch.Tensor) -> list[Proposal]:
-        """`_drafts` for rows that each sample greedily or from their scaled logits alone (`plain_sampled`): each
-        position's drafts of every row at once (the sampled rows' by `sample_plain`, at the positions `sample` would
-        use), all k of every row, read back once."""
+        """`_drafts` for rows that each sample greedily or from their scaled logits alone (`plain_sampled`): the
+        greedy drafts' loop, the sampled rows' picks of each position drawn at once by `sample_plain` (at the
+        positions `sample` would use), all k of every row, read back once."""
         sampled = [r for r, (_, s, outputs) in enumerate(rows) if not plain_greedy(s, outputs)]
         temperatures = [rows[r][1].params.temperature for r in sampled]
         seeds = [rows[r][1].seed for r in sampled]
         first = [len(rows[r][1].prompt_token_ids) + len(rows[r][2]) for r in sampled]
         index = torch.tensor(sampled, device=hidden.device)
-        picks, confidences = [], []
-        for i in range(logits.shape[1]):
-            emb, markov = self.head.markov(previous)
-            if self.config.confidence == "head":
-                confidences.append(self.head.confidence(hidden[:, i], emb))
-            scores = logits[:, i] + markov
-            previous = torch.argmax(scores, dim=-1)
-            previous[index] = sample_plain(scores[index], temperatures, seeds, [p + i for p in first])
-            if self.config.confidence == "draft":
-                confidences.append(draft_probability(scores, previous))
-            picks.append(previous)
-        drafts, confidences = torch.stack(picks, dim=1).tolist(), torch.stack(confidences, dim=1).tolist()
-        return [Proposal(d, c) for d, c in zip(drafts, confidences, strict=True)]
+
+        def draw(i: int, scores: torch.Tensor, picks: torch.Tensor) -> torch.Tensor:
+            picks[index] = sample_plain(scores[index], temperatures, seeds, [p + i for p in first])
+            return picks
+
+        picks, confidences = self.greedy.run(hidden, logits, previous, draw)
+        return [Proposal(d, c) for d, c in zip(picks.tolist(), confidences.tolist(), strict=True)]
 
 
 def _blocks(values: torch.Tensor, lengths: list[int], k: int) -> torch.Tensor:
@@ -245,7 +239,10 @@ class GreedyDrafts:
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
         self.seen: set[tuple] = set()
 
-    def run(self, hidden: torch.Tensor, logits: torch.Tensor, previous: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def run(self, hidden: torch.Tensor, logits: torch.Tensor, previous: torch.Tensor,
+            draw: Callable | None = None) -> tuple[torch.Tensor, ...]:
+        """The loop itself; `draw(i, scores, picks)`, where given, replaces some rows' argmax picks at position i
+        (`Drafter._plain_drafts`: the sampled rows')."""
         picks, confidences = [], []
         for i in range(logits.shape[1]):
             emb, markov = self.head.markov(previous)
@@ -253,6 +250,8 @@ class GreedyDrafts:
                 confidences.append(self.head.confidence(hidden[:, i], emb))
             scores = logits[:, i] + markov
             previous = torch.argmax(scores, dim=-1)
+            if draw is not None:
+                previous = draw(i, scores, previous)
             if self.confidence == "draft":
                 confidences.append(draft_probability(scores, previous))
             picks.append(previous)

@@ -26,6 +26,13 @@ def _pool(groups: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
     return (groups * gates.softmax(dim=1)).sum(dim=1)
 
 
+def pool_rows(kv: torch.Tensor, gate: torch.Tensor, kept_kv: torch.Tensor, kept_gate: torch.Tensor,
+              source: torch.Tensor) -> torch.Tensor:
+    """Entries [G, D] of the groups whose members `source` [G, ratio] names among kv, gate [N, D] (rows below N)
+    and kept_kv, kept_gate [P, D] (row r - N): torch's form of kernels/triton/compressor.py's `pool_groups`."""
+    return _pool(torch.cat([kv, kept_kv])[source], torch.cat([gate, kept_gate])[source])
+
+
 @op("compress_pool", _entries_type, uses_context=True)
 def compress_pool(kv: torch.Tensor, gate: torch.Tensor | None = None, *, layer: int, ratio: int, ctx) -> Ragged:
     """Pool kv [N, D] in groups of `ratio` tokens, weighted by the softmax over the group of gate [N, D].
@@ -38,8 +45,9 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor | None = None, *, layer: 
 
 def pool_entries(kv: torch.Tensor, gate: torch.Tensor | None, *, layer: int, ratio: int, ctx,
                  pool_groups: Callable | None = None) -> Ragged:
-    """`compress_pool`; with `pool_groups(kv, gate, kept_kv, kept_gate, source)` (kernels/triton/compressor.py)
-    pooling the completed groups in place of `_pool`'s torch (not where the cpu target pools chunk by chunk)."""
+    """`compress_pool`, the completed groups pooled by `pool_groups(kv, gate, kept_kv, kept_gate, source)` where
+    given (kernels/triton/compressor.py), else by torch (`pool_rows`); a paged batch on the CPU, which pools chunk
+    by chunk, keeps torch."""
     first = [s // ratio for s in ctx.starts]
     counts = [(s % ratio + n) // ratio for s, n in zip(ctx.starts, ctx.lengths, strict=True)]
     if ratio == 1:
@@ -79,13 +87,11 @@ def _pool_batch(kv: torch.Tensor, gate: torch.Tensor, layer: int, ratio: int, ct
     cache.write_partial_rows(layer, slots, ctx.positions, take_rows(kv, rows), take_rows(gate, rows))
     if not total:  # no group completed (most decode steps)
         return kv.new_empty(0, kv.shape[-1])
-    if pool_groups is not None and not ctx.compute_per_chunk:
-        return pool_groups(kv.contiguous(), gate.contiguous(), cast(kept_kv, device=kv.device).contiguous(),
-                           cast(kept_gate, device=kv.device).contiguous(), source)
-    groups = torch.cat([kv, cast(kept_kv, device=kv.device)])[source]
-    gates = torch.cat([gate, cast(kept_gate, device=kv.device)])[source]
+    kept_kv, kept_gate = cast(kept_kv, device=kv.device), cast(kept_gate, device=kv.device)
     if not ctx.compute_per_chunk:
-        return _pool(groups, gates)
+        return (pool_groups or pool_rows)(kv.contiguous(), gate.contiguous(), kept_kv.contiguous(),
+                                          kept_gate.contiguous(), source)
+    groups, gates = torch.cat([kv, kept_kv])[source], torch.cat([gate, kept_gate])[source]
     # The CPU's softmax rounds by the size of its input: pool each chunk's groups in a call of their own.
     pooled, begin = kv.new_empty(total, kv.shape[-1]), 0
     for s, length in zip(ctx.starts, ctx.lengths, strict=True):

@@ -68,8 +68,12 @@ def _rotation(positions: torch.Tensor, params: RopeParams, rope_dim: int, device
               inverse: bool) -> torch.Tensor:
     """Each pair's rotation at `positions` [T], magnitude included: [T, rope_dim / 2, 2, 2], indexed [.., in, out]:
     a pair (even, odd) becomes (even * cos - odd * sin, even * sin + odd * cos), sin negated when `inverse`."""
-    magnitude = inv_freq(params, rope_dim)[1]
-    angles = positions.float()[:, None] * _freqs_on(params, rope_dim, device)[None, :]  # [T, rope_dim / 2]
+    return rotation_at(positions, _freqs_on(params, rope_dim, device), inv_freq(params, rope_dim)[1], inverse)
+
+
+def rotation_at(positions: torch.Tensor, freqs: torch.Tensor, magnitude: float, inverse: bool) -> torch.Tensor:
+    """`_rotation` from the frequencies [rope_dim / 2] on the positions' device and the magnitude factor."""
+    angles = positions.float()[:, None] * freqs[None, :]  # [T, rope_dim / 2]
     cos, sin = angles.cos(), angles.sin()
     if magnitude != 1.0:  # times 1.0 is exact: skipped
         cos, sin = cos * magnitude, sin * magnitude

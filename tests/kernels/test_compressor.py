@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsl.context import ForwardContext
-from dsl.ops.compressor import _pool, pool_entries
+from dsl.ops.compressor import pool_entries, pool_rows
 from kernels.triton.compressor import pool_groups
 from tests.kernels.cases import gen, rel_l2
 
@@ -21,16 +21,12 @@ def groups(n: int, kept: int, count: int, ratio: int, d: int, device: str, seed:
     return kv, gate, kept_kv, kept_gate, source
 
 
-def reference(kv, gate, kept_kv, kept_gate, source) -> torch.Tensor:
-    return _pool(torch.cat([kv, kept_kv])[source], torch.cat([gate, kept_gate])[source])
-
-
 @pytest.mark.parametrize("n,kept,count,ratio,d", [(9, 3, 4, 2, 64), (20, 0, 5, 4, 40), (3, 130, 2, 128, 24),
                                                   (1, 0, 0, 4, 64)])
-def test_pool_groups_match_the_reference(n, kept, count, ratio, d, device) -> None:
+def test_pool_groups_match_torch(n, kept, count, ratio, d, device) -> None:
     args = groups(n, kept, count, ratio, d, device)
     got = pool_groups(*args, config={"block_D": 16, "num_warps": 4})  # several column blocks, a partial one at 40
-    want = reference(*args)
+    want = pool_rows(*args)
     assert got.shape == want.shape == (count, d)
     if count:
         assert rel_l2(got, want) < 1e-6, rel_l2(got, want)
@@ -76,6 +72,6 @@ def test_paged_batches_pool_on_the_kernel_as_in_torch(monkeypatch) -> None:
 def test_pool_groups_at_v41_shapes_on_the_gpu(ratio, count) -> None:
     """V4.1's compressors (ratios 4 and 128, head_dim 512): a decode step's one group, a prefill's many."""
     args = groups(ratio * count, ratio - 1, count, ratio, 512, "cuda", seed=ratio)
-    got, want = pool_groups(*args), reference(*args)
+    got, want = pool_groups(*args), pool_rows(*args)
     assert rel_l2(got, want) < 1e-6, rel_l2(got, want)
     assert torch.equal(pool_groups(*args[:4], args[4][-1:])[0], got[-1])
