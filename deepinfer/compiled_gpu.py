@@ -58,6 +58,7 @@ class GpuCompiledModel:
         if cuda_graphs is None:
             cuda_graphs = os.environ.get("DEEPINFER_CUDA_GRAPHS", "1") != "0"
         self._cuda_graphs = cuda_graphs
+        self._ahead = 0  # decode tokens whose buckets are captured ahead (`capture_ahead`)
         self.target = plan.target
         self.specs, self.cubins, self.model_dir = specs, cubins, model_dir
         self.draft_graph, self.draft_plan = draft if draft is not None else (None, None)
@@ -82,7 +83,15 @@ class GpuCompiledModel:
         self._cuda_graphs = bool(on)
         for executor in self._executors or ():
             if executor is not None:
-                executor.cuda_graphs = CudaGraphs(executor.graph) if on else None
+                executor.cuda_graphs = CudaGraphs(executor.graph, ahead=self._ahead) if on else None
+
+    def capture_ahead(self, tokens: int) -> None:
+        """Capture the graphs of every bucket up to `tokens` (the most a decode step runs) when the first is
+        captured, largest first, in one memory pool (graphs/capture.py); the engine sets it from its batch size."""
+        self._ahead = tokens
+        for executor in self._executors or ():
+            if executor is not None and executor.cuda_graphs is not None:
+                executor.cuda_graphs.ahead = tokens
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
@@ -113,6 +122,7 @@ class GpuCompiledModel:
                 draft = Executor(self.draft_graph, self.draft_plan, main.params, "cuda", formatted=main.formatted,
                                  cuda_graphs=self._cuda_graphs)
             self._executors = (main, draft)
+            self.capture_ahead(self._ahead)
         return self._executors
 
     def new_sequence(self) -> SequenceState:

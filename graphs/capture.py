@@ -18,11 +18,20 @@ a new token count at almost every step; the buckets let them replay graphs captu
 configs follow the plan's buckets (graphs/plan.py), whose bounds are buckets here too, so a padded node runs the
 config the unpadded one would; with batch-invariant configs a padded step's rows are bitwise the unpadded ones.
 
-Replays happen in capture order (a subset of it, where a segment's inputs come out another shape, e.g. a step's
-logit rows, and it runs eagerly), so a segment's temporaries can share the pool with earlier segments' temporaries
-but never with an output still to be read: every captured segment's inputs and outputs stay referenced by its `Run`.
-Graph outputs that are a replay's static tensors are cloned before they leave the forward, since the next replay
-overwrites them.
+All graphs share one memory pool. Within a forward, replays happen in capture order (a subset of it, where a
+segment's inputs come out another shape, e.g. a step's logit rows, and it runs eagerly), so a segment's temporaries
+can share the pool with earlier segments' temporaries but never with an output still to be read: every captured
+segment's inputs and outputs stay referenced by its `Run`. Across buckets, one bucket's temporaries may lie where
+another's outputs do: a forward replays one bucket's graphs only, and each replay writes every row of its outputs
+before a later segment of the same forward reads them, so what another bucket's replays left there is never read.
+The static inputs a replay copies into are made outside the pool. Graph outputs that are a replay's static tensors
+are cloned before they leave the forward, since the next replay overwrites them.
+
+Decode buckets are captured ahead, largest first (`ahead`: the most tokens a decode step of the engine runs): a mode's
+first capture captures every bucket up to `bucket(ahead)` too, each segment from the largest bucket down, on static
+inputs of zeros (a segment's nodes compute the same whatever the rows hold; inputs another segment makes are that
+segment's outputs, as in a real forward), each after one eager run that loads its kernels. The largest bucket's
+temporaries are then free blocks the smaller ones fit into, and a step at any decode size replays from its first.
 
 Forwards of more than `max_tokens` tokens (prefill chunks, GPU-bound already) run eagerly, unpadded; at most
 `max_steps` buckets keep graphs, holding at most about `max_bytes` of device memory (the least recently used are
@@ -148,10 +157,9 @@ class Run:
 class CapturedStep:
     """The graphs of one (bucket, mode): captured during one forward, replayed in the later ones."""
 
-    pool: tuple
     positions: torch.Tensor | None = None
     runs: dict[int, Run] = field(default_factory=dict)
-    bytes: int = 0  # device memory the capture took (the growth of torch's reserved memory over it)
+    bytes: int = 0  # device memory its captures took (the growth of torch's reserved memory over them)
 
 
 RunNodes = Callable[[dict, object], None]  # runs a segment's nodes eagerly over an env and a context
@@ -168,15 +176,20 @@ class CudaGraphs:
     padding alone can be tested); `pad` fills the padding rows of tensors made for it (floating point only)."""
 
     def __init__(self, graph: Graph, max_tokens: int = BUCKETS[-1], max_steps: int = 32, max_bytes: int = 4 << 30,
-                 capture: bool = True, pad: float = 0.0) -> None:
+                 capture: bool = True, pad: float = 0.0, ahead: int = 0) -> None:
         if max_tokens > BUCKETS[-1]:
             raise ValueError(f"max_tokens {max_tokens} is past the largest bucket, {BUCKETS[-1]}")
         self.segments = find_segments(graph)
         self.at = {s.start: s for s in self.segments}
+        # each segment output's maker: (segment start, index among its outputs)
+        self.made_by = {id(v): (s.start, i) for s in self.segments for i, v in enumerate(s.outputs)}
         self.max_tokens, self.max_steps, self.max_bytes = max_tokens, max_steps, max_bytes
         self.capture, self.pad = capture, pad
+        self.ahead = ahead
+        self.pool = None  # one memory pool for every bucket's graphs, made at the first capture
         self.steps: OrderedDict[tuple, CapturedStep] = OrderedDict()
         self.seen: set[tuple] = set()
+        self.ahead_done: set[tuple] = set()  # modes whose decode buckets were captured ahead
         self.broken: set[int] = set()  # segments that failed to capture: eager from then on
         self.replays = self.captures = self.eager = 0  # segment runs by kind (eager: padded, in a bucket's first)
 
@@ -193,31 +206,45 @@ class CudaGraphs:
         if key not in self.seen or not self.capture:  # the warm-up forward: padded, eager
             self.seen.add(key)
             return _Forward(self, None, ctx, rows)
-        self.evict()
-        step = self.steps[key] = CapturedStep(torch.cuda.graph_pool_handle())
-        return _Forward(self, step, ctx, rows, capturing=True)
+        ahead = []
+        if self.ahead and mode not in self.ahead_done:
+            self.ahead_done.add(mode)
+            top = bucket(min(self.ahead, self.max_tokens))
+            ahead = [b for b in BUCKETS if b <= top and b != rows and (b, *mode) not in self.steps]
+            ahead = ahead[:self.max_steps - 1]  # the smallest, if max_steps cannot hold them all
+        self.evict(1 + len(ahead))
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        others = [(b, CapturedStep()) for b in sorted(ahead, reverse=True)]
+        for b, other in others:
+            self.steps[(b, *mode)] = other
+        step = self.steps[key] = CapturedStep()
+        return _Forward(self, step, ctx, rows, capturing=True, others=others)
 
-    def evict(self) -> None:
-        """Drop the least recently used buckets' graphs until one more fits: fewer than `max_steps` kept, and less
+    def evict(self, room: int = 1) -> None:
+        """Drop the least recently used buckets' graphs until `room` more fit: at most `max_steps` kept, and less
         than `max_bytes` of device memory held by them (a full model's static tensors at 512 tokens are GBs)."""
-        while self.steps and (len(self.steps) >= self.max_steps
+        while self.steps and (len(self.steps) + room > self.max_steps
                               or sum(s.bytes for s in self.steps.values()) >= self.max_bytes):
             self.steps.popitem(last=False)
 
     def clear(self) -> None:
         self.steps.clear()
         self.seen.clear()
+        self.ahead_done.clear()
+        self.pool = None
 
 
 class _Forward:
     """One forward through the segments: `step` None runs them eagerly (padded), else replays or captures them."""
 
-    def __init__(self, owner: CudaGraphs, step: CapturedStep | None, ctx, rows: int, capturing: bool = False) -> None:
+    def __init__(self, owner: CudaGraphs, step: CapturedStep | None, ctx, rows: int, capturing: bool = False,
+                 others: list[tuple[int, CapturedStep]] = ()) -> None:
         self.owner, self.step, self.ctx, self.rows, self.capturing = owner, step, ctx, rows, capturing
+        self.others = others  # (rows, step) of the buckets captured ahead beside this forward's, largest first
         self.padded: dict[int, torch.Tensor] = {}  # id of a segment output's first N rows -> its padded tensor
         self.static: set[int] = set()  # ids of the replays' static tensors (or views) this forward's env holds
         self.positions: torch.Tensor | None = None
-        self.reserved = torch.cuda.memory_reserved() if capturing else 0
 
     def run(self, segment: Segment, env: dict, run_nodes: RunNodes) -> None:
         """Run `segment` over `env`: replay its graph, capture it, or run its nodes eagerly over padded rows."""
@@ -232,7 +259,14 @@ class _Forward:
             outputs = self._eager(segment, env, args, run_nodes)
         else:
             if run is None:
+                for rows, other in self.others:  # the larger buckets first, then this forward's, then the smaller
+                    if rows < self.rows:
+                        break
+                    self._capture_ahead(segment, env, args, run_nodes, rows, other)
                 run = self._capture(segment, env, args, run_nodes)
+                for rows, other in self.others:
+                    if rows < self.rows:
+                        self._capture_ahead(segment, env, args, run_nodes, rows, other)
                 if run is None:
                     run_nodes(env, self.ctx)
                     return
@@ -293,32 +327,69 @@ class _Forward:
         self._context(segment)
 
     def _capture(self, segment: Segment, env: dict, args: list[torch.Tensor], run_nodes: RunNodes) -> Run | None:
+        if segment.start in self.owner.broken:  # a bucket captured ahead found it cannot be
+            return None
+        reserved = torch.cuda.memory_reserved()
         # an input that is an earlier replay's padded output is read in place; others get a static tensor of their own
         inputs = [p if id(a) in self.static else (p.clone() if p is a else p)
                   for a, p in zip(args, self._padded(segment, args), strict=True)]
+        run = self._record(segment, env, inputs, self._context(segment), run_nodes, self.step, reserved)
+        if run is not None:
+            run.graph.replay()
+        return run
+
+    def _capture_ahead(self, segment: Segment, env: dict, args: list[torch.Tensor], run_nodes: RunNodes, rows: int,
+                       step: CapturedStep) -> None:
+        """Capture `segment` for another bucket of `rows` tokens into `step`, on zeros where this forward reads its
+        own inputs (row inputs widened to `rows`; fixed-shape ones as they are) and, where another segment makes an
+        input, on that segment's outputs in `step`, as a forward in that bucket reads them."""
+        if segment.start in self.owner.broken:
+            return
+        reserved = torch.cuda.memory_reserved()
+        inputs = []
+        for v, a, r in zip(segment.inputs, args, segment.row_inputs, strict=True):
+            start, i = self.owner.made_by.get(id(v), (None, 0))
+            maker = step.runs.get(start)
+            if maker is not None:
+                inputs.append(maker.outputs[i])
+            else:
+                inputs.append(torch.zeros((rows, *a.shape[1:]) if r else a.shape, dtype=a.dtype, device=a.device))
+        ctx = None
+        if segment.context:
+            if step.positions is None:
+                step.positions = torch.zeros(rows, dtype=self.ctx.positions.dtype, device=self.ctx.positions.device)
+            ctx = _StaticContext(step.positions)
+        warm = dict(env)
+        warm.update(zip(segment.inputs, inputs, strict=True))
+        run_nodes(warm, ctx)  # loads the bucket's kernels: nothing is loaded while capturing
+        self.owner.eager += 1
+        self._record(segment, env, inputs, ctx, run_nodes, step, reserved)
+
+    def _record(self, segment: Segment, env: dict, inputs: list[torch.Tensor], ctx, run_nodes: RunNodes,
+                step: CapturedStep, reserved: int) -> Run | None:
+        """Capture the segment's nodes over `inputs` into the shared pool as `step`'s run; None where they cannot
+        be captured (then they run eagerly from now on, in every bucket). `step.bytes` grows by the device memory
+        reserved since `reserved` was read (the static inputs, then the capture)."""
         local = dict(env)
         local.update(zip(segment.inputs, inputs, strict=True))
-        ctx = self._context(segment)
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.step.pool):
+            with torch.cuda.graph(graph, pool=self.owner.pool):
                 run_nodes(local, ctx)
         except RuntimeError as e:  # an op that syncs with the host, or allocates host memory: eager from now on
             self.owner.broken.add(segment.start)
             torch.cuda.synchronize()
             warnings.warn(f"nodes {segment.start}..{segment.stop - 1} cannot be captured ({type(e).__name__}: {e}); "
-                          "they run eagerly", RuntimeWarning, stacklevel=3)
+                          "they run eagerly", RuntimeWarning, stacklevel=4)
             return None
-        graph.replay()
+        step.bytes += max(0, torch.cuda.memory_reserved() - reserved)
         self.owner.captures += 1
         run = Run(graph, inputs, [local[v] for v in segment.outputs])
-        self.step.runs[segment.start] = run
+        step.runs[segment.start] = run
         return run
 
     def finish(self, outputs: dict) -> dict:
         """The forward's outputs, with any replay's static tensor cloned (the next replay overwrites it)."""
-        if self.capturing:
-            self.step.bytes = max(0, torch.cuda.memory_reserved() - self.reserved)
         return {k: v.clone() if id(v) in self.static else v for k, v in outputs.items()}
 
 

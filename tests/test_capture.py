@@ -151,12 +151,14 @@ def test_the_least_recently_used_token_counts_make_room() -> None:
     _, (graph,) = graphs("v41-smooth", False)
     keep = CudaGraphs(graph, max_steps=3, max_bytes=100)
     for n, size in ((1, 10), (2, 20), (3, 30)):
-        keep.steps[(n, False)] = CapturedStep(pool=(0, n), bytes=size)
+        keep.steps[(n, False)] = CapturedStep(bytes=size)
     keep.steps.move_to_end((1, False))  # token count 1 used last
     keep.evict()  # three kept: the oldest, token count 2, goes
     assert list(keep.steps) == [(3, False), (1, False)]
-    keep.steps[(4, False)] = CapturedStep(pool=(0, 4), bytes=70)  # 110 bytes held: over the budget
+    keep.steps[(4, False)] = CapturedStep(bytes=70)  # 110 bytes held: over the budget
     keep.evict()
     assert list(keep.steps) == [(1, False), (4, False)]
     keep.evict()  # 80 bytes, two kept: nothing to drop
     assert list(keep.steps) == [(1, False), (4, False)]
+    keep.evict(room=2)  # buckets captured ahead beside a forward's: room for two, one goes
+    assert list(keep.steps) == [(4, False)]

@@ -83,3 +83,30 @@ def test_returned_logits_survive_the_next_replay(sm90_models) -> None:
     assert graphs._executors[0].cuda_graphs.replays > 0
     for logits, copy in kept:
         assert torch.equal(logits, copy)
+
+
+def test_decode_buckets_captured_ahead_replay_from_their_first_step(sm90_models) -> None:
+    """With decode steps of up to 8 tokens captured ahead, the first capture (the feed's second step of 3 tokens,
+    bucket 4) captures buckets 8, 4, 2 and 1 in one pool, largest first, on zeros: the feed's logits stay the eager
+    ones bitwise, and steps of 8 and 2 tokens met for the first time replay at once."""
+    eager, graphs = sm90_models
+    graphs.cuda_graphs = True
+    graphs.capture_ahead(8)
+    try:
+        expected, got = run(eager, batch_invariant=True), run(graphs, batch_invariant=True)
+        captured = graphs._executors[0].cuda_graphs
+        assert captured.broken == set()
+        assert captured.captures == 4 * len(captured.segments)
+        assert sorted(rows for rows, *_ in captured.steps) == [1, 2, 4, 8]
+        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+            assert torch.equal(a, b), f"step {i}"
+        replays = captured.replays
+        steps = [[[5, 6, 7, 8, 9], [11, 12, 13]], [[14], [15]]]  # 8 tokens, then 2: buckets never met before
+        pairs = [[m.new_sequence() for _ in range(2)] for m in (graphs, eager)]
+        for feed in steps:
+            a, b = (m.step(list(zip(s, feed, strict=True)), all_logits=True, batch_invariant=True)
+                    for m, s in zip((graphs, eager), pairs, strict=True))
+            assert torch.equal(a, b)
+        assert captured.replays == replays + 2 * len(captured.segments)
+    finally:
+        graphs.capture_ahead(0)
