@@ -1,0 +1,61 @@
+"""Seeded sampling at temperature 0.8 on the trained checkpoint: the engine drawing a step's plain-sampled rows at once
+(`sampler.sample_plain`) against one `sample` call a row, alternating, same outputs asserted.
+
+    python bench/sampling_bench.py [--target cpu | sm90] [--batches 16,64] [--max-tokens 48] [--passes 4] [--dspark]
+
+Prints, per batch and way, the median seconds of `passes` generate calls (one warm-up first) and tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import deepinfer.engine.speculative as speculative  # noqa: E402
+from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.default_model import trained_model  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="cpu")
+    p.add_argument("--batches", default="16,64")
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--passes", type=int, default=4)
+    p.add_argument("--dspark", action="store_true", help="with DSpark drafting, static length 3")
+    args = p.parse_args()
+    batched = speculative.plain_sampled
+    spec = {"num_speculative_tokens": 3, "schedule": "static"} if args.dspark else None
+    for batch in (int(b) for b in args.batches.split(",")):
+        llm = LLM(trained_model(), target=args.target, max_num_seqs=batch, speculative_config=spec)
+        prompts = [f"def f{i}(x):\n" for i in range(batch)]
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=1, ignore_eos=True)
+        llm.generate(prompts, params, use_tqdm=False)
+        times: dict[str, list[float]] = {"at once": [], "a row each": []}
+        outputs = {}
+        try:
+            for i in range(args.passes):
+                for way in (list(times) if i % 2 == 0 else list(times)[::-1]):
+                    speculative.plain_sampled = batched if way == "at once" else (lambda *a: False)
+                    start = time.perf_counter()
+                    out = llm.generate(prompts, params, use_tqdm=False)
+                    times[way].append(time.perf_counter() - start)
+                    outputs[way] = [o.outputs[0].token_ids for o in out]
+        finally:
+            speculative.plain_sampled = batched
+        assert outputs["at once"] == outputs["a row each"], "the two ways sampled different tokens"
+        tokens = batch * args.max_tokens
+        for way, seconds in times.items():
+            median = statistics.median(seconds)
+            print(f"{args.target} batch {batch} {way}: {median:.3f} s for {tokens} tokens, {tokens / median:.0f} tok/s "
+                  f"(passes {', '.join(f'{s:.3f}' for s in seconds)})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
