@@ -2,8 +2,9 @@
 
 A saved artifact runs with torch and the CUDA driver alone: its kernels are prebuilt cubins, and the wrappers
 only need each kernel's name to find them. Without Triton, `triton.jit` returns a `NamedKernel` that carries the
-Python function (never executed) and its name, and `tl` and `libdevice` (CUDA's math functions) are None; `from __future__ import annotations` in the
-kernel modules keeps `tl.constexpr` annotations as strings, so they are never evaluated.
+Python function (never executed) and its name, and `tl` and `libdevice` (CUDA's math functions) are None;
+`from __future__ import annotations` in the kernel modules keeps `tl.constexpr` annotations as strings, so they are
+never evaluated.
 """
 
 from __future__ import annotations
