@@ -1,5 +1,6 @@
 """The MoE gate after its projection (`dsl.ops.moe.gate_topk`): each token's scores, its top-k experts by score + bias
-and their weights, in one launch where torch makes about ten (scale, score, add, top-k, gather, sum, divide, scale).
+and their weights, in one launch where torch makes ten ops (divide, softplus, sqrt, add, top-k, gather, sum, add,
+divide, scale: sqrtsoftplus renormalised).
 
 `gate_topk(logits, bias, ...)` takes the projection's logits fp32 [N, E] and the bias [E] and writes weights fp32 [N, k]
 and experts int64 [N, k]. One program a token row holds the row's E scores in registers (E <= 4096):
@@ -14,9 +15,10 @@ and experts int64 [N, k]. One program a token row holds the row's E scores in re
 - the weights are the unbiased scores of the picks, renormalised (divided by their sum, added in slot order, + 1e-20)
   when `normalize` and k > 1, then times `scaling`.
 
-Selections and unnormalised weights are torch's bits on the GPU for sqrtsoftplus and sigmoid; softmax's sum and the
-renormalising sum add in another order than torch's reductions, within fp32 rounding. A row's result is its own:
-the same bits alone or in any batch.
+So on the GPU the selections and unnormalised weights of sqrtsoftplus and sigmoid are meant to be torch's bits (the
+gpu tests check it), but for subnormals: Triton links libdevice flushing them, so a logit below about -87 scores 0
+where torch's sqrtsoftplus gives about 1e-19. Softmax's sum and the renormalising sum add in another order than
+torch's reductions: within fp32 rounding. A row's result is its own: the same bits alone or in any batch.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ def gate_topk_kernel(logits_ptr, bias_ptr, weights_ptr, experts_ptr, E: tl.const
     slots = tl.arange(0, block_K)
     experts = tl.zeros([block_K], dtype=tl.int64)
     weights = tl.zeros([block_K], dtype=tl.float32)
-    total = tl.sum(weights, axis=0)  # 0.0, the sum of the picks' scores in slot order
+    total = 0.0  # the picks' scores added in slot order
     for i in tl.static_range(TOPK):
         e = (E - 1) - (tl.max(keys, axis=0) & 0x7FFFFFFF)
         picked = lanes == e
@@ -89,7 +91,8 @@ def gate_topk_kernel(logits_ptr, bias_ptr, weights_ptr, experts_ptr, E: tl.const
 
 
 def default_config(e: int) -> dict:
-    """Two warps for V4.1's 384 experts (512 lanes, 8 a thread): the maxima are mostly within a warp."""
+    """Two warps for V4.1's 384 experts (512 lanes, 8 a thread), so the maxima stay mostly within a warp (not
+    measured)."""
     return {"num_warps": max(1, min(8, triton.next_power_of_2(e) // 256))}
 
 
