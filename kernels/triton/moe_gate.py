@@ -16,7 +16,8 @@ and experts int64 [N, k]. One program a token row holds the row's E scores in re
   when `normalize` and k > 1, then times `scaling`.
 
 So on the GPU the selections and unnormalised weights of sqrtsoftplus and sigmoid are meant to be torch's bits (the
-gpu tests check it), but for subnormals: Triton links libdevice flushing them, so a logit below about -87 scores 0
+gpu tests check it): the PTX of their scores is, instruction for instruction, nvcc's for torch's expressions (seen
+for sm_90a with CUDA 13), but that Triton links libdevice flushing subnormals, so a logit below about -87 scores 0
 where torch's sqrtsoftplus gives about 1e-19. Softmax's sum and the renormalising sum add in another order than
 torch's reductions: within fp32 rounding. A row's result is its own: the same bits alone or in any batch.
 """
