@@ -30,6 +30,8 @@ import kernels.triton.hyper as hyper  # noqa: E402
 import kernels.triton.indexer as indexer  # noqa: E402
 import kernels.triton.linear as linear  # noqa: E402
 import kernels.triton.moe as moe  # noqa: E402
+import kernels.triton.moe_gate as moe_gate  # noqa: E402
+import kernels.triton.moe_route as moe_route  # noqa: E402
 import kernels.triton.rms_norm as rms_norm  # noqa: E402
 import kernels.triton.rope as rope  # noqa: E402
 from autotune.cache import TuningCache, cache_key, source_hash  # noqa: E402
@@ -228,6 +230,24 @@ def bench_moe(tokens: list[int]) -> None:
                    base="fp32 scales", base_us=min(times["fp32"]), eager_us=eager)
 
 
+def bench_gate_route(tokens: list[int]) -> None:
+    """The gate's scores and top-k after its projection, and the experts' routing layout (the block size the plan's
+    heuristic gives the bucket), at 384 experts top 6 against the torch ops they replace, both captured."""
+    e, topk = 384, 6
+    kw = {"topk": topk, "func": "sqrtsoftplus", "temp": 1.0, "normalize": True, "scaling": 1.5}
+    for m in tokens:
+        logits, bias = torch.randn(m, e, device="cuda"), torch.randn(e, device="cuda") * 0.1
+        ours = time_us(lambda: moe_gate.gate_topk(logits, bias, **kw))
+        base = time_us(lambda: moe_ref.gate_topk(logits, bias, **kw))
+        record("moe gate top-k", f"T={m} E={e} top{topk} sqrtsoftplus", ours, nbytes=m * e * 4 + e * 4 + m * topk * 12,
+               base="torch eager (dsl ref)", base_us=base)
+        experts = moe_gate.gate_topk(logits, bias, **kw)[1]
+        block_m = moe.default_config(bucket_of(m))["up"]["block_M"]
+        ours = time_us(lambda: moe_route.route(experts, e, block_m))
+        base = time_us(lambda: moe_route.route_ref(experts, e, block_m))
+        record("moe route", f"T={m} E={e} top{topk} block_M={block_m}", ours, base="torch (route_ref)", base_us=base)
+
+
 def torch_sparse_attention(q, kv, idx, sink, scale):
     valid = idx >= 0
     keys = kv[idx.clamp_min(0).long()].float()  # [T, S, D]
@@ -333,7 +353,8 @@ TOKENS = [1, 16, 64]
 PARTS = {"ceilings": ceilings, "linear": lambda: bench_linear(TOKENS), "prefill_gemm": bench_prefill_gemm,
          "prefill_switch": bench_prefill_switch,
          "norms": lambda: bench_norms([1, 64, 4096]), "tilelang": lambda: bench_tilelang_norms([1, 64, 4096]),
-         "moe": lambda: bench_moe([*TOKENS, 1024, 8192]), "attention": lambda: bench_attention(TOKENS),
+         "moe": lambda: bench_moe([*TOKENS, 1024, 8192]), "gate_route": lambda: bench_gate_route([1, 64, 8192]),
+         "attention": lambda: bench_attention(TOKENS),
          "indexer": lambda: bench_indexer(TOKENS), "cache": lambda: bench_cache([1, 16, 64])}
 
 

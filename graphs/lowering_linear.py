@@ -3,7 +3,7 @@ projection. Decode buckets run kernels/triton/linear.py; prefill buckets with en
 (`linear_prefill.serves`) the prefill GEMM, kernels/triton/linear_prefill.py (bf16 products like linear.py's, summed
 in another order), whose config keeps linear.py's beside it for plans that multiply in fp32; fp8 weights with e4m3
 activations run kernels/triton/linear_fp8.py. The gate's projection always multiplies in fp32 (routing is
-discrete): linear.py."""
+discrete): linear.py; its scores and top-k then run kernels/triton/moe_gate.py."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 import kernels.triton.linear as linear
 import kernels.triton.linear_fp8 as linear_fp8
 import kernels.triton.linear_prefill as linear_prefill
+import kernels.triton.moe_gate as moe_gate
 from dsl.graph import Node
-from dsl.ops.moe import score
 from graphs.lowering_base import Lowering, Params, meta, over_tokens, param, weight_dtype
 
 # A projection runs the prefill GEMM in the buckets `linear_prefill.serves` gives it (enough tokens and output tiles;
@@ -136,21 +136,17 @@ def _gate_static(node: Node, params: Params) -> dict | None:
     return {"e": w.shape[0], "d": w.shape[1]}
 
 
-def _gate_run(args, attrs, st, config, ctx, dot_fp32):
-    """dsl.ops.moe.moe_gate with its projection on the kernel, in fp32 products as there: routing is discrete."""
-    x, w, bias = args
-    scores = score(linear.linear(x.contiguous(), w, config=config, dot_fp32=True) / attrs["temp"], attrs["func"])
-    experts = (scores + bias).topk(attrs["topk"], dim=-1)[1]
-    weights = scores.gather(1, experts)
-    if attrs["normalize"] and attrs["topk"] > 1:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * attrs["scaling"], experts
+def _gate(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, attrs: dict, config: dict):
+    """dsl.ops.moe.moe_gate: the projection on linear.py in fp32 products, as there (routing is discrete), then the
+    scores and top-k on moe_gate.py. `config` is the projection's: the tuned one."""
+    logits = linear.linear(x, w, config=config, dot_fp32=True)
+    return moe_gate.gate_topk(logits, bias, **{k: attrs[k] for k in ("topk", "func", "temp", "normalize", "scaling")})
 
 
 MOE_GATE = Lowering(
-    "moe_gate", _gate_static, lambda st: {1: "fp32", 2: "fp32"}, _gate_run,
-    lambda st, attrs, config, m, f: linear.linear(meta(m, st["d"]), meta(st["e"], st["d"]), config=config,
-                                                  dot_fp32=True),
+    "moe_gate", _gate_static, lambda st: {1: "fp32", 2: "fp32"},
+    lambda args, attrs, st, config, ctx, f: _gate(args[0].contiguous(), args[1], args[2], attrs, config),
+    lambda st, attrs, config, m, f: _gate(meta(m, st["d"]), meta(st["e"], st["d"]), meta(st["e"]), attrs, config),
     lambda st, m: linear.default_config(m, st["e"], st["d"], w_bytes=4))
 
 

@@ -21,17 +21,25 @@ def _gate_type(x: TensorType, w: TensorType, bias: TensorType, *, topk: int, **a
     return TensorType((x.shape[0], topk)), TensorType((x.shape[0], topk), "int64")
 
 
-@op("moe_gate", _gate_type, num_outputs=2)
-def moe_gate(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, *, topk: int, func: str, temp: float,
-             normalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Route x [N, D] with gate w [E, D]: pick the top-k of score + bias, weight by the unbiased scores
-    (renormalised when `normalize`, then times `scaling`). Returns weights fp32 [N, k], experts int64 [N, k]."""
-    scores = score(torch.nn.functional.linear(x.float(), w.float()) / temp, func)
+def gate_topk(logits: torch.Tensor, bias: torch.Tensor, *, topk: int, func: str, temp: float, normalize: bool,
+              scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate after its projection (kernels/triton/moe_gate.py's reference): logits fp32 [N, E] and bias [E] ->
+    weights fp32 [N, k], experts int64 [N, k] (descending score + bias)."""
+    scores = score(logits / temp, func)  # [N, E]
     experts = (scores + bias.float()).topk(topk, dim=-1)[1]
     weights = scores.gather(1, experts)
     if normalize and topk > 1:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scaling, experts
+
+
+@op("moe_gate", _gate_type, num_outputs=2)
+def moe_gate(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, *, topk: int, func: str, temp: float,
+             normalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Route x [N, D] with gate w [E, D]: pick the top-k of score + bias, weight by the unbiased scores
+    (renormalised when `normalize`, then times `scaling`). Returns weights fp32 [N, k], experts int64 [N, k]."""
+    return gate_topk(torch.nn.functional.linear(x.float(), w.float()), bias, topk=topk, func=func, temp=temp,
+                     normalize=normalize, scaling=scaling)
 
 
 def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float,

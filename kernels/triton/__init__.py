@@ -4,6 +4,8 @@
     rms_norm.py   RMSNorm
     hyper.py      hyper-connection mixes (Sinkhorn), collapse + RMSNorm, stream update
     moe.py        routed experts: grouped GEMMs over fp4 (dequantized in registers) or bf16 weights
+    moe_gate.py   the MoE gate after its projection: scores, biased top-k, weights
+    moe_route.py  the routed experts' layout: the gate's picks sorted by expert into blocks
     attention.py  sparse attention with sink over gathered window + selected compressed entries
     indexer.py    the sparse indexer's scores of queries against their chunk's compressed keys
 

@@ -2,8 +2,9 @@
 
 A saved artifact runs with torch and the CUDA driver alone: its kernels are prebuilt cubins, and the wrappers
 only need each kernel's name to find them. Without Triton, `triton.jit` returns a `NamedKernel` that carries the
-Python function (never executed) and its name, and `tl` is None; `from __future__ import annotations` in the
-kernel modules keeps `tl.constexpr` annotations as strings, so they are never evaluated.
+Python function (never executed) and its name, and `tl` and `libdevice` (CUDA's math functions) are None;
+`from __future__ import annotations` in the kernel modules keeps `tl.constexpr` annotations as strings, so they are
+never evaluated.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ class _TritonStandIn:
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 
     HAS_TRITON = True
 except ImportError:  # the artifact runtime
     triton = _TritonStandIn()
-    tl = None
+    tl = libdevice = None
     HAS_TRITON = False
 
-__all__ = ["triton", "tl", "HAS_TRITON", "NamedKernel"]
+__all__ = ["triton", "tl", "libdevice", "HAS_TRITON", "NamedKernel"]

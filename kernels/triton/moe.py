@@ -9,14 +9,14 @@ and fp32 (SASS: about 540 against 1120 at 64 x 128 tiles). The even and odd inpu
 the even and odd activations in two products, so nothing is interleaved. Triton's interpreter runs no PTX: there
 (and for fp32 products) the same values come from plain integer and float operations.
 
-Routing (torch, static shapes, no host sync): the (token, slot) pairs are sorted by expert and laid out in
-blocks of `block_M` slots, each block one expert's (`rows[b*block_M + i]` = pair id or -1). GEMM 1 gathers each
-pair's token row and gives h = route_weight * silu(min(x w1, L)) * clamp(x w3, ±L) per pair; GEMM 2 multiplies by
-w2. fp4: the rows of x (a bf16 copy made first) and of h hold their even columns, then their odd ones, so both
-GEMMs load the two halves a packed byte meets contiguously (gathering x's even and odd fp32 columns with a stride
-of two made the experts 1.4-1.8x slower at 1 to 8192 tokens, same tiles, on the H200: it was the bottleneck);
-the k pairs of a token are summed at the end in slot order (`moe_sum_kernel`). A decode block holds one or two
-pairs: only the valid slots' rows of x or h are read.
+Routing (kernels/triton/moe_route.py: two launches, static shapes, no host sync): the (token, slot) pairs are sorted
+by expert and laid out in blocks of `block_M` slots, each block one expert's (`rows[b*block_M + i]` = pair id or
+-1). GEMM 1 gathers each pair's token row and gives h = route_weight * silu(min(x w1, L)) * clamp(x w3, ±L) per
+pair; GEMM 2 multiplies by w2. fp4: the rows of x (a bf16 copy made first) and of h hold their even columns, then
+their odd ones, so both GEMMs load the two halves a packed byte meets contiguously (gathering x's even and odd fp32
+columns with a stride of two made the experts 1.4-1.8x slower at 1 to 8192 tokens, same tiles, on the H200: it was
+the bottleneck); the k pairs of a token are summed at the end in slot order (`moe_sum_kernel`). A decode block holds
+one or two pairs: only the valid slots' rows of x or h are read.
 
 Split-K (decode: too few experts to fill the GPU): a GEMM's K is cut into `split_k` fixed ranges, one program
 each, whose fp32 partials are added in split order: by `moe_swiglu_kernel` before the activation (GEMM 1), by
@@ -32,6 +32,7 @@ import torch
 from dsl.quant import scale_to_float
 from kernels.launch import launch
 from kernels.triton.lang import tl, triton
+from kernels.triton.moe_route import route
 
 
 @triton.jit
@@ -238,31 +239,6 @@ def moe_sum_kernel(y_ptr, out_ptr, D: tl.constexpr, TOPK: tl.constexpr, SPLIT_K:
     tl.store(out_ptr + t * D + offs, acc, mask=mask)
 
 
-def route(experts: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Lay the (token, slot) pairs of `experts` [T, k] out in blocks of `block_m` slots, each of one expert.
-
-    Returns rows int32 [B * block_m] (pair id t*k + slot, or -1) and block_expert int32 [B] (-1: unused block),
-    B = ceil((P + min(E, P) * (block_m - 1)) / block_m) for P = T*k pairs: a bound fixed by the shapes, so the
-    launch grid needs no host sync.
-    """
-    flat = experts.reshape(-1)
-    p = flat.numel()
-    dev = flat.device
-    num_blocks = triton.cdiv(p + min(num_experts, p) * (block_m - 1), block_m)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
-    blocks = (counts + block_m - 1) // block_m
-    block_end = torch.cumsum(blocks, 0)
-    first = torch.cumsum(counts, 0) - counts
-    sorted_e = flat[order]
-    slot = (block_end - blocks)[sorted_e] * block_m + torch.arange(p, device=dev) - first[sorted_e]
-    rows = torch.full((num_blocks * block_m,), -1, dtype=torch.int32, device=dev)
-    rows.scatter_(0, slot, order.to(torch.int32))
-    block_expert = torch.searchsorted(block_end, torch.arange(num_blocks, device=dev), right=True)
-    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
-    return rows, block_expert
-
-
 def default_config(m: int, fp4: bool = True) -> dict:
     """The heuristic tiles for a token count `m` (a bucket's upper end). Decode (m <= 64): few experts' weights to
     stream, so K is split to put more programs in flight (T=1: 6 experts, 216 programs for GEMM 1 unsplit). Measured
@@ -380,4 +356,4 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     return out
 
 
-__all__ = ["default_config", "moe_experts", "moe_gemm_kernel", "moe_sum_kernel", "moe_swiglu_kernel", "route"]
+__all__ = ["default_config", "moe_experts", "moe_gemm_kernel", "moe_sum_kernel", "moe_swiglu_kernel"]

@@ -1,5 +1,6 @@
-"""Routed experts (fp4 and bf16 grouped GEMMs, unsplit and split-K) against `dsl.ops.moe.moe_experts`, the routing
-layout, batch invariance under a split config, and the launches the AOT builder records."""
+"""Routed experts (fp4 and bf16 grouped GEMMs, unsplit and split-K) against `dsl.ops.moe.moe_experts`, batch
+invariance under a split config, and the launches the AOT builder records (the routing layout's own tests:
+tests/kernels/test_moe_route.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from autotune.space import get_configs
 from dsl.ops.moe import moe_experts as ref_moe_experts
 from graphs.lowering import LOWERINGS
 from kernels.launch import use_launcher
-from kernels.triton.moe import default_config, moe_experts, prescaled, route
+from kernels.triton.moe import default_config, moe_experts, prescaled
 from tests.kernels.cases import EXPERTS, HIDDEN, MOE_INTER, TOPK, gen, rel_l2
 
 LIMIT = 10.0
@@ -58,17 +59,6 @@ def check(t: int, e: int, inter: int, d: int, fmt: str, device: str, config: dic
     want = ref_moe_experts(x, weights, experts, w1, w2, w3, s1, s2, s3, limit=LIMIT)
     assert got.shape == want.shape
     assert rel_l2(got, want) < tol, rel_l2(got, want)
-
-
-def test_route_lays_out_every_pair_once_in_blocks_of_one_expert() -> None:
-    weights, experts = routing(9, 8, 3, "cpu", seed=3)
-    rows, block_expert = route(experts, 8, 4)
-    pairs = rows[rows >= 0]
-    assert sorted(pairs.tolist()) == list(range(27))
-    for b, e in enumerate(block_expert.tolist()):
-        block = rows[4 * b: 4 * b + 4]
-        assert all(experts.reshape(-1)[p] == e for p in block[block >= 0].tolist())
-        assert e >= 0 or (block < 0).all()
 
 
 SMALL = dict(up=dict(block_M=16, block_N=32, block_K=64, num_warps=4, num_stages=2),
@@ -177,8 +167,8 @@ def test_tuning_space_splits_k_within_the_shapes(bucket) -> None:
 
 @pytest.mark.parametrize("m", [16, 512])
 def test_aot_trace_records_every_launch_of_the_config(m) -> None:
-    """The AOT builder runs the wrapper on meta tensors (no values read): a split GEMM 1 adds the activation's
-    kernel, and both GEMMs' split counts reach their launches."""
+    """The AOT builder runs the wrapper on meta tensors (no values read): the routing's two kernels, then a split
+    GEMM 1 adds the activation's kernel, and both GEMMs' split counts reach their launches."""
     static = {"e": EXPERTS, "inter": MOE_INTER, "d": HIDDEN, "topk": TOPK, "fmt": "fp4"}
     config = default_config(m)
     calls = []
@@ -186,7 +176,8 @@ def test_aot_trace_records_every_launch_of_the_config(m) -> None:
         LOWERINGS["moe_experts"].trace(static, {"limit": LIMIT}, config, m, False)
     names = [c.name for c in calls]
     split_up, split_down = config["up"]["split_k"], config["down"]["split_k"]
-    assert names == ["moe_gemm_kernel"] + ["moe_swiglu_kernel"] * (split_up > 1) + ["moe_gemm_kernel", "moe_sum_kernel"]
+    assert names == ["route_count_kernel", "route_place_kernel", "moe_gemm_kernel"] + \
+        ["moe_swiglu_kernel"] * (split_up > 1) + ["moe_gemm_kernel", "moe_sum_kernel"]
     gemms = [c for c in calls if c.name == "moe_gemm_kernel"]
     assert [c.constexprs["SPLIT_K"] for c in gemms] == [split_up, split_down]
     assert [c.grid[2] for c in gemms] == [split_up, split_down]
