@@ -58,8 +58,11 @@ def engram_hash_rows_kernel(ngrams_ptr, table_ptr, scale_ptr, out_ptr, n_rows, N
 
 
 def default_config(m: int, d: int) -> dict:
-    """Decode: a token a program (its columns spread over the SMs); past 64 tokens, about 2048 values a program."""
-    return {"block_M": 1 if m <= 64 else max(1, 2048 // triton.next_power_of_2(d)), "num_warps": 4}
+    """Decode: a token a program (its columns spread over the SMs); past 64 tokens, about 2048 values a program.
+    Warps for 4 values a thread or more (16-byte stores of the fp32 rows)."""
+    block_d = triton.next_power_of_2(d)
+    block_m = 1 if m <= 64 else max(1, 2048 // block_d)
+    return {"block_M": block_m, "num_warps": max(1, min(4, block_m * block_d // 128))}
 
 
 def _check_constants(n: int, multipliers: tuple, primes: tuple, offsets: tuple) -> int:
