@@ -26,6 +26,7 @@ from bench_rows import FP8_TFLOPS, LINEARS, ROWS, record  # noqa: E402
 
 import kernels.triton.attention as attention  # noqa: E402
 import kernels.triton.engram as engram  # noqa: E402
+import kernels.triton.engram_rows as engram_rows  # noqa: E402
 import kernels.triton.hyper as hyper  # noqa: E402
 import kernels.triton.indexer as indexer  # noqa: E402
 import kernels.triton.linear as linear  # noqa: E402
@@ -154,6 +155,34 @@ def bench_norms(tokens: list[int]) -> None:
                time_us(lambda: hyper.hc_mixes(h, fn, sc, base, **kw, config=cfg)),
                nbytes=m * hc * d * 4 + fn.numel() * 4, base="torch eager (dsl ref)",
                base_us=time_us(lambda: hyper_ref.hc_mixes(h, fn, sc, base, **kw)))
+
+
+def bench_engram_lookup(tokens: list[int]) -> None:
+    """Engram's hash and fp8 table gather in one kernel against the two torch ops it replaces (engram_hash, then
+    engram_rows), at V4.1-Flash's 4-grams, 8 heads and d 256 with layer 14's multipliers; primes above 640000 keep
+    the 24 columns' offsets in a table of 15M rows (3.9 GB, so the rows come from HBM as from the real 98 GB). Each
+    call hashes tokens of its own (a pool rotated past the L2), so no row is read twice."""
+    from deepinfer.config import DeepseekV41Config
+    from deepinfer.models.engram_layout import engram_layers
+
+    config = DeepseekV41Config(engram_layer_ids=(14,), engram_num_embeddings=(0,), engram_vocab_size=640_000)
+    c = engram_layers(config)[14]
+    kw = dict(multipliers=c.multipliers, primes=c.primes, offsets=c.offsets)
+    rows, n, d, cols = c.offsets[-1] + c.primes[-1][-1], 4, 256, 24
+    table = torch.randint(0, 0x7F, (rows, d), device="cuda", dtype=torch.uint8).view(torch.float8_e4m3fn)  # no NaN
+    scale = torch.ldexp(torch.ones(rows, d // 32, device="cuda"), torch.randint(-8, 0, (rows, d // 32), device="cuda"))
+    for m in tokens:
+        per_call = m * cols * (d + d // 8 + 4 * d) + m * n * 8
+        calls = max(2, -(-(256 << 20) // per_call))
+        pool = torch.randint(0, config.engram_compressed_vocab_size, (calls * m, n), device="cuda")
+        ngrams = cycler([pool[i * m:(i + 1) * m] for i in range(calls)])
+        torch.testing.assert_close(engram_rows.engram_hash_rows(pool[:m], table, scale, **kw),
+                                   engram_ref.engram_rows(engram_ref.engram_hash(pool[:m], **kw), table, scale),
+                                   rtol=0, atol=0)
+        record("engram_hash_rows fp8", f"{m}x{cols}x{d} of {rows} rows",
+               time_us(lambda: engram_rows.engram_hash_rows(ngrams(), table, scale, **kw)), nbytes=per_call,
+               base="torch eager (dsl ref)",
+               base_us=time_us(lambda: engram_ref.engram_rows(engram_ref.engram_hash(ngrams(), **kw), table, scale)))
 
 
 def bench_tilelang_norms(tokens: list[int]) -> None:
@@ -353,6 +382,7 @@ TOKENS = [1, 16, 64]
 PARTS = {"ceilings": ceilings, "linear": lambda: bench_linear(TOKENS), "prefill_gemm": bench_prefill_gemm,
          "prefill_switch": bench_prefill_switch,
          "norms": lambda: bench_norms([1, 64, 4096]), "tilelang": lambda: bench_tilelang_norms([1, 64, 4096]),
+         "engram": lambda: bench_engram_lookup([1, 64, 8192]),
          "moe": lambda: bench_moe([*TOKENS, 1024, 8192]), "gate_route": lambda: bench_gate_route([1, 64, 8192]),
          "attention": lambda: bench_attention(TOKENS),
          "indexer": lambda: bench_indexer(TOKENS), "cache": lambda: bench_cache([1, 16, 64])}

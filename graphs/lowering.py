@@ -23,6 +23,7 @@ import kernels.tilelang.rms_norm as rms_norm_tilelang
 import kernels.triton.attention as attention
 import kernels.triton.compressor as compressor
 import kernels.triton.engram as engram
+import kernels.triton.engram_rows as engram_rows
 import kernels.triton.hyper as hyper
 import kernels.triton.indexer as indexer
 import kernels.triton.moe as moe
@@ -140,6 +141,37 @@ ENGRAM_GATE = Lowering(
                                                        meta(st["hc"], st["d"]), meta(st["hc"], st["d"]),
                                                        eps=attrs["eps"]),
     lambda st, m: {})
+
+
+def _hash_rows_static(node: Node, params: Params) -> dict | None:
+    """The table's dtype as it is stored (no copy of a table of hundreds of millions of rows), fp8 with its scales
+    ("scaled": a float scale, made fp32 once) or without (its codes, as the reference)."""
+    ngrams, table, scale = node.inputs[0].type, param(node, 1, params), param(node, 2, params)
+    if ngrams.dtype != "int64" or ngrams.rank != 2 or ngrams.shape[0] != num_tokens or table is None \
+            or table.dim() != 2 or table.dtype not in engram_rows.TABLE_DTYPES:
+        return None
+    rows, d = table.shape
+    scaled = table.dtype == torch.float8_e4m3fn and node.inputs[2] is not None
+    if scaled and (scale is None or not scale.is_floating_point() or tuple(scale.shape) != (rows, -(-d // 32))):
+        return None
+    return {"n": int(ngrams.shape[1]), "rows": rows, "d": d, "dtype": str(table.dtype).removeprefix("torch."),
+            "scaled": scaled}
+
+
+def _hash_rows(st: dict, attrs: dict, config: dict, ngrams, table, scale):
+    return engram_rows.engram_hash_rows(ngrams, table, scale if st["scaled"] else None, **attrs, config=config)
+
+
+def _hash_rows_trace(st, attrs, config, m, dot_fp32):
+    rows, d = st["rows"], st["d"]
+    _hash_rows(st, attrs, config, meta(m, st["n"], dtype=torch.int64),
+               meta(rows, d, dtype=getattr(torch, st["dtype"])), meta(rows, -(-d // 32)))
+
+
+ENGRAM_HASH_ROWS = Lowering(
+    "engram_hash_rows", _hash_rows_static, lambda st: {1: "raw", 2: "fp32"} if st["scaled"] else {1: "raw"},
+    lambda args, attrs, st, config, ctx, f: _hash_rows(st, attrs, config, args[0].contiguous(), args[1], args[2]),
+    _hash_rows_trace, lambda st, m: engram_rows.default_config(m, st["d"]))
 
 
 # ---- rotary embedding --------------------------------------------------------------------------------------------
@@ -325,6 +357,7 @@ FP8_ROUND, FP4_ROUND = (Lowering(template, _rounding_static, lambda st: {},
 LOWERINGS: dict[str, Lowering] = {
     "linear": LINEAR, "grouped_linear": LINEAR, "rms_norm": RMS_NORM, "hc_mixes": HC_MIXES,
     "hc_collapse_rms_norm": HC_COLLAPSE_RMS_NORM, "hc_expand": HC_EXPAND, "engram_gate": ENGRAM_GATE,
+    "engram_hash_rows": ENGRAM_HASH_ROWS,
     "rope": ROPE, "rope_entries": ROPE_ENTRIES, "compress_pool": COMPRESS_POOL, "moe_experts": MOE_EXPERTS,
     "swiglu": SWIGLU, "moe_gate": MOE_GATE, "sparse_attention": SPARSE_ATTENTION,
     "index_scores": INDEX_SCORES, "fp8_round": FP8_ROUND, "fp4_round": FP4_ROUND,

@@ -148,7 +148,46 @@ def test_executor_matches_the_cpu_target_under_the_interpreter(fixture, compiled
         assert rel_l2(got.numpy(), want.numpy()) < 1e-4
     assert executor.kernel_calls == 2 * len(plan.kernel_nodes()) > 2 * 100
     assert ("engram_gate" in {n.op for n in plan.kernel_nodes()}) == fixture.endswith("engram")
+    assert ("engram_hash_rows" in {n.op for n in plan.kernel_nodes()}) == fixture.endswith("engram")
     assert "rope_entries" in {n.op for n in plan.kernel_nodes()}  # the rope kernel on the compressed entries
+
+
+ENGRAM_LOOKUP = """
+import json, sys, torch
+import graphs.aot as aot
+from deepinfer.config import DeepseekV41Config
+from deepinfer.models.engram_layout import engram_layers
+from dsl.builder import GraphBuilder
+from dsl.passes import run_passes
+from dsl.tensor import num_tokens
+from graphs.plan import make_plan
+c = engram_layers(DeepseekV41Config(engram_layer_ids=(1, 14), engram_num_embeddings=(0, 0)))[14]
+rows = c.offsets[-1] + c.primes[-1][-1]
+b = GraphBuilder()
+ids = b.engram_hash(b.input("ngrams", (num_tokens, 4), "int64"), multipliers=c.multipliers, primes=c.primes,
+                    offsets=c.offsets)
+table, scale = b.param("table", (rows, 256), "float8_e4m3fn"), b.param("scale", (rows, 8), "float32")
+b.output("rows", b.engram_rows(ids, table, scale))
+graph = run_passes(b.graph)
+params = {"table": torch.empty(rows, 256, dtype=torch.float8_e4m3fn, device="meta"),
+          "scale": torch.empty(rows, 8, device="meta")}
+plan = make_plan(graph, params, "sm90", buckets=(16, 8192))
+found = aot.record_launches(plan, {i: n.attrs for i, n in enumerate(graph.nodes)})
+built = {target: aot.build(found, target) for target in ("sm90", "sm100")}
+print(json.dumps({"rows": rows, "ops": [n.op for n in graph.nodes], "keys": sorted(found),
+                  "specs": {t: [b.spec for b in v.values()] for t, v in built.items()}}))
+"""
+
+
+def test_the_engram_lookup_is_built_ahead_of_time(tmp_path) -> None:
+    """Engram's fused hash and gather at V4.1-Flash's sizes (layer 14's constants, an fp8 table of 384M rows with
+    its scales, as meta tensors): the fusion, its lowering's launches per bucket, cubins for sm90 and sm100."""
+    out = json.loads(run_python(ENGRAM_LOOKUP, CUDA_VISIBLE_DEVICES="", DEEPINFER_CACHE=str(tmp_path)).splitlines()[-1])
+    assert out["ops"] == ["engram_hash_rows"] and out["rows"] > 2**28
+    assert len(out["keys"]) == 2  # a token a program at 16 tokens, a block of them at 8192
+    assert all(k.startswith("engram_hash_rows_kernel(*i64,*fp8e4nv,*fp32,*fp32,i32)") for k in out["keys"])
+    for target, arch in (("sm90", 90), ("sm100", 100)):
+        assert [s["arch"] for s in out["specs"][target]] == [f"sm_{arch}a"] * 2
 
 
 RUN_ARTIFACT = """

@@ -1,4 +1,5 @@
-"""Engram: n-gram hashes of the compressed token ids, table rows, and the gate that adds them to the streams."""
+"""Engram: n-gram hashes of the compressed token ids, table rows (the two fused: engram_hash_rows), and the gate that
+adds them to the streams."""
 
 from __future__ import annotations
 
@@ -92,6 +93,20 @@ def engram_rows(ids: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | No
 
     flat = ids.reshape(-1)
     return dequantize_fp8_group(table[flat], scale[flat]).reshape(*ids.shape, table.shape[-1])
+
+
+def _hash_rows_type(ngrams: TensorType, table: TensorType, scale: TensorType | None = None, *, primes: tuple,
+                    **attrs) -> tuple[TensorType]:
+    return (TensorType((ngrams.shape[0], sum(len(p) for p in primes), table.shape[-1])),)
+
+
+@op("engram_hash_rows", _hash_rows_type)
+def engram_hash_rows(ngrams: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None = None, *,
+                     multipliers: tuple[int, ...], primes: tuple[tuple[int, ...], ...],
+                     offsets: tuple[int, ...]) -> torch.Tensor:
+    """engram_hash then engram_rows (made by the fusion pass where the rows are the hash's only reader): the table
+    rows [N, (n - 1) * heads, d] (fp32) the n-grams [N, n] hash to."""
+    return engram_rows(engram_hash(ngrams, multipliers=multipliers, primes=primes, offsets=offsets), table, scale)
 
 
 @op("engram_gate", lambda h, *rest, **a: (TensorType(h.shape),))

@@ -1,17 +1,30 @@
 """Fusion: rewrite op patterns into fused ops that make one pass over memory instead of two.
 
-Rules are (first op, second op, fused op, attrs taken from the second); a pair fuses when the second is the
-only reader of the first's output and reads it as its first input.
+Rules are (first op, second op, fused op): the fused op takes the first's inputs, then the second's others, and the
+attrs of both. A pair fuses when the second is the only reader of the first's output, reads it as its first input,
+and every input it leaves out (None) is one the fused op's reference has a default for.
 """
 
 from __future__ import annotations
 
+import inspect
+
 from dsl.graph import Graph, Node, Value
+from dsl.ops import OPS
 
 RULES = [
     # The collapsed streams feed straight into the sub-layer's norm: read the hc streams once.
     ("hc_collapse", "rms_norm", "hc_collapse_rms_norm"),
+    # The row ids go straight to the table gather: hashed in registers, never written.
+    ("engram_hash", "engram_rows", "engram_hash_rows"),
 ]
+
+
+def _optional(op: str) -> set[int]:
+    """Positions of the inputs `op`'s reference may be given as None (those with a default)."""
+    params = [p for p in inspect.signature(OPS[op].reference).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return {i for i, p in enumerate(params) if p.default is not p.empty}
 
 
 def _readers(graph: Graph) -> dict[Value, list[Node]]:
@@ -34,11 +47,11 @@ def fuse(graph: Graph) -> Graph:
             users = readers.get(node.outputs[0], [])
             if len(users) != 1 or users[0].op != second_op or users[0].inputs[0] is not node.outputs[0]:
                 continue
-            second = users[0]
-            if any(v is None for v in second.inputs):
+            second, inputs = users[0], node.inputs + users[0].inputs[1:]
+            if any(v is None and i not in _optional(fused_op) for i, v in enumerate(inputs)):
                 continue
             # The second node becomes the fused one in place: everything it now reads is defined before it.
-            second.op, second.inputs = fused_op, node.inputs + second.inputs[1:]
+            second.op, second.inputs, second.attrs = fused_op, inputs, node.attrs | second.attrs
             absorbed.add(node)
         graph.nodes = [n for n in graph.nodes if n not in absorbed]
     return graph
