@@ -325,6 +325,31 @@ def bench_indexer(tokens: list[int], entries: int = 2048) -> None:
                base="torch eager (einsum)", base_us=time_us(torch_scores))
 
 
+def bench_topk(tokens: list[int], widths: tuple[int, ...] = (2048, 16384)) -> None:
+    """The indexer's selection (kernels/triton/topk.py) against the torch ops it replaces (dsl/ops/indexer.py), each
+    token seeing all C entries: index_topk 512, alone (topk, where) and inside candidates (masked_fill first), and
+    candidate blocks of 8 at ratio 4, top 2048 (amax, masked_fill, topk, scatter, gather; the block layout memoized
+    as within a forward). C up to 16384 keeps every block: the kernel then skips its search."""
+    import kernels.triton.topk as topk
+    from dsl.context import ForwardContext, SequenceState
+    from dsl.ops import indexer as ref
+
+    for width in widths:
+        for m in tokens:
+            scores = torch.randn(m, width, device="cuda")
+            ctx = ForwardContext([SequenceState(num_tokens=4 * width - 1 - i % 4) for i in range(m)], [1] * m,
+                                 device="cuda")
+            blocks = dict(ratio=4, block=8, topk_blocks=2048)
+            candidates = ref.candidate_blocks(scores, **blocks, ctx=ctx)
+            for name, cands in (("topk_select", None), ("topk_select cand", candidates)):
+                record(name, f"T={m} C={width} K=512", time_us(lambda c=cands: topk.topk_select(scores, c, topk=512)),
+                       nbytes=m * (width * (4 if cands is None else 5) + 512 * 8), base="torch eager",
+                       base_us=time_us(lambda c=cands: ref.topk_select(scores, c, topk=512)))
+            record("candidate_blocks", f"T={m} C={width} block 8 top 2048",
+                   time_us(lambda: topk.candidate_blocks(scores, ctx.positions, **blocks)), nbytes=m * width * 5,
+                   base="torch eager", base_us=time_us(lambda: ref.candidate_blocks(scores, **blocks, ctx=ctx)))
+
+
 def bench_cache(rows: list[int], blocks: int = 4096, per: int = 64, width: int = 16) -> None:
     """Cache entries stored (encode + scatter) and loaded (gather + decode) by kernels/triton/cache.py against the
     torch path of dsl/cache.py, µs per call issued eagerly as a step issues them (host time included): the window
@@ -385,7 +410,8 @@ PARTS = {"ceilings": ceilings, "linear": lambda: bench_linear(TOKENS), "prefill_
          "engram": lambda: bench_engram_lookup([1, 64, 8192]),
          "moe": lambda: bench_moe([*TOKENS, 1024, 8192]), "gate_route": lambda: bench_gate_route([1, 64, 8192]),
          "attention": lambda: bench_attention(TOKENS),
-         "indexer": lambda: bench_indexer(TOKENS), "cache": lambda: bench_cache([1, 16, 64])}
+         "indexer": lambda: bench_indexer(TOKENS), "topk": lambda: bench_topk([1, 64, 2048]),
+         "cache": lambda: bench_cache([1, 16, 64])}
 
 
 def print_table(rows: list[dict]) -> None:

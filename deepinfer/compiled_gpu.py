@@ -5,9 +5,10 @@
 `graphs.launcher`, never compiled again). `forward` and `step` match `CompiledModel`'s.
 
 `step(..., batch_invariant=True)` runs every kernel node with its plan's batch-invariant config (graphs/plan.py)
-and the reference nodes whose picks depend on the batch's widths (the indexer's block and top-k selection), or whose
-sums CUDA splits by size (Engram's gate, the compressor's pooling), with the cpu target's invariant versions
-(deepinfer/batch_invariant.py), which are plain torch on any device. The
+and the reference nodes whose picks depend on the batch's widths (the indexer's block and top-k selection, in
+artifacts planned before their kernels, kernels/triton/topk.py), or whose sums CUDA splits by size (Engram's gate, the
+compressor's pooling), with the cpu target's invariant versions (deepinfer/batch_invariant.py), which are plain torch
+on any device. The
 indexer's scores run on their kernel (kernels/triton/indexer.py), whose order is fixed per entry; its key projection
 over the compressed entries still runs as a torch reference whose rounding can follow the batch: the keys only choose
 entries, so a row can differ only where two entries' scores tie that closely.
@@ -37,7 +38,8 @@ from kernels.launch import use_launcher
 # torch's top-k picks (and their order, which is the attention's summation order) can change with the batch.
 # Engram's gate and the compressor's pooling reduce over a dim with torch, whose CUDA kernels split a row's sum by
 # the tensor's size: their invariant versions sum in a fixed order (bench/invariance_probe.py found them). Plans
-# made since Engram's gate has a kernel (row-invariant in every mode) run it instead; older artifacts keep this.
+# made since Engram's gate and the indexer's selection have kernels (row-invariant in every mode: the selection's
+# ties go to the lowest index, its picks in ascending order) run those instead; older artifacts keep this.
 INVARIANT_REFERENCES = {"candidate_blocks": invariant.candidate_blocks, "topk_select": invariant.topk_select,
                         "engram_gate": invariant.KERNELS["engram_gate"],
                         "compress_pool": invariant.KERNELS["compress_pool"]}

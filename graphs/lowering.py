@@ -30,6 +30,7 @@ import kernels.triton.moe as moe
 import kernels.triton.rms_norm as rms_norm
 import kernels.triton.rope as rope
 import kernels.triton.rounding as rounding
+import kernels.triton.topk as topk
 from dsl.graph import Node
 from dsl.ops.compressor import pool_entries
 from dsl.ops.rope import _freqs_on, inv_freq
@@ -330,6 +331,45 @@ INDEX_SCORES = Lowering(
                                                                     config=config, dot_fp32=f),
     _scores_trace, lambda st, m: indexer.default_config(m, st["h"], st["d"]))
 
+# ---- the indexer's selection -------------------------------------------------------------------------------------
+
+def _topk_static(node: Node, params: Params) -> dict | None:
+    if not over_tokens(node) or node.inputs[0].type.rank != 2:
+        return None
+    return {"topk": int(node.attrs["topk"]), "candidates": node.inputs[1] is not None}
+
+
+def _topk_trace(st, attrs, config, m, dot_fp32):
+    candidates = meta(m, 1, dtype=torch.bool) if st["candidates"] else None
+    topk.topk_select(meta(m, 1), candidates, topk=attrs["topk"], config=config)
+
+
+def _candidates_static(node: Node, params: Params) -> dict | None:
+    if not over_tokens(node) or node.inputs[0].type.rank != 2:
+        return None
+    return {"block": int(node.attrs["block"]), "topk_blocks": int(node.attrs["topk_blocks"])}
+
+
+def _candidates_trace(st, attrs, config, m, dot_fp32):
+    topk.candidate_blocks(meta(m, 1), meta(m, dtype=torch.int64), ratio=attrs["ratio"], block=attrs["block"],
+                          topk_blocks=attrs["topk_blocks"], config=config)
+
+
+# Every config is invariant: a row is one program, whose picks (ties to the lowest index) depend on its scores alone.
+TOPK_SELECT = Lowering(
+    "topk_select", _topk_static, lambda st: {},
+    lambda args, attrs, st, config, ctx, f: topk.topk_select(
+        args[0].contiguous(), None if args[1] is None else args[1].contiguous(), topk=attrs["topk"], config=config),
+    _topk_trace, lambda st, m: topk.default_config())
+
+CANDIDATE_BLOCKS = Lowering(
+    "candidate_blocks", _candidates_static, lambda st: {},
+    lambda args, attrs, st, config, ctx, f: topk.candidate_blocks_op(args[0], ratio=attrs["ratio"],
+                                                                     block=attrs["block"],
+                                                                     topk_blocks=attrs["topk_blocks"], ctx=ctx,
+                                                                     config=config),
+    _candidates_trace, lambda st, m: topk.default_config(st["block"]))
+
 # ---- cache rounding: fp8 and fp4 grids ---------------------------------------------------------------------------
 
 def _rounding_static(node: Node, params: Params) -> dict | None:
@@ -360,7 +400,8 @@ LOWERINGS: dict[str, Lowering] = {
     "engram_hash_rows": ENGRAM_HASH_ROWS,
     "rope": ROPE, "rope_entries": ROPE_ENTRIES, "compress_pool": COMPRESS_POOL, "moe_experts": MOE_EXPERTS,
     "swiglu": SWIGLU, "moe_gate": MOE_GATE, "sparse_attention": SPARSE_ATTENTION,
-    "index_scores": INDEX_SCORES, "fp8_round": FP8_ROUND, "fp4_round": FP4_ROUND,
+    "index_scores": INDEX_SCORES, "topk_select": TOPK_SELECT, "candidate_blocks": CANDIDATE_BLOCKS,
+    "fp8_round": FP8_ROUND, "fp4_round": FP4_ROUND,
 }
 
 __all__ = ["Lowering", "LOWERINGS"]

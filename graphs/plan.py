@@ -105,7 +105,7 @@ def _template_hash(template: str) -> str:
               "hc_expand": "hyper", "engram_gate": "engram", "rope": "rope", "moe_experts": "moe",
               "sparse_attention": "attention", "swiglu": "linear", "moe_gate": "linear", "index_scores": "indexer",
               "fp8_round": "rounding", "fp4_round": "rounding", "compress_pool": "compressor",
-              "engram_hash_rows": "engram_rows"}[template]
+              "engram_hash_rows": "engram_rows", "topk_select": "topk", "candidate_blocks": "topk"}[template]
     src = source_hash(importlib.import_module(f"kernels.triton.{module}"))
     if template in TILELANG_TEMPLATES:  # served by either kernel (graphs/lowering.py): an edit to one invalidates
         src += source_hash(importlib.import_module(f"kernels.tilelang.{TILELANG_TEMPLATES[template]}"))

@@ -8,6 +8,7 @@
     moe_route.py  the routed experts' layout: the gate's picks sorted by expert into blocks
     attention.py  sparse attention with sink over gathered window + selected compressed entries
     indexer.py    the sparse indexer's scores of queries against their chunk's compressed keys
+    topk.py       the indexer's selection: top-k entries of a row, candidate blocks (radix select per row)
 
 Each wrapper checks its inputs, allocates outputs, returns early on empty input and launches through
 `kernels.launch`; the DSL op of the same name (`dsl/ops`) is its reference. Tensors on the CPU run under
