@@ -76,14 +76,17 @@ def _project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, config: d
 def _linear_run(args, attrs, static, config, ctx, dot_fp32):
     x, w, s = args[0], args[1], args[2]
     if static["fmt"] == "fp8_rows":  # e4m3 activations, one scale per token: the fp8 tensor cores (exact products)
-        return linear_fp8.linear_rowwise(*linear_fp8.quantize_rows(x.contiguous()), w, s, config=config)
+        rows = linear_fp8.unpack_rows(x, static["k"]) if static.get("e4m3_in") else \
+            linear_fp8.quantize_rows(x.contiguous())  # e4m3_in: a norm rounded x already (graphs/plan.py)
+        return linear_fp8.linear_rowwise(*rows, w, s, config=config)
     return _project(x.contiguous(), w, s, config, dot_fp32, static["groups"])
 
 
 def _linear_trace(static, attrs, config, m, dot_fp32):
     g, n, k = static["groups"], static["n"], static["k"]
     if static["fmt"] == "fp8_rows":
-        return _linear_run([meta(m, k), meta(n, k, dtype=torch.float8_e4m3fn), meta(n)], {}, static, config, None, 0)
+        x = linear_fp8.e4m3_rows(m, k, "meta")[0] if static.get("e4m3_in") else meta(m, k)
+        return _linear_run([x, meta(n, k, dtype=torch.float8_e4m3fn), meta(n)], {}, static, config, None, 0)
     w = meta(g * n, k, dtype=weight_dtype(static["fmt"], dot_fp32))
     s = meta(-(-g * n // 32), -(-k // 32)) if static["fmt"] == "fp8" else None
     return _project(meta(m, g * k), w, s, config, dot_fp32, g)
@@ -93,7 +96,8 @@ LINEAR = Lowering(
     "linear", _linear_static, lambda st: _weight_formats(st["fmt"], (1,)), _linear_run, _linear_trace,
     lambda st, m: linear_fp8.default_config(m, st["n"], st["k"]) if st["fmt"] == "fp8_rows" else
     _config(m, st["n"], st["k"], st["fmt"], st["groups"]),
-    fp8_activations=lambda st: dict(st, fmt="fp8_rows") if st["fmt"] == "fp8" and st["groups"] == 1 else None)
+    fp8_activations=lambda st: dict(st, fmt="fp8_rows") if st["fmt"] == "fp8" and st["groups"] == 1 else None,
+    e4m3_in=lambda st: dict(st, e4m3_in=True) if st["fmt"] == "fp8_rows" else None)
 
 
 # ---- the shared expert and the gate: their projections on the linear kernel -------------------------------------
