@@ -1,5 +1,5 @@
-"""The lowerings of the linear family: `linear` and `grouped_linear`, the shared expert (`swiglu`) and the MoE gate's
-projection. Decode buckets run kernels/triton/linear.py; prefill buckets with enough output tiles
+"""The lowerings of the linear family: `linear` and `grouped_linear`, the shared expert (`swiglu`: its projections,
+its clamped SwiGLU in one kernel, kernels/triton/swiglu.py) and the MoE gate's projection. Decode buckets run kernels/triton/linear.py; prefill buckets with enough output tiles
 (`linear_prefill.serves`) the prefill GEMM, kernels/triton/linear_prefill.py (bf16 products like linear.py's, summed
 in another order), whose config keeps linear.py's beside it for plans that multiply in fp32; fp8 weights with e4m3
 activations run kernels/triton/linear_fp8.py. The gate's projection always multiplies in fp32 (routing is
@@ -12,6 +12,7 @@ import torch
 import kernels.triton.linear as linear
 import kernels.triton.linear_fp8 as linear_fp8
 import kernels.triton.linear_prefill as linear_prefill
+import kernels.triton.swiglu as swiglu
 from dsl.graph import Node
 from dsl.ops.moe import score
 from graphs.lowering_base import Lowering, Params, meta, over_tokens, param, weight_dtype
@@ -112,12 +113,10 @@ def _swiglu_static(node: Node, params: Params) -> dict | None:
 
 def _swiglu_run(args, attrs, st, config, ctx, dot_fp32):
     x, w1, w2, w3, s1, s2, s3 = args
-    x, limit = x.contiguous(), attrs["limit"]
+    x = x.contiguous()
     gate = _project(x, w1, s1, config["up"], dot_fp32)
     up = _project(x, w3, s3, config["up"], dot_fp32)
-    if limit > 0:
-        up, gate = up.clamp(-limit, limit), gate.clamp(max=limit)
-    return _project(torch.nn.functional.silu(gate) * up, w2, s2, config["down"], dot_fp32)
+    return _project(swiglu.swiglu(gate, up, limit=attrs["limit"]), w2, s2, config["down"], dot_fp32)
 
 
 def _swiglu_trace(st, attrs, config, m, dot_fp32):
@@ -125,6 +124,7 @@ def _swiglu_trace(st, attrs, config, m, dot_fp32):
     for n, k, part in ((inter, d, "up"), (d, inter, "down")):
         w = meta(n, k, dtype=weight_dtype(st["fmt"], dot_fp32))
         _project(meta(m, k), w, meta(-(-n // 32), -(-k // 32)) if fp8 else None, config[part], dot_fp32)
+    swiglu.swiglu(meta(m, inter), meta(m, inter), limit=attrs["limit"])
 
 
 SWIGLU = Lowering(
