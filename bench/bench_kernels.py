@@ -31,6 +31,7 @@ import kernels.triton.indexer as indexer  # noqa: E402
 import kernels.triton.linear as linear  # noqa: E402
 import kernels.triton.linear_fp8 as linear_fp8  # noqa: E402
 import kernels.triton.moe as moe  # noqa: E402
+import kernels.triton.norm_e4m3 as norm_e4m3  # noqa: E402
 import kernels.triton.rms_norm as rms_norm  # noqa: E402
 import kernels.triton.rope as rope  # noqa: E402
 import kernels.triton.swiglu as swiglu  # noqa: E402
@@ -164,14 +165,14 @@ def bench_norm_e4m3(tokens: list[int]) -> None:
     for d in (5120, 1280, 512):
         for m in tokens:
             x, w = torch.randn(m, d, device="cuda"), torch.randn(d, device="cuda")
-            record("rms_norm e4m3", f"{m}x{d} fp32", time_us(lambda: rms_norm.rms_norm_e4m3(x, w, eps=1e-20)),
+            record("rms_norm e4m3", f"{m}x{d} fp32", time_us(lambda: norm_e4m3.rms_norm_e4m3(x, w, eps=1e-20)),
                    nbytes=m * d * 4 + d * 4 + m * (d + 16), base="rms_norm + quantize_rows",
                    base_us=time_us(lambda: linear_fp8.quantize_rows(rms_norm.rms_norm(x, w, eps=1e-20))))
     d = 5120
     for m in tokens:
         h, pre, w = torch.randn(m, hc, d, device="cuda"), torch.rand(m, hc, device="cuda"), torch.randn(d, device="cuda")
         record("hc_collapse_rms_norm e4m3", f"{m}x{hc}x{d}",
-               time_us(lambda: hyper.hc_collapse_rms_norm_e4m3(h, pre, w, eps=1e-20)),
+               time_us(lambda: norm_e4m3.hc_collapse_rms_norm_e4m3(h, pre, w, eps=1e-20)),
                nbytes=hc * m * d * 4 + m * (d + 16), base="collapse + norm, quantize_rows",
                base_us=time_us(lambda: linear_fp8.quantize_rows(hyper.hc_collapse_rms_norm(h, pre, w, eps=1e-20))))
 

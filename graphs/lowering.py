@@ -10,7 +10,7 @@ Nodes without a lowering, or not flat over N (or E, for those), run their DSL re
 kernel, and the hyper-connections' collapse + RMSNorm's, are TileLang's (kernels/tilelang/) where TileLang kernels
 can be built (tilelang and nvcc installed: the static shapes say `"kernel": "tilelang"`), else Triton's; the GPU
 machine runs either from cubins. Where a plan with fp8 activations has only fp8-activation linears read a norm, the
-norm is Triton's variant that writes e4m3 rows for them (`e4m3_out`, graphs/plan.py). The linear family's lowerings are in graphs/lowering_linear.py (a plan with fp8
+norm is the variant that writes e4m3 rows for them (kernels/triton/norm_e4m3.py; `e4m3_out`, graphs/plan.py). The linear family's lowerings are in graphs/lowering_linear.py (a plan with fp8
 activations gives fp8-weight linears their e4m3-input variant there), the record and shared helpers in
 graphs/lowering_base.py.
 """
@@ -27,6 +27,7 @@ import kernels.triton.engram as engram
 import kernels.triton.hyper as hyper
 import kernels.triton.indexer as indexer
 import kernels.triton.moe as moe
+import kernels.triton.norm_e4m3 as norm_e4m3
 import kernels.triton.rms_norm as rms_norm
 import kernels.triton.rope as rope
 import kernels.triton.rounding as rounding
@@ -58,7 +59,7 @@ def _norm_module(static: dict):
 
 def _norm(static: dict, x: torch.Tensor, w: torch.Tensor | None, eps: float, config: dict) -> torch.Tensor:
     if static.get("e4m3_out"):  # read only by fp8-activation linears: e4m3 rows for them (graphs/plan.py)
-        return rms_norm.rms_norm_e4m3(x, w, eps=eps, config=config)
+        return norm_e4m3.rms_norm_e4m3(x, w, eps=eps, config=config)
     return _norm_module(static).rms_norm(x, w, eps=eps, config=config)
 
 
@@ -105,7 +106,7 @@ def _collapse_static(node: Node, params: Params) -> dict | None:
 
 def _collapse(static: dict, h, pre, w, eps: float, config: dict):
     if static.get("e4m3_out"):
-        return hyper.hc_collapse_rms_norm_e4m3(h, pre, w, eps=eps)
+        return norm_e4m3.hc_collapse_rms_norm_e4m3(h, pre, w, eps=eps)
     if static.get("kernel") == "tilelang":
         return hyper_tilelang.hc_collapse_rms_norm(h, pre, w, eps=eps, config=config)
     return hyper.hc_collapse_rms_norm(h, pre, w, eps=eps)  # no "kernel": an older plan's Triton

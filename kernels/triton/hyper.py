@@ -6,10 +6,6 @@ multiplied as tf32x3 on the tensor cores: fp32 FMA products in `tl.dot` were 10x
 decode tokens that is too little work for one program per token, so K is split into fixed ranges (partial
 products and sums of squares to a workspace) and a second kernel sums them in order, scales by the row's
 rsqrt, and runs the sigmoids, the row softmax and Sinkhorn on a 4 x 4 tile in registers.
-
-`hc_collapse_rms_norm_e4m3` rounds the collapsed, normed row to e4m3 rows (kernels/triton/linear_fp8.py) in the same
-pass, for plans with fp8 activations where only fp8-activation linears read it (the attention's wq_a and wkv):
-the codes of `quantize_rows` of `hc_collapse_rms_norm`'s output, bit for bit (one `_collapsed` serves both).
 """
 
 from __future__ import annotations
@@ -18,7 +14,6 @@ import torch
 
 from kernels.launch import launch
 from kernels.triton.lang import tl, triton
-from kernels.triton.linear_fp8 import e4m3_rows, store_e4m3_row
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -81,9 +76,9 @@ def hc_mixes_finish_kernel(ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_pt
 
 
 @triton.jit
-def _collapsed(h_ptr, pre_ptr, w_ptr, row, HC: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr,
-               NORM: tl.constexpr, block_D: tl.constexpr):
-    """Row `row` of the collapsed streams, normed with NORM: [block_D] fp32, 0 past D."""
+def hc_collapse_rms_norm_kernel(h_ptr, pre_ptr, w_ptr, out_ptr, HC: tl.constexpr, D: tl.constexpr,
+                                EPS: tl.constexpr, NORM: tl.constexpr, block_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, block_D)
     mask = offs < D
     x = tl.zeros([block_D], dtype=tl.float32)
@@ -91,25 +86,7 @@ def _collapsed(h_ptr, pre_ptr, w_ptr, row, HC: tl.constexpr, D: tl.constexpr, EP
         x += tl.load(pre_ptr + row * HC + k) * tl.load(h_ptr + (row * HC + k) * D + offs, mask=mask, other=0.0)
     if NORM:
         x = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + EPS) * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    return x
-
-
-@triton.jit
-def hc_collapse_rms_norm_kernel(h_ptr, pre_ptr, w_ptr, out_ptr, HC: tl.constexpr, D: tl.constexpr,
-                                EPS: tl.constexpr, NORM: tl.constexpr, block_D: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, block_D)
-    tl.store(out_ptr + row * D + offs, _collapsed(h_ptr, pre_ptr, w_ptr, row, HC, D, EPS, NORM, block_D),
-             mask=offs < D)
-
-
-@triton.jit
-def hc_collapse_rms_norm_e4m3_kernel(h_ptr, pre_ptr, w_ptr, q_ptr, s_ptr, HC: tl.constexpr, D: tl.constexpr,
-                                     EPS: tl.constexpr, ROW: tl.constexpr, block_D: tl.constexpr):
-    """Row r's codes to q_ptr + r * ROW (uint8), its scale to s_ptr + r * ROW / 4 (fp32): e4m3 rows of ROW bytes."""
-    row = tl.program_id(0).to(tl.int64)
-    x = _collapsed(h_ptr, pre_ptr, w_ptr, row, HC, D, EPS, True, block_D)
-    store_e4m3_row(q_ptr + row * ROW, s_ptr + row * (ROW // 4), x, tl.arange(0, block_D), D)
+    tl.store(out_ptr + row * D + offs, x, mask=mask)
 
 
 @triton.jit
@@ -176,21 +153,16 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     return pre, post, comb
 
 
-def _check_collapse(h: torch.Tensor, pre: torch.Tensor, w: torch.Tensor | None, norm: bool) -> None:
+def hc_collapse_rms_norm(h: torch.Tensor, pre: torch.Tensor, w: torch.Tensor | None = None, *,
+                         eps: float = 0.0, norm: bool = True) -> torch.Tensor:
+    """sum_k pre[:, k] * h[:, k], then (when `norm`) w * x * rsqrt(mean(x^2) + eps): h [N, hc, D] fp32,
+    pre [N, hc] fp32, w [D]. Returns fp32 [N, D]; one read of the streams."""
     _check_streams(h, "hc_collapse")
     n, hc, d = h.shape
     if tuple(pre.shape) != (n, hc) or pre.dtype != torch.float32 or not pre.is_contiguous():
         raise ValueError(f"pre must be contiguous float32 [{n}, {hc}], got {pre.dtype} {list(pre.shape)}")
     if norm and (w is None or tuple(w.shape) != (d,) or not w.is_contiguous()):
         raise ValueError(f"the norm weight must be contiguous [{d}]")
-
-
-def hc_collapse_rms_norm(h: torch.Tensor, pre: torch.Tensor, w: torch.Tensor | None = None, *,
-                         eps: float = 0.0, norm: bool = True) -> torch.Tensor:
-    """sum_k pre[:, k] * h[:, k], then (when `norm`) w * x * rsqrt(mean(x^2) + eps): h [N, hc, D] fp32,
-    pre [N, hc] fp32, w [D]. Returns fp32 [N, D]; one read of the streams."""
-    _check_collapse(h, pre, w, norm)
-    n, hc, d = h.shape
     out = torch.empty(n, d, dtype=torch.float32, device=h.device)
     if n == 0:
         return out
@@ -198,20 +170,6 @@ def hc_collapse_rms_norm(h: torch.Tensor, pre: torch.Tensor, w: torch.Tensor | N
     launch(hc_collapse_rms_norm_kernel, (n,), (h, pre, w if norm else pre, out),
            dict(HC=hc, D=d, EPS=eps, NORM=norm, block_D=block_d), 4 if block_d <= 2048 else 8, 1)
     return out
-
-
-def hc_collapse_rms_norm_e4m3(h: torch.Tensor, pre: torch.Tensor, w: torch.Tensor, *, eps: float) -> torch.Tensor:
-    """`hc_collapse_rms_norm(h, pre, w)` rounded to e4m3 per row as `quantize_rows` rounds it: h [N, hc, D], pre
-    [N, hc] fp32, w [D], D > 0. Returns e4m3 rows, uint8 [N, bytes] (`linear_fp8.unpack_rows(rows, D)`)."""
-    _check_collapse(h, pre, w, True)
-    n, hc, d = h.shape
-    if d == 0:
-        raise ValueError("hc_collapse_rms_norm_e4m3 needs D > 0")
-    rows, _, sx = e4m3_rows(n, d, h.device)
-    block_d = triton.next_power_of_2(d)
-    launch(hc_collapse_rms_norm_e4m3_kernel, (n,), (h, pre, w, rows, sx),
-           {"HC": hc, "D": d, "EPS": eps, "ROW": rows.shape[1], "block_D": block_d}, 4 if block_d <= 2048 else 8, 1)
-    return rows
 
 
 def hc_expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -233,4 +191,4 @@ def hc_expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.
     return out
 
 
-__all__ = ["hc_mixes", "hc_collapse_rms_norm", "hc_collapse_rms_norm_e4m3", "hc_expand", "mixes_config"]
+__all__ = ["hc_mixes", "hc_collapse_rms_norm", "hc_expand", "mixes_config"]

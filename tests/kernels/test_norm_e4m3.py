@@ -8,7 +8,7 @@ import torch
 
 from dsl.ops.dense import rms_norm as ref_rms_norm
 from dsl.quant import quantize_fp8_block
-from kernels.triton.hyper import hc_collapse_rms_norm, hc_collapse_rms_norm_e4m3
+from kernels.triton.hyper import hc_collapse_rms_norm
 from kernels.triton.linear_fp8 import (
     e4m3_rows,
     linear_rowwise,
@@ -17,7 +17,8 @@ from kernels.triton.linear_fp8 import (
     rowwise_weight,
     unpack_rows,
 )
-from kernels.triton.rms_norm import rms_norm, rms_norm_e4m3
+from kernels.triton.norm_e4m3 import hc_collapse_rms_norm_e4m3, rms_norm_e4m3
+from kernels.triton.rms_norm import rms_norm
 from tests.kernels.cases import HIDDEN, Q_LORA, V41_LINEARS, gen
 from tests.kernels.test_linear_fp8 import SMALL, assert_same_codes
 
@@ -87,6 +88,8 @@ def test_hc_collapse_rms_norm_e4m3_is_the_collapse_then_quantize_rows(n, hc, d, 
         hc_collapse_rms_norm_e4m3(h, pre[:, :2].contiguous(), w, eps=EPS)
     with pytest.raises(ValueError, match="weight"):
         hc_collapse_rms_norm_e4m3(h, pre, w[1:], eps=EPS)
+    with pytest.raises(ValueError, match="streams"):
+        hc_collapse_rms_norm_e4m3(h.bfloat16(), pre, w, eps=EPS)
 
 
 def test_e4m3_rows_layout() -> None:
