@@ -19,9 +19,9 @@ GEMM with fp32 accumulation and the scales applied once, in the epilogue.
 - e4m3 rows (`e4m3_rows`, `unpack_rows`): a row's codes and its scale packed in one uint8 row, so a producer that
   holds the row in registers (the RMSNorms, kernels/triton/rms_norm.py, kernels/triton/hyper.py) rounds it as
   `quantize_rows` would and hands the linears one plain tensor ([M, bytes], what CUDA-graph segments pass between
-  nodes). A row is its K codes, then at the next multiple of 16 bytes its fp32 scale, then 12 bytes unused (so are
-  the bytes between codes and scale): the codes, the scales and every row start 16-byte aligned, as the cubin
-  launcher wants of pointers and the GEMM of its loads. The GEMM reads the codes with a row stride.
+  nodes). A row is its K codes, zeros up to a multiple of 16 bytes, its fp32 scale and 12 zero bytes (the producers
+  write every byte: a row's bytes are reproducible): the codes, the scales and every row start 16-byte aligned, as the
+  cubin launcher wants of pointers and the GEMM of its loads. The GEMM reads the codes with a row stride.
 - `linear_rowwise(xq, sx, wq, sw)`: tiles of block_M x block_N, K in block_K steps with `tl.dot` on e4m3 operands
   (A [block_M, block_K] and W [block_N, block_K] both K-contiguous, as sm_90's fp8 wgmma needs), tiles visited in
   groups of `group_M` row tiles so a group's W tiles stay in L2. No split-K and block_K is the same in every config,
@@ -63,12 +63,13 @@ def _row_scale(amax):
 
 
 @triton.jit
-def store_e4m3_row(q_ptr, s_ptr, x, offs, K: tl.constexpr):
-    """A row held whole in registers, x [block] fp32 at columns `offs` (0 past K), rounded as `quantize_rows`: its
-    codes to q_ptr + offs (uint8), its scale to s_ptr."""
+def store_e4m3_row(q_ptr, s_ptr, x, offs, ROW: tl.constexpr):
+    """A row held whole in registers, x [block] fp32 at columns `offs` (0 past its values, block >= ROW - 16), rounded
+    as `quantize_rows` and written whole as an e4m3 row of ROW bytes: codes to q_ptr + offs (uint8, zeros up to the
+    scale), the scale and three zero words to s_ptr [4] (fp32)."""
     sx, inv = _row_scale(tl.max(tl.abs(x), axis=0, keep_dims=True))
-    tl.store(s_ptr + tl.arange(0, 1), sx)
-    _store_codes(q_ptr, offs, x, inv, K)
+    tl.store(s_ptr + tl.arange(0, 4), tl.where(tl.arange(0, 4) == 0, sx, 0.0))
+    _store_codes(q_ptr, offs, x, inv, ROW - 16)
 
 
 @triton.jit

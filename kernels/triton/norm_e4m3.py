@@ -26,7 +26,7 @@ def rms_norm_e4m3_kernel(x_ptr, w_ptr, q_ptr, s_ptr, D: tl.constexpr, EPS: tl.co
     """Row r's codes to q_ptr + r * ROW (uint8), its scale to s_ptr + r * ROW / 4 (fp32): e4m3 rows of ROW bytes."""
     row = tl.program_id(0).to(tl.int64)
     y = _normed(x_ptr, w_ptr, row, D, EPS, HAS_W, block_D)
-    store_e4m3_row(q_ptr + row * ROW, s_ptr + row * (ROW // 4), y, tl.arange(0, block_D), D)
+    store_e4m3_row(q_ptr + row * ROW, s_ptr + row * (ROW // 4), y, tl.arange(0, block_D), ROW)
 
 
 @triton.jit
@@ -39,7 +39,12 @@ def hc_collapse_rms_norm_e4m3_kernel(h_ptr, pre_ptr, w_ptr, q_ptr, s_ptr, HC: tl
     x = tl.zeros([block_D], dtype=tl.float32)
     for k in tl.static_range(HC):
         x += tl.load(pre_ptr + row * HC + k) * tl.load(h_ptr + (row * HC + k) * D + offs, mask=offs < D, other=0.0)
-    store_e4m3_row(q_ptr + row * ROW, s_ptr + row * (ROW // 4), _rms(x, w_ptr, offs, D, EPS, True), offs, D)
+    store_e4m3_row(q_ptr + row * ROW, s_ptr + row * (ROW // 4), _rms(x, w_ptr, offs, D, EPS, True), offs, ROW)
+
+
+def _block(d: int) -> int:
+    """A row's registers: its values and the zeros after them up to the scale (the next multiple of 16)."""
+    return max(16, triton.next_power_of_2(d))
 
 
 def rms_norm_e4m3(x: torch.Tensor, w: torch.Tensor | None = None, *, eps: float,
@@ -53,7 +58,7 @@ def rms_norm_e4m3(x: torch.Tensor, w: torch.Tensor | None = None, *, eps: float,
     (m, d), config = x.shape, config or default_config(x.shape[1])
     rows, _, sx = e4m3_rows(m, d, x.device)
     launch(rms_norm_e4m3_kernel, (m,), (x, x if w is None else w, rows, sx),
-           {"D": d, "EPS": eps, "HAS_W": w is not None, "ROW": rows.shape[1], "block_D": triton.next_power_of_2(d)},
+           {"D": d, "EPS": eps, "HAS_W": w is not None, "ROW": rows.shape[1], "block_D": _block(d)},
            config["num_warps"], 1)
     return rows
 
@@ -68,7 +73,7 @@ def hc_collapse_rms_norm_e4m3(h: torch.Tensor, pre: torch.Tensor, w: torch.Tenso
     if tuple(w.shape) != (d,) or not w.is_contiguous() or d == 0:
         raise ValueError(f"the norm weight must be contiguous [{d}] with D > 0, got {list(w.shape)}")
     rows, _, sx = e4m3_rows(n, d, h.device)
-    block_d = triton.next_power_of_2(d)
+    block_d = _block(d)
     launch(hc_collapse_rms_norm_e4m3_kernel, (n,), (h, pre, w, rows, sx),
            {"HC": hc, "D": d, "EPS": eps, "ROW": rows.shape[1], "block_D": block_d}, 4 if block_d <= 2048 else 8, 1)
     return rows
