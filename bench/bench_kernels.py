@@ -170,7 +170,8 @@ def bench_norm_e4m3(tokens: list[int]) -> None:
                    base_us=time_us(lambda: linear_fp8.quantize_rows(rms_norm.rms_norm(x, w, eps=1e-20))))
     d = 5120
     for m in tokens:
-        h, pre, w = torch.randn(m, hc, d, device="cuda"), torch.rand(m, hc, device="cuda"), torch.randn(d, device="cuda")
+        h, pre = torch.randn(m, hc, d, device="cuda"), torch.rand(m, hc, device="cuda")
+        w = torch.randn(d, device="cuda")
         record("hc_collapse_rms_norm e4m3", f"{m}x{hc}x{d}",
                time_us(lambda: norm_e4m3.hc_collapse_rms_norm_e4m3(h, pre, w, eps=1e-20)),
                nbytes=hc * m * d * 4 + m * (d + 16), base="collapse + norm, quantize_rows",

@@ -10,9 +10,9 @@ Nodes without a lowering, or not flat over N (or E, for those), run their DSL re
 kernel, and the hyper-connections' collapse + RMSNorm's, are TileLang's (kernels/tilelang/) where TileLang kernels
 can be built (tilelang and nvcc installed: the static shapes say `"kernel": "tilelang"`), else Triton's; the GPU
 machine runs either from cubins. Where a plan with fp8 activations has only fp8-activation linears read a norm, the
-norm is the variant that writes e4m3 rows for them (kernels/triton/norm_e4m3.py; `e4m3_out`, graphs/plan.py). The linear family's lowerings are in graphs/lowering_linear.py (a plan with fp8
-activations gives fp8-weight linears their e4m3-input variant there), the record and shared helpers in
-graphs/lowering_base.py.
+norm is the variant that writes e4m3 rows for them (kernels/triton/norm_e4m3.py; `e4m3_out`, graphs/plan.py). The
+linear family's lowerings are in graphs/lowering_linear.py (a plan with fp8 activations gives fp8-weight linears their
+e4m3-input variant there), the record and shared helpers in graphs/lowering_base.py.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The lowerings of the linear family: `linear` and `grouped_linear`, the shared expert (`swiglu`: its projections,
-its clamped SwiGLU in one kernel, kernels/triton/swiglu.py) and the MoE gate's projection. Decode buckets run kernels/triton/linear.py; prefill buckets with enough output tiles
-(`linear_prefill.serves`) the prefill GEMM, kernels/triton/linear_prefill.py (bf16 products like linear.py's, summed
-in another order), whose config keeps linear.py's beside it for plans that multiply in fp32; fp8 weights with e4m3
-activations run kernels/triton/linear_fp8.py. The gate's projection always multiplies in fp32 (routing is
-discrete): linear.py."""
+its clamped SwiGLU in one kernel, kernels/triton/swiglu.py) and the MoE gate's projection. Decode buckets run
+kernels/triton/linear.py; prefill buckets with enough output tiles (`linear_prefill.serves`) the prefill GEMM,
+kernels/triton/linear_prefill.py (bf16 products like linear.py's, summed in another order), whose config keeps
+linear.py's beside it for plans that multiply in fp32; fp8 weights with e4m3 activations run
+kernels/triton/linear_fp8.py, on rows a norm rounded already where the plan says so (`e4m3_in`, graphs/plan.py). The
+gate's projection always multiplies in fp32 (routing is discrete): linear.py."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """`compile(..., fp8_activations=True)`: the linears over fp8 32x32-block weights take the e4m3-activation kernel
 (kernels/triton/linear_fp8.py) and their weights one scale per row; the plan says so and keeps saying so when saved.
-Norms read only by those linears round their rows to e4m3 for them in the same pass. On a checkpoint written in the real formats, under Triton's interpreter, the executor is what the cpu target gives
-with those linears emulated in torch (per-token e4m3 rounding, rowwise weights, fp32 products), and near the exact
-cpu target: within the error e4m3's three mantissa bits bring."""
+Norms read only by those linears round their rows to e4m3 for them in the same pass. On a checkpoint written in the
+real formats, under Triton's interpreter, the executor is what the cpu target gives with those linears emulated in
+torch (per-token e4m3 rounding, rowwise weights, fp32 products), and near the exact cpu target: within the error
+e4m3's three mantissa bits bring."""
 
 from __future__ import annotations
 

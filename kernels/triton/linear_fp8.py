@@ -17,7 +17,7 @@ GEMM with fp32 accumulation and the scales applied once, in the epilogue.
   2^(e - Emax). Exact when a row block's scales agree; otherwise a shifted code can fall below e4m3's normal range
   (2^-6) and rounds to the nearest 2^-9 step: an error of at most 2^-10 * sw per element.
 - e4m3 rows (`e4m3_rows`, `unpack_rows`): a row's codes and its scale packed in one uint8 row, so a producer that
-  holds the row in registers (the RMSNorms, kernels/triton/rms_norm.py, kernels/triton/hyper.py) rounds it as
+  holds the row in registers (the RMSNorms of kernels/triton/norm_e4m3.py, `store_e4m3_row`) rounds it as
   `quantize_rows` would and hands the linears one plain tensor ([M, bytes], what CUDA-graph segments pass between
   nodes). A row is its K codes, zeros up to a multiple of 16 bytes, its fp32 scale and 12 zero bytes (the producers
   write every byte: a row's bytes are reproducible): the codes, the scales and every row start 16-byte aligned, as the
@@ -246,7 +246,8 @@ def linear_rowwise(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: tor
     grid = (triton.cdiv(m, config["block_M"]) * triton.cdiv(n, config["block_N"]),)
     tile = {name: config[name] for name in ("block_M", "block_N", "block_K")}
     launch(linear_rowwise_kernel, grid, (xq, wq, sx, sw, out, m),
-           {"N": n, "K": k, "stride_A": xq.stride(0), "stride_SA": sx.stride(0), **tile, "group_M": config.get("group_M", 8), "promote_K": config.get("promote_K", 0)},
+           {"N": n, "K": k, "stride_A": xq.stride(0), "stride_SA": sx.stride(0), **tile,
+            "group_M": config.get("group_M", 8), "promote_K": config.get("promote_K", 0)},
            config["num_warps"], config["num_stages"])
     return out
 

@@ -65,7 +65,7 @@ def rms_norm_e4m3(x: torch.Tensor, w: torch.Tensor | None = None, *, eps: float,
 
 def hc_collapse_rms_norm_e4m3(h: torch.Tensor, pre: torch.Tensor, w: torch.Tensor, *, eps: float) -> torch.Tensor:
     """`hyper.hc_collapse_rms_norm(h, pre, w)` rounded to e4m3 per row as `quantize_rows` rounds it: h [N, hc, D], pre
-    [N, hc] float32 contiguous, w [D] contiguous, D > 0. Returns e4m3 rows, uint8 [N, bytes] (`unpack_rows(rows, D)`)."""
+    [N, hc] float32 contiguous, w [D] contiguous, D > 0. Returns e4m3 rows, uint8 [N, bytes] (`unpack_rows`)."""
     _check_streams(h, "hc_collapse_rms_norm_e4m3")
     n, hc, d = h.shape
     if tuple(pre.shape) != (n, hc) or pre.dtype != torch.float32 or not pre.is_contiguous():
