@@ -30,11 +30,14 @@ import kernels.triton.engram_rows as engram_rows  # noqa: E402
 import kernels.triton.hyper as hyper  # noqa: E402
 import kernels.triton.indexer as indexer  # noqa: E402
 import kernels.triton.linear as linear  # noqa: E402
+import kernels.triton.linear_fp8 as linear_fp8  # noqa: E402
 import kernels.triton.moe as moe  # noqa: E402
 import kernels.triton.moe_gate as moe_gate  # noqa: E402
 import kernels.triton.moe_route as moe_route  # noqa: E402
+import kernels.triton.norm_e4m3 as norm_e4m3  # noqa: E402
 import kernels.triton.rms_norm as rms_norm  # noqa: E402
 import kernels.triton.rope as rope  # noqa: E402
+import kernels.triton.swiglu as swiglu  # noqa: E402
 from autotune.cache import TuningCache, cache_key, source_hash  # noqa: E402
 from autotune.run import rotation  # noqa: E402
 from autotune.tune import time_us  # noqa: E402
@@ -183,6 +186,37 @@ def bench_engram_lookup(tokens: list[int]) -> None:
                time_us(lambda: engram_rows.engram_hash_rows(ngrams(), table, scale, **kw)), nbytes=per_call,
                base="torch eager (dsl ref)",
                base_us=time_us(lambda: engram_ref.engram_rows(engram_ref.engram_hash(ngrams(), **kw), table, scale)))
+
+
+def bench_norm_e4m3(tokens: list[int]) -> None:
+    """The norms that write e4m3 rows (fp8-activation plans) against the norm, then `quantize_rows`, as one reader of
+    the normed rows ran them before (the attention's norm has two readers, wq_a and wkv: two roundings). An e4m3
+    row of d values (d a multiple of 16) is d + 16 bytes."""
+    hc = 4
+    for d in (5120, 1280, 512):
+        for m in tokens:
+            x, w = torch.randn(m, d, device="cuda"), torch.randn(d, device="cuda")
+            record("rms_norm e4m3", f"{m}x{d} fp32", time_us(lambda: norm_e4m3.rms_norm_e4m3(x, w, eps=1e-20)),
+                   nbytes=m * d * 4 + d * 4 + m * (d + 16), base="rms_norm + quantize_rows",
+                   base_us=time_us(lambda: linear_fp8.quantize_rows(rms_norm.rms_norm(x, w, eps=1e-20))))
+    d = 5120
+    for m in tokens:
+        h, pre = torch.randn(m, hc, d, device="cuda"), torch.rand(m, hc, device="cuda")
+        w = torch.randn(d, device="cuda")
+        record("hc_collapse_rms_norm e4m3", f"{m}x{hc}x{d}",
+               time_us(lambda: norm_e4m3.hc_collapse_rms_norm_e4m3(h, pre, w, eps=1e-20)),
+               nbytes=hc * m * d * 4 + m * (d + 16), base="collapse + norm, quantize_rows",
+               base_us=time_us(lambda: linear_fp8.quantize_rows(hyper.hc_collapse_rms_norm(h, pre, w, eps=1e-20))))
+
+
+def bench_swiglu(tokens: list[int]) -> None:
+    """The shared expert's clamped SwiGLU (width 2304) against the torch ops it replaced."""
+    inter = 2304
+    for m in tokens:
+        gate, up = torch.randn(m, inter, device="cuda") * 8, torch.randn(m, inter, device="cuda") * 8
+        record("swiglu (shared expert)", f"{m}x{inter} limit 10", time_us(lambda: swiglu.swiglu(gate, up, limit=10.0)),
+               nbytes=3 * m * inter * 4, base="torch eager (dsl ref)",
+               base_us=time_us(lambda: moe_ref.clamped_swiglu(gate, up, 10.0)))
 
 
 def bench_tilelang_norms(tokens: list[int]) -> None:
@@ -407,6 +441,7 @@ TOKENS = [1, 16, 64]
 PARTS = {"ceilings": ceilings, "linear": lambda: bench_linear(TOKENS), "prefill_gemm": bench_prefill_gemm,
          "prefill_switch": bench_prefill_switch,
          "norms": lambda: bench_norms([1, 64, 4096]), "tilelang": lambda: bench_tilelang_norms([1, 64, 4096]),
+         "norm_e4m3": lambda: bench_norm_e4m3([1, 64, 8192]), "swiglu": lambda: bench_swiglu([*TOKENS, 8192]),
          "engram": lambda: bench_engram_lookup([1, 64, 8192]),
          "moe": lambda: bench_moe([*TOKENS, 1024, 8192]), "gate_route": lambda: bench_gate_route([1, 64, 8192]),
          "attention": lambda: bench_attention(TOKENS),

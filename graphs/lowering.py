@@ -9,9 +9,10 @@ over E).
 Nodes without a lowering, or not flat over N (or E, for those), run their DSL reference on the device. RMSNorm's
 kernel, and the hyper-connections' collapse + RMSNorm's, are TileLang's (kernels/tilelang/) where TileLang kernels
 can be built (tilelang and nvcc installed: the static shapes say `"kernel": "tilelang"`), else Triton's; the GPU
-machine runs either from cubins. The linear family's lowerings are in graphs/lowering_linear.py (a plan with fp8
-activations gives fp8-weight linears their e4m3-input variant there), the record and shared helpers in
-graphs/lowering_base.py.
+machine runs either from cubins. Where a plan with fp8 activations has only fp8-activation linears read a norm, the
+norm is the variant that writes e4m3 rows for them (kernels/triton/norm_e4m3.py; `e4m3_out`, graphs/plan.py). The
+linear family's lowerings are in graphs/lowering_linear.py (a plan with fp8 activations gives fp8-weight linears their
+e4m3-input variant there), the record and shared helpers in graphs/lowering_base.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import kernels.triton.engram_rows as engram_rows
 import kernels.triton.hyper as hyper
 import kernels.triton.indexer as indexer
 import kernels.triton.moe as moe
+import kernels.triton.norm_e4m3 as norm_e4m3
 import kernels.triton.rms_norm as rms_norm
 import kernels.triton.rope as rope
 import kernels.triton.rounding as rounding
@@ -57,16 +59,21 @@ def _norm_module(static: dict):
     return rms_norm_tilelang if static.get("kernel") == "tilelang" else rms_norm  # no "kernel": an older plan's Triton
 
 
+def _norm(static: dict, x: torch.Tensor, w: torch.Tensor | None, eps: float, config: dict) -> torch.Tensor:
+    if static.get("e4m3_out"):  # read only by fp8-activation linears: e4m3 rows for them (graphs/plan.py)
+        return norm_e4m3.rms_norm_e4m3(x, w, eps=eps, config=config)
+    return _norm_module(static).rms_norm(x, w, eps=eps, config=config)
+
+
 def _norm_trace(static, attrs, config, m, dot_fp32):
-    w = meta(static["d"]) if static["has_w"] else None
-    _norm_module(static).rms_norm(meta(m, static["d"]), w, eps=static["eps"], config=config)
+    _norm(static, meta(m, static["d"]), meta(static["d"]) if static["has_w"] else None, static["eps"], config)
 
 
 RMS_NORM = Lowering(
     "rms_norm", _norm_static, lambda st: {1: "fp32"},
-    lambda args, attrs, st, config, ctx, f: _norm_module(st).rms_norm(args[0].contiguous(), args[1],
-                                                                      eps=attrs["eps"], config=config),
-    _norm_trace, lambda st, m: _norm_module(st).default_config(st["d"]))
+    lambda args, attrs, st, config, ctx, f: _norm(st, args[0].contiguous(), args[1], attrs["eps"], config),
+    _norm_trace, lambda st, m: _norm_module(st).default_config(st["d"]),
+    e4m3_out=lambda st: dict(st, kernel="triton", e4m3_out=True))  # the fused rounding is Triton's
 
 
 # ---- hyper-connections -------------------------------------------------------------------------------------------
@@ -100,6 +107,8 @@ def _collapse_static(node: Node, params: Params) -> dict | None:
 
 
 def _collapse(static: dict, h, pre, w, eps: float, config: dict):
+    if static.get("e4m3_out"):
+        return norm_e4m3.hc_collapse_rms_norm_e4m3(h, pre, w, eps=eps)
     if static.get("kernel") == "tilelang":
         return hyper_tilelang.hc_collapse_rms_norm(h, pre, w, eps=eps, config=config)
     return hyper.hc_collapse_rms_norm(h, pre, w, eps=eps)  # no "kernel": an older plan's Triton
@@ -116,7 +125,8 @@ HC_COLLAPSE_RMS_NORM = Lowering(
     "hc_collapse_rms_norm", _collapse_static, lambda st: {2: "fp32"}, _collapse_run,
     lambda st, attrs, config, m, f: _collapse(st, meta(m, st["hc"], st["d"]), meta(m, st["hc"]), meta(st["d"]),
                                               attrs["eps"], config),
-    lambda st, m: rms_norm_tilelang.default_config(st["d"]) if st.get("kernel") == "tilelang" else {})
+    lambda st, m: rms_norm_tilelang.default_config(st["d"]) if st.get("kernel") == "tilelang" else {},
+    e4m3_out=lambda st: dict(st, kernel="triton", e4m3_out=True))
 
 HC_EXPAND = Lowering(
     "hc_expand", _hc_static, lambda st: {},

@@ -27,6 +27,11 @@ class Lowering:
     # and K ranges; rows never share a reduction), except where a split follows the batch: the default is a copy.
     invariant: Callable[[dict], dict] = dict
     fp8_activations: Callable[[dict], dict | None] = lambda static: None  # the static of an e4m3-input variant
+    # Plans with fp8 activations, where a node's output is read only by fp8-activation linears (graphs/plan.py): the
+    # static of the producer's variant that writes it as e4m3 rows (kernels/triton/linear_fp8.py), and that of the
+    # reader's variant that takes them as they are. None: no such variant.
+    e4m3_out: Callable[[dict], dict | None] = lambda static: None
+    e4m3_in: Callable[[dict], dict | None] = lambda static: None
     # Over compressed entries (a `Ragged`): False, `run` gets their rows and its result is wrapped back; True, it
     # gets the `Ragged` itself (the entries' layout too) and returns one.
     ragged: bool = False

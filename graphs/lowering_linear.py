@@ -1,9 +1,11 @@
-"""The lowerings of the linear family: `linear` and `grouped_linear`, the shared expert (`swiglu`) and the MoE gate's
-projection. Decode buckets run kernels/triton/linear.py; prefill buckets with enough output tiles
-(`linear_prefill.serves`) the prefill GEMM, kernels/triton/linear_prefill.py (bf16 products like linear.py's, summed
-in another order), whose config keeps linear.py's beside it for plans that multiply in fp32; fp8 weights with e4m3
-activations run kernels/triton/linear_fp8.py. The gate's projection always multiplies in fp32 (routing is
-discrete): linear.py; its scores and top-k then run kernels/triton/moe_gate.py."""
+"""The lowerings of the linear family: `linear` and `grouped_linear`, the shared expert (`swiglu`: its projections,
+its clamped SwiGLU in one kernel, kernels/triton/swiglu.py) and the MoE gate's projection. Decode buckets run
+kernels/triton/linear.py; prefill buckets with enough output tiles (`linear_prefill.serves`) the prefill GEMM,
+kernels/triton/linear_prefill.py (bf16 products like linear.py's, summed in another order), whose config keeps
+linear.py's beside it for plans that multiply in fp32; fp8 weights with e4m3 activations run
+kernels/triton/linear_fp8.py, on rows a norm rounded already where the plan says so (`e4m3_in`, graphs/plan.py). The
+gate's projection always multiplies in fp32 (routing is discrete): linear.py; its scores and top-k then run
+kernels/triton/moe_gate.py."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import kernels.triton.linear as linear
 import kernels.triton.linear_fp8 as linear_fp8
 import kernels.triton.linear_prefill as linear_prefill
 import kernels.triton.moe_gate as moe_gate
+import kernels.triton.swiglu as swiglu
 from dsl.graph import Node
 from graphs.lowering_base import Lowering, Params, meta, over_tokens, param, weight_dtype
 
@@ -76,14 +79,17 @@ def _project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, config: d
 def _linear_run(args, attrs, static, config, ctx, dot_fp32):
     x, w, s = args[0], args[1], args[2]
     if static["fmt"] == "fp8_rows":  # e4m3 activations, one scale per token: the fp8 tensor cores (exact products)
-        return linear_fp8.linear_rowwise(*linear_fp8.quantize_rows(x.contiguous()), w, s, config=config)
+        rows = linear_fp8.unpack_rows(x, static["k"]) if static.get("e4m3_in") else \
+            linear_fp8.quantize_rows(x.contiguous())  # e4m3_in: a norm rounded x already (graphs/plan.py)
+        return linear_fp8.linear_rowwise(*rows, w, s, config=config)
     return _project(x.contiguous(), w, s, config, dot_fp32, static["groups"])
 
 
 def _linear_trace(static, attrs, config, m, dot_fp32):
     g, n, k = static["groups"], static["n"], static["k"]
     if static["fmt"] == "fp8_rows":
-        return _linear_run([meta(m, k), meta(n, k, dtype=torch.float8_e4m3fn), meta(n)], {}, static, config, None, 0)
+        x = linear_fp8.e4m3_rows(m, k, "meta")[0] if static.get("e4m3_in") else meta(m, k)
+        return _linear_run([x, meta(n, k, dtype=torch.float8_e4m3fn), meta(n)], {}, static, config, None, 0)
     w = meta(g * n, k, dtype=weight_dtype(static["fmt"], dot_fp32))
     s = meta(-(-g * n // 32), -(-k // 32)) if static["fmt"] == "fp8" else None
     return _project(meta(m, g * k), w, s, config, dot_fp32, g)
@@ -93,7 +99,8 @@ LINEAR = Lowering(
     "linear", _linear_static, lambda st: _weight_formats(st["fmt"], (1,)), _linear_run, _linear_trace,
     lambda st, m: linear_fp8.default_config(m, st["n"], st["k"]) if st["fmt"] == "fp8_rows" else
     _config(m, st["n"], st["k"], st["fmt"], st["groups"]),
-    fp8_activations=lambda st: dict(st, fmt="fp8_rows") if st["fmt"] == "fp8" and st["groups"] == 1 else None)
+    fp8_activations=lambda st: dict(st, fmt="fp8_rows") if st["fmt"] == "fp8" and st["groups"] == 1 else None,
+    e4m3_in=lambda st: dict(st, e4m3_in=True) if st["fmt"] == "fp8_rows" else None)
 
 
 # ---- the shared expert and the gate: their projections on the linear kernel -------------------------------------
@@ -108,12 +115,10 @@ def _swiglu_static(node: Node, params: Params) -> dict | None:
 
 def _swiglu_run(args, attrs, st, config, ctx, dot_fp32):
     x, w1, w2, w3, s1, s2, s3 = args
-    x, limit = x.contiguous(), attrs["limit"]
+    x = x.contiguous()
     gate = _project(x, w1, s1, config["up"], dot_fp32)
     up = _project(x, w3, s3, config["up"], dot_fp32)
-    if limit > 0:
-        up, gate = up.clamp(-limit, limit), gate.clamp(max=limit)
-    return _project(torch.nn.functional.silu(gate) * up, w2, s2, config["down"], dot_fp32)
+    return _project(swiglu.swiglu(gate, up, limit=attrs["limit"]), w2, s2, config["down"], dot_fp32)
 
 
 def _swiglu_trace(st, attrs, config, m, dot_fp32):
@@ -121,6 +126,7 @@ def _swiglu_trace(st, attrs, config, m, dot_fp32):
     for n, k, part in ((inter, d, "up"), (d, inter, "down")):
         w = meta(n, k, dtype=weight_dtype(st["fmt"], dot_fp32))
         _project(meta(m, k), w, meta(-(-n // 32), -(-k // 32)) if fp8 else None, config[part], dot_fp32)
+    swiglu.swiglu(meta(m, inter), meta(m, inter), limit=attrs["limit"])
 
 
 SWIGLU = Lowering(

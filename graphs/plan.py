@@ -8,6 +8,11 @@ attention, by how a token's entries are split; the rows themselves never meet in
 node serves every token count: the one tuned for `INVARIANT_TOKENS` (decode batches, where the mode is mostly
 used), made invariant by its lowering (`Lowering.invariant`: attention keeps a token's entries in one part, since
 its split sizes follow the batch's widest entry list).
+
+fp8 activations (`fp8_activations=True`): linears over fp8 weights take their variant with e4m3 activations
+(`Lowering.fp8_activations`), and a node whose output only such linears read (an RMSNorm, or the hyper-connections'
+collapse + RMSNorm: the attention's wq_a and wkv, the q_norm's wq_b's) writes it as e4m3 rows, which they take as
+they are (`Lowering.e4m3_out` and `e4m3_in`): one pass over the row instead of a norm, then a rounding per linear.
 """
 
 from __future__ import annotations
@@ -112,17 +117,44 @@ def _template_hash(template: str) -> str:
     return src
 
 
+def _e4m3_rows(graph: Graph, statics: list[dict | None]) -> None:
+    """Give a node that can write e4m3 rows, and its readers, their e4m3 variants where every reader can take them
+    as its first input and the output is no graph output (module docstring)."""
+    readers: dict[int, list[tuple[int, int]]] = {}  # id(value) -> (node, input position) of every read
+    for i, node in enumerate(graph.nodes):
+        for pos, v in enumerate(node.inputs):
+            if v is not None:
+                readers.setdefault(id(v), []).append((i, pos))
+    outputs = {id(v) for v in graph.outputs.values()}
+
+    def variant(j: int, kind: str) -> dict | None:
+        return None if statics[j] is None else getattr(LOWERINGS[graph.nodes[j].op], kind)(statics[j])
+
+    for i, node in enumerate(graph.nodes):
+        out = variant(i, "e4m3_out")
+        if out is None or id(node.outputs[0]) in outputs:
+            continue
+        reads = readers.get(id(node.outputs[0]), [])
+        ins = [variant(j, "e4m3_in") if pos == 0 else None for j, pos in reads]
+        if reads and all(st is not None for st in ins):
+            statics[i] = out
+            for (j, _), st in zip(reads, ins, strict=True):
+                statics[j] = st
+
+
 def make_plan(graph: Graph, params: dict[str, torch.Tensor], target: str, buckets: tuple[int, ...] = BUCKETS,
               dot_fp32: bool = False, tuning=None, fp8_activations: bool = False) -> Plan:
     """Choose a kernel for every node that has one, its config per bucket (tuned when cached) and its
-    batch-invariant config. `fp8_activations`: nodes whose lowering has a variant with e4m3 activations take it."""
+    batch-invariant config. `fp8_activations`: nodes whose lowering has a variant with e4m3 activations take it,
+    and norms read only by them hand them e4m3 rows."""
+    lowerings = [LOWERINGS.get(node.op) for node in graph.nodes]
+    statics = [lowering.static(node, params) if lowering else None for node, lowering in zip(graph.nodes, lowerings)]
+    if fp8_activations:
+        statics = [st if st is None else lowering.fp8_activations(st) or st for st, lowering in zip(statics, lowerings)]
+        _e4m3_rows(graph, statics)
     nodes = []
-    for i, node in enumerate(graph.nodes):
+    for i, (node, lowering, static) in enumerate(zip(graph.nodes, lowerings, statics)):
         entry = NodePlan(i, node.op)
-        lowering = LOWERINGS.get(node.op)
-        static = lowering.static(node, params) if lowering else None
-        if static is not None and fp8_activations:
-            static = lowering.fp8_activations(static) or static
         if static is not None:
             entry.template, entry.static, entry.formats = lowering.template, static, lowering.formats(static)
             src = _template_hash(lowering.template)

@@ -1,8 +1,9 @@
 """`compile(..., fp8_activations=True)`: the linears over fp8 32x32-block weights take the e4m3-activation kernel
 (kernels/triton/linear_fp8.py) and their weights one scale per row; the plan says so and keeps saying so when saved.
-On a checkpoint written in the real formats, under Triton's interpreter, the executor is what the cpu target gives
-with those linears emulated in torch (per-token e4m3 rounding, rowwise weights, fp32 products), and near the exact
-cpu target: within the error e4m3's three mantissa bits bring."""
+Norms read only by those linears round their rows to e4m3 for them in the same pass. On a checkpoint written in the
+real formats, under Triton's interpreter, the executor is what the cpu target gives with those linears emulated in
+torch (per-token e4m3 rounding, rowwise weights, fp32 products), and near the exact cpu target: within the error
+e4m3's three mantissa bits bring."""
 
 from __future__ import annotations
 
@@ -47,10 +48,13 @@ def test_the_plan_takes_the_fp8_kernel_for_fp8_weights_only(quantized, tmp_path:
     exact = make_plan(graph, params, "sm90", buckets=(16,))
     plan = make_plan(graph, params, "sm90", buckets=(16,), fp8_activations=True)
     changed = 0
-    for before, after in zip(exact.nodes, plan.nodes, strict=True):  # fp8 single-group linears change, nothing else
-        st = before.static
+    for before, after in zip(exact.nodes, plan.nodes, strict=True):  # fp8 single-group linears change, and norms
+        st = before.static  # read only by them (test_norms_read_only_by_fp8_linears_write_e4m3_rows)
         rows = before.template == "linear" and st.get("fmt") == "fp8" and st.get("groups") == 1
-        assert after.static == (dict(st, fmt="fp8_rows") if rows else st)
+        want = dict(st, fmt="fp8_rows") if rows else st
+        if after.static.get("e4m3_out"):
+            want = dict(want, kernel="triton", e4m3_out=True)
+        assert after.static == (dict(want, e4m3_in=True) if after.static.get("e4m3_in") else want)
         changed += rows
     assert changed
     rows = [n for n in plan.nodes if n.static.get("fmt") == "fp8_rows"]
@@ -60,6 +64,32 @@ def test_the_plan_takes_the_fp8_kernel_for_fp8_weights_only(quantized, tmp_path:
     assert [n.static for n in again.nodes] == [n.static for n in plan.nodes]
     with pytest.raises(ValueError, match="cpu target"):
         deepinfer.compile(quantized, "cpu", fp8_activations=True)
+
+
+def test_norms_read_only_by_fp8_linears_write_e4m3_rows(quantized) -> None:
+    """An RMSNorm (or collapse + RMSNorm) whose every reader is an fp8-activation linear, reading it as its input,
+    writes e4m3 rows and those linears read them; every other node is as it was. The attention's wq_a and wkv
+    share theirs, the q_norm's wq_b (and the indexer's) theirs; no norm writes them without fp8 activations."""
+    graph, params = run_passes(quantized.graph()), quantized.params()
+    plan = make_plan(graph, params, "sm90", buckets=(16,), fp8_activations=True)
+    readers: dict[int, list[tuple[int, int]]] = {}
+    for i, node in enumerate(graph.nodes):
+        for pos, v in enumerate(node.inputs):
+            if v is not None:
+                readers.setdefault(id(v), []).append((i, pos))
+    written = {"rms_norm": 0, "hc_collapse_rms_norm": 0}
+    for i, node in enumerate(graph.nodes):
+        if node.op not in written or not plan.nodes[i].template:
+            continue
+        reads = readers[id(node.outputs[0])]
+        only_fp8 = all(pos == 0 and plan.nodes[j].static.get("fmt") == "fp8_rows" for j, pos in reads)
+        assert bool(plan.nodes[i].static.get("e4m3_out")) == only_fp8, (i, node.op)
+        assert all(bool(plan.nodes[j].static.get("e4m3_in")) == only_fp8 for j, _ in reads)
+        written[node.op] += only_fp8
+    assert all(written.values()), written
+    assert sum(bool(n.static.get("e4m3_in")) for n in plan.nodes) > sum(written.values())  # readers share rows
+    exact = make_plan(graph, params, "sm90", buckets=(16,))
+    assert not any(n.static.get("e4m3_out") or n.static.get("e4m3_in") for n in exact.nodes)
 
 
 def test_executor_is_the_emulated_fp8_linears(quantized) -> None:

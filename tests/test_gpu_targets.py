@@ -90,6 +90,31 @@ def test_sm100_builds_the_checkpoints_fp8_and_fp4_kernels_without_a_gpu(tmp_path
         assert cubin_arch(f.read_bytes()) == 100, f.name
 
 
+def test_sm90_builds_the_fp8_activation_kernels_without_a_gpu(tmp_path) -> None:
+    """fp8 activations on the checkpoint's formats: the norms that write e4m3 rows for their linears, the GEMM reading
+    those rows (their codes a row stride apart), and the shared expert's SwiGLU kernel, all built."""
+    from deepinfer.config import DeepseekV41Config
+    from tests.test_checkpoint import _quantize, _tensors, _write
+
+    config = DeepseekV41Config.from_pretrained(fixture_dir("v41-smooth"))
+    checkpoint = _write(tmp_path / "checkpoint", _quantize(_tensors("v41-smooth"), config), fixture_dir("v41-smooth"))
+    out = tmp_path / "sm90"
+    run_python(BUILD.format(fixture=str(checkpoint), target="sm90", out=str(out)).replace(
+        "buckets=(16,)", "buckets=(16,), fp8_activations=True"), CUDA_VISIBLE_DEVICES="",
+        DEEPINFER_CACHE=str(tmp_path / "cache"))
+    plan = json.loads((out / "plan.json").read_text())
+    writers = {n["op"] for n in plan["nodes"] if n["template"] and n["static"].get("e4m3_out")}
+    assert writers == {"rms_norm", "hc_collapse_rms_norm"}
+    assert any(n["static"].get("e4m3_in") for n in plan["nodes"] if n["template"] == "linear")
+    specs = [json.loads(f.read_text()) for f in (out / "kernels").glob("*.json")]
+    names = {s["name"] for s in specs}
+    assert {"rms_norm_e4m3_kernel", "hc_collapse_rms_norm_e4m3_kernel", "swiglu_kernel"} <= names, names
+    rowwise = [s["constexprs"] for s in specs if s["name"] == "linear_rowwise_kernel"]
+    assert any(c["stride_A"] > c["K"] for c in rowwise) and any(c["stride_A"] == c["K"] for c in rowwise)
+    for f in (out / "kernels").glob("*.cubin"):
+        assert cubin_arch(f.read_bytes()) == 90, f.name
+
+
 CACHE_WITHOUT_PTX = """
 import json, sys, torch
 from pathlib import Path

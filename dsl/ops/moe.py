@@ -42,14 +42,17 @@ def moe_gate(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, *, topk: int,
                      normalize=normalize, scaling=scaling)
 
 
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit), no clamps when `limit` is 0: an expert's activation."""
+    if limit > 0:
+        up, gate = up.clamp(-limit, limit), gate.clamp(max=limit)
+    return torch.nn.functional.silu(gate) * up
+
+
 def swiglu_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float,
                   weight: torch.Tensor | None = None) -> torch.Tensor:
     """w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit)) on fp32 weights; `weight` [T, 1] scales the inner."""
-    gate = torch.nn.functional.linear(x, w1)
-    up = torch.nn.functional.linear(x, w3)
-    if limit > 0:
-        up, gate = up.clamp(-limit, limit), gate.clamp(max=limit)
-    inner = torch.nn.functional.silu(gate) * up
+    inner = clamped_swiglu(torch.nn.functional.linear(x, w1), torch.nn.functional.linear(x, w3), limit)
     if weight is not None:
         inner = weight * inner
     return torch.nn.functional.linear(inner, w2)

@@ -16,6 +16,12 @@ GEMM with fp32 accumulation and the scales applied once, in the epilogue.
   2^Emax, becomes the scale of its rows and the codes of blocks with a smaller scale 2^e are shifted down by
   2^(e - Emax). Exact when a row block's scales agree; otherwise a shifted code can fall below e4m3's normal range
   (2^-6) and rounds to the nearest 2^-9 step: an error of at most 2^-10 * sw per element.
+- e4m3 rows (`e4m3_rows`, `unpack_rows`): a row's codes and its scale packed in one uint8 row, so a producer that
+  holds the row in registers (the RMSNorms of kernels/triton/norm_e4m3.py, `store_e4m3_row`) rounds it as
+  `quantize_rows` would and hands the linears one plain tensor ([M, bytes], what CUDA-graph segments pass between
+  nodes). A row is its K codes, zeros up to a multiple of 16 bytes, its fp32 scale and 12 zero bytes (the producers
+  write every byte: a row's bytes are reproducible): the codes, the scales and every row start 16-byte aligned, as the
+  cubin launcher wants of pointers and the GEMM of its loads. The GEMM reads the codes with a row stride.
 - `linear_rowwise(xq, sx, wq, sw)`: tiles of block_M x block_N, K in block_K steps with `tl.dot` on e4m3 operands
   (A [block_M, block_K] and W [block_N, block_K] both K-contiguous, as sm_90's fp8 wgmma needs), tiles visited in
   groups of `group_M` row tiles so a group's W tiles stay in L2. No split-K and block_K is the same in every config,
@@ -48,6 +54,25 @@ def _store_codes(q_ptr, ks, x, inv, K: tl.constexpr):
 
 
 @triton.jit
+def _row_scale(amax):
+    """amax [1] of a row -> (sx, 1 / sx), both [1] fp32: sx = 2^ceil(log2(max(amax, 1e-4) / 448)), exactly."""
+    a = tl.maximum(amax, 1e-4)  # FP8_AMAX_FLOOR
+    bits = tl.math.div_rn(a, tl.full([1], 448.0, tl.float32)).to(tl.int32, bitcast=True)
+    byte = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # sx = 2^(byte - 127), byte in [105, 247]
+    return (byte << 23).to(tl.float32, bitcast=True), ((254 - byte) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def store_e4m3_row(q_ptr, s_ptr, x, offs, ROW: tl.constexpr):
+    """A row held whole in registers, x [block] fp32 at columns `offs` (0 past its values, block >= ROW - 16), rounded
+    as `quantize_rows` and written whole as an e4m3 row of ROW bytes: codes to q_ptr + offs (uint8, zeros up to the
+    scale), the scale and three zero words to s_ptr [4] (fp32)."""
+    sx, inv = _row_scale(tl.max(tl.abs(x), axis=0, keep_dims=True))
+    tl.store(s_ptr + tl.arange(0, 4), tl.where(tl.arange(0, 4) == 0, sx, 0.0))
+    _store_codes(q_ptr, offs, x, inv, ROW - 16)
+
+
+@triton.jit
 def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K: tl.constexpr, block_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row, q_row = x_ptr + row * K, q_ptr + row * K
@@ -57,11 +82,8 @@ def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K: tl.constexpr, block_K: tl.const
     for k0 in tl.range(block_K, K, block_K):
         ks = k0 + offs
         amax = tl.maximum(amax, tl.abs(tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)))
-    a = tl.maximum(tl.max(amax, axis=0, keep_dims=True), 1e-4)  # [1]: FP8_AMAX_FLOOR
-    bits = tl.math.div_rn(a, tl.full([1], 448.0, tl.float32)).to(tl.int32, bitcast=True)
-    byte = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)  # sx = 2^(byte - 127), byte in [105, 247]
-    inv = ((254 - byte) << 23).to(tl.float32, bitcast=True)  # 1 / sx
-    tl.store(s_ptr + row + tl.arange(0, 1), (byte << 23).to(tl.float32, bitcast=True))
+    sx, inv = _row_scale(tl.max(amax, axis=0, keep_dims=True))
+    tl.store(s_ptr + row + tl.arange(0, 1), sx)
     _store_codes(q_row, offs, x, inv, K)
     for k0 in tl.range(block_K, K, block_K):
         ks = k0 + offs
@@ -96,6 +118,27 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return xq, sx
 
 
+def _codes_bytes(k: int) -> int:
+    return -(-k // 16) * 16
+
+
+def e4m3_rows(m: int, k: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """m empty e4m3 rows of k values (module docstring): (rows uint8 [m, bytes], their codes as xq float8_e4m3fn
+    [m, k] and scales as sx float32 [m], views of rows with a row stride, as `linear_rowwise` takes them)."""
+    rows = torch.empty(m, _codes_bytes(k) + 16, dtype=torch.uint8, device=device)
+    return (rows, *unpack_rows(rows, k))
+
+
+def unpack_rows(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes and scales of e4m3 rows of k values, rows uint8 [M, bytes]: (xq float8_e4m3fn [M, k], sx float32
+    [M]), views."""
+    kp = _codes_bytes(k)
+    if rows.dim() != 2 or rows.dtype != torch.uint8 or tuple(rows.shape[1:]) != (kp + 16,) or rows.stride(1) != 1:
+        raise ValueError(f"e4m3 rows of {k} values are uint8 [M, {kp + 16}] with unit column stride, got {rows.dtype} "
+                         f"{list(rows.shape)}")
+    return rows[:, :k].view(FP8), rows[:, kp:kp + 4].view(torch.float32)[:, 0]
+
+
 def rowwise_weight(w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A 32x32-block fp8 weight as one scale per output row: (wq [N, K] float8_e4m3fn, sw [N] float32).
 
@@ -122,12 +165,13 @@ def rowwise_weight(w: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, 
 
 @triton.jit(do_not_specialize=["M"])
 def linear_rowwise_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr,
-                          block_M: tl.constexpr, block_N: tl.constexpr, block_K: tl.constexpr, group_M: tl.constexpr,
+                          stride_A: tl.constexpr, stride_SA: tl.constexpr, block_M: tl.constexpr,
+                          block_N: tl.constexpr, block_K: tl.constexpr, group_M: tl.constexpr,
                           promote_K: tl.constexpr):
     offs_m, offs_n = grouped_tile(M, N, block_M, block_N, group_M)
-    acc = tile_dot(a_ptr, b_ptr, offs_m, offs_n, M, N, K, block_M, block_N, block_K, promote_K)
+    acc = tile_dot(a_ptr, b_ptr, offs_m, offs_n, M, N, K, stride_A, block_M, block_N, block_K, promote_K)
     rows_a, rows_b = offs_m % M, offs_n % N
-    sa = tl.load(sa_ptr + rows_a)  # [block_M]
+    sa = tl.load(sa_ptr + rows_a * stride_SA)  # [block_M]
     sb = tl.load(sb_ptr + rows_b)  # [block_N]
     out = acc * sa[:, None] * sb[None, :]
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -169,8 +213,8 @@ def _check(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: torch.Tenso
                          f"got {list(sx.shape)} and {list(sw.shape)}")
     if sx.dtype != torch.float32 or sw.dtype != torch.float32:
         raise TypeError(f"sx and sw must be float32, got {sx.dtype} and {sw.dtype}")
-    if not all(t.is_contiguous() for t in (xq, sx, wq, sw)):
-        raise ValueError("linear_rowwise needs contiguous xq, sx, wq and sw")
+    if not (wq.is_contiguous() and sw.is_contiguous() and xq.stride(1) == 1 and xq.stride(0) >= xq.shape[1]):
+        raise ValueError("linear_rowwise needs contiguous wq and sw, and rows of xq with unit column stride")
     if len({t.device for t in (xq, sx, wq, sw)}) != 1:
         raise ValueError(f"operands on several devices: {[str(t.device) for t in (xq, sx, wq, sw)]}")
     if out_dtype not in (torch.float32, torch.bfloat16):
@@ -186,7 +230,8 @@ def linear_rowwise(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: tor
                    out_dtype: torch.dtype = torch.float32, config: dict | None = None) -> torch.Tensor:
     """out [M, N] = (xq [M, K] @ wq [N, K]^T) * sx [M, None] * sw [None, N], accumulated in fp32.
 
-    xq, wq: float8_e4m3fn; sx, sw: float32 (from `quantize_rows` and `rowwise_weight`); all contiguous, one device.
+    xq, wq: float8_e4m3fn; sx, sw: float32 (from `quantize_rows` and `rowwise_weight`), on one device; wq and sw
+    contiguous, xq's rows and sx strided or not (`unpack_rows` gives e4m3 rows' codes and scales as views).
     out_dtype: float32 or bfloat16 (rounded to nearest even once, after scaling).
     """
     m, n = (xq.shape[0] if xq.dim() == 2 else 0), (wq.shape[0] if wq.dim() == 2 else 0)
@@ -201,7 +246,8 @@ def linear_rowwise(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw: tor
     grid = (triton.cdiv(m, config["block_M"]) * triton.cdiv(n, config["block_N"]),)
     tile = {name: config[name] for name in ("block_M", "block_N", "block_K")}
     launch(linear_rowwise_kernel, grid, (xq, wq, sx, sw, out, m),
-           {"N": n, "K": k, **tile, "group_M": config.get("group_M", 8), "promote_K": config.get("promote_K", 0)},
+           {"N": n, "K": k, "stride_A": xq.stride(0), "stride_SA": sx.stride(0), **tile,
+            "group_M": config.get("group_M", 8), "promote_K": config.get("promote_K", 0)},
            config["num_warps"], config["num_stages"])
     return out
 
@@ -212,5 +258,6 @@ def linear_rowwise_ref(xq: torch.Tensor, sx: torch.Tensor, wq: torch.Tensor, sw:
     return ((xq.float() @ wq.float().t()) * sx[:, None] * sw[None, :]).to(out_dtype)  # [M, N]
 
 
-__all__ = ["default_config", "linear_rowwise", "linear_rowwise_kernel", "linear_rowwise_ref", "quantize_rows",
-           "quantize_rows_kernel", "quantize_rows_ref", "rowwise_weight", "smem_bytes"]
+__all__ = ["default_config", "e4m3_rows", "linear_rowwise", "linear_rowwise_kernel", "linear_rowwise_ref",
+           "quantize_rows", "quantize_rows_kernel", "quantize_rows_ref", "rowwise_weight", "smem_bytes",
+           "store_e4m3_row", "unpack_rows"]

@@ -66,7 +66,7 @@ def dequantize_weight_kernel(w_ptr, s_ptr, out_ptr, N: tl.constexpr, K: tl.const
 def linear_prefill_kernel(a_ptr, b_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr, block_M: tl.constexpr,
                           block_N: tl.constexpr, block_K: tl.constexpr, group_M: tl.constexpr):
     offs_m, offs_n = grouped_tile(M, N, block_M, block_N, group_M)
-    acc = tile_dot(a_ptr, b_ptr, offs_m, offs_n, M, N, K, block_M, block_N, block_K, 0)  # bf16 products, fp32 sums
+    acc = tile_dot(a_ptr, b_ptr, offs_m, offs_n, M, N, K, K, block_M, block_N, block_K, 0)  # bf16 products, fp32 sums
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     tl.store(out_ptr + offs_m[:, None].to(tl.int64) * N + offs_n[None, :], acc, mask=mask)
 

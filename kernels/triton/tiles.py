@@ -21,13 +21,14 @@ def grouped_tile(M, N: tl.constexpr, block_M: tl.constexpr, block_N: tl.constexp
 
 
 @triton.jit
-def tile_dot(a_ptr, b_ptr, offs_m, offs_n, M, N: tl.constexpr, K: tl.constexpr, block_M: tl.constexpr,
-             block_N: tl.constexpr, block_K: tl.constexpr, promote_K: tl.constexpr):
-    """fp32 [block_M, block_N] = A[rows] @ B[cols]^T over all of K, for A [M, K] and B [N, K] both K-contiguous (the
-    tensor cores' layout), in block_K steps. Rows and columns past the ends read valid ones (m % M, n % N): the
-    caller's store drops them. promote_K > 0 (fp8): the partial sums go to the fp32 accumulator every promote_K."""
+def tile_dot(a_ptr, b_ptr, offs_m, offs_n, M, N: tl.constexpr, K: tl.constexpr, stride_A: tl.constexpr,
+             block_M: tl.constexpr, block_N: tl.constexpr, block_K: tl.constexpr, promote_K: tl.constexpr):
+    """fp32 [block_M, block_N] = A[rows] @ B[cols]^T over all of K, for A [M, K] (rows `stride_A` apart) and B [N, K]
+    both K-contiguous (the tensor cores' layout), in block_K steps. Rows and columns past the ends read valid ones
+    (m % M, n % N): the caller's store drops them. promote_K > 0 (fp8): the partial sums go to the fp32 accumulator
+    every promote_K."""
     offs_k = tl.arange(0, block_K)
-    a_ptrs = a_ptr + (offs_m % M)[:, None].to(tl.int64) * K + offs_k[None, :]  # [block_M, block_K]
+    a_ptrs = a_ptr + (offs_m % M)[:, None].to(tl.int64) * stride_A + offs_k[None, :]  # [block_M, block_K]
     b_ptrs = b_ptr + (offs_n % N)[:, None].to(tl.int64) * K + offs_k[None, :]  # [block_N, block_K]
     acc = tl.zeros([block_M, block_N], dtype=tl.float32)
     for k0 in range(0, K, block_K):
