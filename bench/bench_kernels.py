@@ -416,6 +416,27 @@ def bench_cache(rows: list[int], blocks: int = 4096, per: int = 64, width: int =
                        lambda a=args: torch_cache.load_rows(*a), graph=False))
 
 
+def bench_sampling(rows: list[int], vocab: int = 129280) -> None:
+    """Seeded draws over V4.1's vocabulary against `sample_plain`'s torch float64 path (deepinfer/sampler.py) as the
+    engine calls it (host lists in, host time included): the kernels alone (kernels/triton/sampling.py, replayed),
+    then `sample_plain` on them (the lists packed and copied, two launches)."""
+    from deepinfer.sampler import sample_plain, sample_plain_torch
+    from kernels.triton.sampling import gumbel_argmax
+
+    for m in rows:
+        logits = torch.randn(m, vocab, device="cuda") * 4
+        temperatures = torch.empty(m).uniform_(0.3, 1.5).tolist()
+        seeds, positions = list(range(m)), list(range(1000, 1000 + m))
+        args = (logits, temperatures, seeds, positions)
+        base_us = time_us(lambda a=args: sample_plain_torch(*a), graph=False)
+        factors = torch.tensor([1.0 / t for t in temperatures], dtype=torch.float64, device="cuda")
+        on_device = (logits, factors, torch.tensor(seeds, device="cuda"), torch.tensor(positions, device="cuda"))
+        record("sampling kernels", f"R={m} V={vocab}", time_us(lambda a=on_device: gumbel_argmax(*a)),
+               nbytes=m * vocab * 4, base="torch fp64 sample_plain", base_us=base_us)
+        record("sample_plain (kernels)", f"R={m} V={vocab}", time_us(lambda a=args: sample_plain(*a), graph=False),
+               base="torch fp64 sample_plain", base_us=base_us)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_results.json")
@@ -446,7 +467,7 @@ PARTS = {"ceilings": ceilings, "linear": lambda: bench_linear(TOKENS), "prefill_
          "moe": lambda: bench_moe([*TOKENS, 1024, 8192]), "gate_route": lambda: bench_gate_route([1, 64, 8192]),
          "attention": lambda: bench_attention(TOKENS),
          "indexer": lambda: bench_indexer(TOKENS), "topk": lambda: bench_topk([1, 64, 2048]),
-         "cache": lambda: bench_cache([1, 16, 64])}
+         "cache": lambda: bench_cache([1, 16, 64]), "sampling": lambda: bench_sampling([1, 16, 64, 256])}
 
 
 def print_table(rows: list[dict]) -> None:

@@ -60,14 +60,14 @@ def _compile_gpu(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets: 
                  drafting: bool, fp8_activations: bool):
     from deepinfer.compiled_gpu import GpuCompiledModel
     from dsl.cache import CacheSpec
-    from graphs.aot import build, record_cache_launches, record_launches
+    from graphs.aot import build, record_cache_launches, record_launches, record_sampling_launches
     from graphs.plan import BUCKETS, make_plan
 
     graphs = [run_passes(model.graph(dspark=drafting))] + ([run_passes(model.draft_graph())] if drafting else [])
     params = model.params()
     plans = [make_plan(g, params, target, tuple(buckets or BUCKETS), dot_fp32, fp8_activations=fp8_activations)
              for g in graphs]
-    launches = {}
+    launches = record_sampling_launches(model.config.vocab_size)  # the engine's draws
     for graph, plan in zip(graphs, plans, strict=True):  # the draft graph's launches mostly repeat the main one's
         launches |= record_launches(plan, {i: node.attrs for i, node in enumerate(graph.nodes)})
         launches |= record_cache_launches(CacheSpec.from_graph(graph))  # the pools' writer and reader

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from deepinfer.batch_invariant import KERNELS as BATCH_INVARIANT_KERNELS
@@ -69,6 +71,10 @@ class CompiledModel:
         ctx = ForwardContext(states, lengths, self.device)
         out = interpret(self.draft_graph, {"input_ids": ids}, self.params, ctx, self._kernels(batch_invariant))
         return out["hidden"], out["logits"]
+
+    def sampling(self) -> contextlib.AbstractContextManager:
+        """What the engine samples in: launches as they are (logits on a CUDA device sample on Triton's JIT)."""
+        return contextlib.nullcontext()
 
     def rollback(self, state: SequenceState, num_tokens: int, spare: int) -> None:
         """Take back the tokens of `state` from `num_tokens` on, at most `spare` (what its caches' rings keep)."""

@@ -23,6 +23,7 @@ from collections.abc import Iterator
 import torch
 
 import kernels.triton.cache as cache_kernels
+import kernels.triton.sampling as sampling_kernels
 from deepinfer import batch_invariant as invariant
 from deepinfer.compiled import CompiledModel
 from deepinfer.config import DeepseekV41Config
@@ -71,6 +72,9 @@ class GpuCompiledModel:
         self._launcher = None
         # whether the pools store and load entries with the cache kernels: artifacts built before them use torch
         self.cache_kernels = all(any(k.startswith(f"{name}(") for k in specs) for name in cache_kernels.KERNEL_NAMES)
+        # whether the engine's draws launch the sampling kernel's cubins: artifacts built before them use the JIT
+        self.sampling_kernels = all(any(k.startswith(f"{name}(") for k in specs)
+                                    for name in sampling_kernels.KERNEL_NAMES)
 
     @property
     def cuda_graphs(self) -> bool:
@@ -143,6 +147,14 @@ class GpuCompiledModel:
         finally:
             for key, cache in pools.items():
                 cache.writer, cache.reader = kept[key]
+
+    def sampling(self) -> contextlib.AbstractContextManager:
+        """What the engine samples in: `sample_plain` launches the sampling kernel (kernels/triton/sampling.py) from the
+        artifact's cubins, built for fp32 logits of the config's vocabulary as `step` returns them, no Triton needed.
+        An artifact built before them leaves launches as they are (Triton's JIT, or torch where Triton is missing)."""
+        if not self.sampling_kernels or self._launcher is None:  # no step has run yet: nothing to sample
+            return contextlib.nullcontext()
+        return use_launcher(self._launcher)
 
     @torch.inference_mode()
     def step(self, batch: list[tuple[SequenceState, list[int]]], all_logits: bool = False,

@@ -155,22 +155,54 @@ def sample_plain(logits: torch.Tensor, temperatures: Sequence[float], seeds: Seq
                  positions: Sequence[int], max_elements: int = 1 << 24) -> torch.Tensor:
     """`sample`'s token for each row of logits [R, V] whose params `plain_sampled` admits, at once: the argmax of
     logits * (1 / temperature) plus the row's hashed Gumbel noise (seed, position), over its tokens above -inf
-    (a row with none: the argmax of its scaled logits, as `sample` falls back); int64 [R] on the logits' device.
-    Every operation is elementwise or a row's argmax, so each row's token is bitwise `sample`'s. At most
-    `max_elements` logits at a time (the float64 noise of 129k-token rows is a GB at 1k rows)."""
+    (a row with none: the argmax of its scaled logits, as `sample` falls back); a row of temperature 0 gets its
+    argmax, `sample`'s greedy pick. int64 [R] on the logits' device, each row's token bitwise `sample`'s.
+
+    float32/bfloat16 logits on a CUDA device, where a launcher serves it (Triton's JIT, or the artifact's cubins that
+    `GpuCompiledModel.sampling` lends), are drawn by the sampling kernel (kernels/triton/sampling.py), every row at
+    once; others by `sample_plain_torch`, at most `max_elements` logits at a time."""
+    if not logits.is_cuda:
+        return sample_plain_torch(logits, temperatures, seeds, positions, max_elements)
+    from dsl.transfer import host_to
+    from kernels.launch import is_jit
+    from kernels.triton.lang import HAS_TRITON
+    from kernels.triton.sampling import gumbel_argmax
+
+    if logits.dtype not in (torch.float32, torch.bfloat16) or (is_jit() and not HAS_TRITON):
+        return sample_plain_torch(logits, temperatures, seeds, positions, max_elements)
+    rows = logits.shape[0]
+    # factors' bits, seeds and positions in one copy, each row 16-byte aligned (the cubin launcher requires it)
+    host = torch.zeros(3, rows + rows % 2, dtype=torch.int64)
+    host[0, :rows] = torch.tensor([0.0 if t == 0 else 1.0 / t for t in temperatures], dtype=torch.float64).view(
+        torch.int64)
+    host[1, :rows] = torch.tensor([_int64(s) for s in seeds], dtype=torch.int64)
+    host[2, :rows] = torch.tensor(list(positions), dtype=torch.int64)
+    args = host_to(host, logits.device)[:, :rows]
+    return gumbel_argmax(logits if logits.stride(1) == 1 else logits.contiguous(), args[0].view(torch.float64), args[1],
+                         args[2])
+
+
+def sample_plain_torch(logits: torch.Tensor, temperatures: Sequence[float], seeds: Sequence[int],
+                       positions: Sequence[int], max_elements: int = 1 << 24) -> torch.Tensor:
+    """`sample_plain` in torch, on any device, the sampling kernel's reference: every operation elementwise or a row's
+    argmax, as `sample`'s. At most `max_elements` logits at a time (the float64 noise of 129k-token rows is a GB at
+    1k rows)."""
     rows, vocab = logits.shape
     device = logits.device
-    out = torch.empty(rows, dtype=torch.int64, device=device)
+    greedy = [t == 0 for t in temperatures]
+    out = torch.argmax(logits, dim=-1) if any(greedy) else torch.empty(rows, dtype=torch.int64, device=device)
+    drawn = [r for r in range(rows) if not greedy[r]]
     step = max(1, max_elements // max(1, vocab))
-    for start in range(0, rows, step):
-        part = slice(start, min(rows, start + step))
-        factor = torch.tensor([1.0 / t for t in temperatures[part]], dtype=torch.float64).to(device)
-        scaled = logits[part].to(torch.float64) * factor[:, None]
+    for start in range(0, len(drawn), step):
+        part = drawn[start: start + step]
+        index = torch.tensor(part, device=device)
+        factor = torch.tensor([1.0 / temperatures[r] for r in part], dtype=torch.float64).to(device)
+        scaled = logits[index].to(torch.float64) * factor[:, None]
         keep = scaled > float("-inf")  # also drops NaN
-        noise = gumbel_noise(torch.tensor([_int64(s) for s in seeds[part]]).to(device),
-                             torch.tensor(list(positions[part])).to(device), vocab)
+        noise = gumbel_noise(torch.tensor([_int64(seeds[r]) for r in part]).to(device),
+                             torch.tensor([positions[r] for r in part]).to(device), vocab)
         picks = torch.argmax(scaled.masked_fill(~keep, float("-inf")) + noise, dim=-1)
-        out[part] = torch.where(keep.any(dim=-1), picks, torch.argmax(scaled, dim=-1))
+        out[index] = torch.where(keep.any(dim=-1), picks, torch.argmax(scaled, dim=-1))
     return out
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import kernels.triton.cache as cache_kernels
+import kernels.triton.sampling as sampling_kernels
 from dsl.cache import CacheSpec
 from graphs.lowering import LOWERINGS
 from graphs.plan import Plan
@@ -70,6 +71,15 @@ def record_cache_launches(spec: CacheSpec) -> dict[str, Launch]:
     found: dict[str, Launch] = {}
     with use_launcher(lambda call: found.setdefault(call.key(), call)):
         cache_kernels.trace(spec)
+    return found
+
+
+def record_sampling_launches(vocab_size: int) -> dict[str, Launch]:
+    """The launches of the sampling kernel (kernels/triton/sampling.py) for fp32 logits of `vocab_size` tokens: the
+    engine's draws on a GPU target, one variant whatever the number of rows."""
+    found: dict[str, Launch] = {}
+    with use_launcher(lambda call: found.setdefault(call.key(), call)):
+        sampling_kernels.trace(vocab_size)
     return found
 
 
@@ -193,5 +203,5 @@ def build(launches: dict[str, Launch], target: str, use_cache: bool = True) -> d
     return out
 
 
-__all__ = ["Built", "record_launches", "record_cache_launches", "compile_launch", "compile_tilelang", "build",
-           "ARCHS"]
+__all__ = ["Built", "record_launches", "record_cache_launches", "record_sampling_launches", "compile_launch",
+           "compile_tilelang", "build", "ARCHS"]

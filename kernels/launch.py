@@ -19,8 +19,8 @@ import torch
 
 from kernels.tilelang.kernel import TileLangKernel
 
-_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float8_e4m3fn: "fp8e4nv",
-          torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
+_TYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+          torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,11 @@ def launch(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], constexprs
     _launcher(Launch(kernel, tuple(grid), tuple(args), dict(constexprs), num_warps, num_stages))
 
 
+def is_jit() -> bool:
+    """Whether launches go to Triton's JIT: no other launcher (an artifact's cubins, a recorder) is in use."""
+    return _launcher is jit_launch
+
+
 @contextlib.contextmanager
 def use_launcher(fn: Callable[[Launch], None]) -> Iterator[None]:
     """Route every `launch` inside the block to `fn`."""
@@ -87,4 +92,4 @@ def use_launcher(fn: Callable[[Launch], None]) -> Iterator[None]:
         _launcher = previous
 
 
-__all__ = ["Launch", "launch", "use_launcher", "jit_launch", "arg_type"]
+__all__ = ["Launch", "launch", "use_launcher", "is_jit", "jit_launch", "arg_type"]

@@ -83,6 +83,7 @@ class Poisoned:
     def __init__(self, compiled, poison: int) -> None:
         self.compiled, self.poison = compiled, poison
         self.config, self.graph, self.target = compiled.config, compiled.graph, compiled.target
+        self.sampling = compiled.sampling
 
     def step(self, batch, **kwargs):
         if any(self.poison in tokens for _, tokens in batch):

@@ -59,6 +59,7 @@ def test_compile_saves_an_artifact_without_a_gpu(target, arch, tmp_path) -> None
         assert spec["key"] == key and spec["target"] == target
         assert cubin_arch((out / "kernels" / f"{file_id}.cubin").read_bytes()) == arch
         assert f".target sm_{arch}a" in (out / "kernels" / f"{file_id}.ptx").read_text()
+    assert {k.split("(")[0] for k in plan["kernels"]} >= {"gumbel_argmax_kernel", "argmax_partials_kernel"}  # sampling
     templates = {n["template"] for n in plan["nodes"] if n["template"]}
     assert templates == {"linear", "rms_norm", "hc_mixes", "hc_collapse_rms_norm", "hc_expand", "rope", "moe_experts",
                          "swiglu", "moe_gate", "sparse_attention", "index_scores", "compress_pool",

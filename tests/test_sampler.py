@@ -199,3 +199,18 @@ def test_only_rows_sample_draws_from_the_scaled_logits_alone_go_batched() -> Non
     assert plain_sampled(SamplingParams(temperature=0.8, top_k=100), 0, 100)  # a cut past the vocabulary: none
     assert not plain_sampled(SamplingParams(temperature=0.8, min_tokens=3), 2, 100)
     assert plain_sampled(SamplingParams(temperature=0.8, min_tokens=3), 3, 100)
+
+
+def test_rows_of_temperature_zero_get_the_greedy_pick() -> None:
+    """`sample_plain` among sampled rows: a row of temperature 0 gets `sample`'s greedy token (its argmax, ties to the
+    lowest id, the first NaN), the sampled rows their draws as alone."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 200, generator=gen) * 3
+    logits[1, [17, 150]] = 20.0
+    logits[3, 60] = float("nan")
+    temperatures, seeds, positions = [0.8, 0.0, 1.2, 0.0, 0.0, 0.5], [9, 1, 2, 3, 4, 5], [30, 31, 32, 33, 34, 35]
+    got = sample_plain(logits, temperatures, seeds, positions).tolist()
+    for r in range(6):
+        assert got[r] == sample(logits[r], SamplingParams(temperature=temperatures[r]), seeds[r], positions[r]), r
+    assert got[1] == 17 and got[3] == 60
+    assert sample_plain(logits[[0, 2, 5]], [0.8, 1.2, 0.5], [9, 2, 5], [30, 32, 35]).tolist() == got[0:3:2] + got[5:]

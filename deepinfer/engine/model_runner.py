@@ -166,10 +166,12 @@ class ModelRunner:
         mask_first = list(accumulate((1 + len(d) for d in drafts), initial=0))  # each sampled row's first mask row
         outputs = [row.sample.output_token_ids + ([self.last_sampled[row.seq_id]] if row.sample.num_pending else [])
                    for _, row in sampled]
-        # plain greedy and plain sampled rows: every row's token read back once for the step
-        picks = None if allowed is not None else step_picks(
-            logits, [(row.sample, o, range(first[i], first[i] + 1 + row.num_drafts))
-                     for (i, row), o in zip(sampled, outputs, strict=True)])
+        # plain greedy and plain sampled rows: every row's token read back once for the step (on a GPU target drawn by
+        # the sampling kernel's cubins)
+        with self.compiled.sampling():
+            picks = None if allowed is not None else step_picks(
+                logits, [(row.sample, o, range(first[i], first[i] + 1 + row.num_drafts))
+                         for (i, row), o in zip(sampled, outputs, strict=True)])
         out, drafting, lengths = {}, [], []
         for j, (i, row) in enumerate(sampled):
             s = row.sample

@@ -142,7 +142,8 @@ class Drafter:
         batch = [(state, block_tokens(outputs[-1], cfg, n)) for (state, _, outputs), n in zip(rows, lengths)]
         hidden, logits = self.compiled.draft(batch, **({"batch_invariant": True} if self.batch_invariant else {}))
         hidden, logits = _blocks(hidden, lengths, k), _blocks(logits, lengths, k)
-        drafts = self._drafts(rows, hidden, logits, fill_next, lengths)
+        with self.compiled.sampling():
+            drafts = self._drafts(rows, hidden, logits, fill_next, lengths)
         return [Proposal(p.tokens[:n], p.confidences[:n]) for p, n in zip(drafts, lengths, strict=True)]
 
     def _drafts(self, rows, hidden: torch.Tensor, logits: torch.Tensor, fill_next,
@@ -286,23 +287,20 @@ class GreedyDrafts:
 def step_picks(logits: torch.Tensor, rows: list[tuple[object, list[int], range]]) -> list[int] | None:
     """Every row of a step's logits [R, V] as `sample` would pick it, read back once, for the sequences whose tokens
     allow it: `rows` (sample row, outputs so far, its logits rows). A plain greedy sequence's rows get their argmax,
-    a plain sampled one's their draw (`sample_plain`: position by position, as `verify` samples them); the other
-    sequences' rows hold their argmax (or -1), which `verify` does not use for them. None when no sequence is
-    either."""
-    vocab = logits.shape[-1]
-    greedy = [r for s, outputs, r in rows if plain_greedy(s, outputs)]
-    plain = [(s, outputs, r) for s, outputs, r in rows if not plain_greedy(s, outputs)
-             and plain_sampled(s.params, len(outputs), vocab)]
-    if not greedy and not plain:
-        return None
-    picks = torch.argmax(logits, dim=-1) if greedy else torch.full((logits.shape[0],), -1, device=logits.device)
-    if plain:
-        index = [i for _, _, r in plain for i in r]
-        temperatures = [s.params.temperature for s, _, r in plain for _ in r]
-        seeds = [s.seed for s, _, r in plain for _ in r]
-        positions = [len(s.prompt_token_ids) + len(outputs) + k for s, outputs, r in plain for k in range(len(r))]
-        picks[torch.tensor(index, device=logits.device)] = sample_plain(logits[index], temperatures, seeds, positions)
-    return picks.tolist()
+    a plain sampled one's their draw (position by position, as `verify` samples them), all in one `sample_plain`;
+    the other rows hold their argmax, which `verify` does not use for them. None when no sequence is either."""
+    num_rows, vocab = logits.shape
+    temperatures, seeds, positions = [0.0] * num_rows, [0] * num_rows, [0] * num_rows  # temperature 0: the argmax
+    found = False
+    for s, outputs, r in rows:
+        if plain_greedy(s, outputs):
+            found = True
+        elif plain_sampled(s.params, len(outputs), vocab):
+            found = True
+            first = len(s.prompt_token_ids) + len(outputs)
+            for k, i in enumerate(r):
+                temperatures[i], seeds[i], positions[i] = s.params.temperature, s.seed, first + k
+    return sample_plain(logits, temperatures, seeds, positions).tolist() if found else None
 
 
 def plain_greedy(sample_row, outputs: list[int]) -> bool:
