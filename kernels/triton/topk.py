@@ -123,8 +123,11 @@ def candidate_blocks_kernel(scores_ptr, pos_ptr, out_ptr, C, RATIO: tl.constexpr
                             BLOCK_P2: tl.constexpr, TOPK_BLOCKS: tl.constexpr, block_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     visible = (tl.load(pos_ptr + row) + 1) // RATIO
-    newest = tl.where(visible > 0, (visible - 1) // BLOCK, -1)  # the block of the newest visible entry
     count = tl.cdiv(C, BLOCK)
+    # the block of the newest visible entry; none when no entry is visible, or when it lies past the C scores (as the
+    # reference's block layout: a block index past the last would otherwise land on the tile's padding items)
+    newest = tl.where(visible > 0, (visible - 1) // BLOCK, -1)
+    newest = tl.where(newest < count, newest, -1)
     threshold, ties = _threshold(scores_ptr, scores_ptr, row, C, count, newest, TOPK_BLOCKS, BLOCK, BLOCK_P2, False,
                                  block_N)
     tied = tl.full((), 0, tl.int32)

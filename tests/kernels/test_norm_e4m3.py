@@ -1,5 +1,6 @@
 """RMSNorm (and the hyper-connections' collapse + RMSNorm) rounded to e4m3 rows in the same pass: the codes and scales
-of `quantize_rows_ref` of the unfused kernel's output, bit for bit; the rows' layout; the fp8 GEMM reading them."""
+of `quantize_rows_ref` of the unfused kernel's output, bit for bit under the interpreter, on the GPU up to a few codes
+one step off (`assert_codes_near`); the rows' layout; the fp8 GEMM reading them."""
 
 from __future__ import annotations
 
@@ -30,6 +31,17 @@ def norm_input(m: int, d: int, dtype: torch.dtype, device: str) -> torch.Tensor:
     """Gaussian rows, then a row of zeros and one so small that eps dominates its mean square."""
     x = torch.cat([gen(m, d, seed=d, scale=3.0), torch.zeros(1, d), gen(1, d, seed=1) * 1e-12])
     return x.to(dtype).to(device)
+
+
+def assert_codes_near(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """The same scales; codes equal but for at most one in a million (at least one), each one e4m3 step away. The
+    H200 gave 1 to 9 such codes in 0.3M to 42M values, where the fused and the unfused kernels' compiled normed value
+    differ in the last bit: a rounding boundary crossed, not a different rounding rule."""
+    (q, s), (q_ref, s_ref) = got, want
+    assert q.shape == q_ref.shape and torch.equal(s.cpu().view(torch.int32), s_ref.cpu().view(torch.int32))
+    steps = (q.cpu().view(torch.uint8).int() - q_ref.cpu().view(torch.uint8).int()).abs()  # same sign: adjacent codes
+    assert int(steps.max()) <= 1, f"a code {int(steps.max())} steps off"
+    assert int((steps > 0).sum()) <= max(1, q.numel() // 10**6), f"{int((steps > 0).sum())} codes differ"
 
 
 def check_near_reference(rows: torch.Tensor, ref: torch.Tensor) -> None:
@@ -125,8 +137,8 @@ def test_rms_norm_e4m3_v41_shapes(m, d) -> None:
     for weight in (w, None):
         rows = rms_norm_e4m3(x, weight, eps=EPS)
         normed = rms_norm(x, weight, eps=EPS)
-        assert_same_codes(unpack_rows(rows, d), quantize_rows(normed))
-        assert_same_codes(unpack_rows(rows, d), quantize_rows_ref(normed))
+        assert_codes_near(unpack_rows(rows, d), quantize_rows(normed))
+        assert_codes_near(unpack_rows(rows, d), quantize_rows_ref(normed))
         check_near_reference(rows, ref_rms_norm(x.cpu(), None if weight is None else weight.cpu(), eps=EPS))
     alone = rms_norm_e4m3(x[-1:].contiguous(), w, eps=EPS)  # the last row alone: the same bytes
     assert torch.equal(alone, rms_norm_e4m3(x, w, eps=EPS)[-1:])
@@ -138,7 +150,7 @@ def test_hc_collapse_rms_norm_e4m3_v41_shapes(m) -> None:
     h = gen(m, 4, HIDDEN, seed=m, device="cuda")
     pre, w = gen(m, 4, seed=1, device="cuda").abs(), gen(HIDDEN, seed=2, device="cuda")
     rows = hc_collapse_rms_norm_e4m3(h, pre, w, eps=EPS)
-    assert_same_codes(unpack_rows(rows, HIDDEN), quantize_rows(hc_collapse_rms_norm(h, pre, w, eps=EPS)))
+    assert_codes_near(unpack_rows(rows, HIDDEN), quantize_rows(hc_collapse_rms_norm(h, pre, w, eps=EPS)))
 
 
 @pytest.mark.gpu

@@ -136,6 +136,15 @@ def test_candidate_blocks_force_the_newest_block(device) -> None:
     assert torch.equal(got, ref_candidate_blocks(scores, ratio=2, block=2, topk_blocks=2, ctx=ctx))
 
 
+def test_candidate_blocks_force_nothing_past_the_scores(device) -> None:
+    """A newest entry past the C scores (a position one entry ahead of the width) forces no block, as in the
+    reference's layout: the tile's padding items past the last block (8 a tile here, 4 blocks) stay out of the top."""
+    scores = torch.tensor([[4.0, 3.0, 2.0, 1.0, 0.5, 0.25, 0.0, -1.0] * 2], device=device)  # 4 blocks of 4
+    ctx = context([2 * 16 + 1], device)  # ratio 2: newest entry 16, block 4: past the 4 blocks
+    got = candidate_blocks_op(scores, ratio=2, block=4, topk_blocks=2, ctx=ctx, config={"block_N": 8, "num_warps": 4})
+    assert got.int().tolist() == [[1] * 4 + [0] * 4 + [1] * 4 + [0] * 4]  # blocks 0 and 2 (maxima 4, 0.5, 4, 0.5)
+    assert torch.equal(got, ref_candidate_blocks(scores, ratio=2, block=4, topk_blocks=2, ctx=ctx))
+
 def test_a_row_selects_the_same_alone_and_among_others(device) -> None:
     """A token's row alone, then among rows of longer and shorter caches (its own padded with -inf to the batch's
     width, as `index_scores` pads it): the same picks and mask, bitwise."""
