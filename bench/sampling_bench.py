@@ -1,5 +1,6 @@
 """Seeded sampling at temperature 0.8 on the trained checkpoint: the engine drawing a step's plain-sampled rows at once
-(`sampler.sample_plain`) against one `sample` call a row, alternating, same outputs asserted.
+(`sampler.sample_plain`: on a GPU the sampling kernel, kernels/triton/sampling.py) against the same in torch
+(`sample_plain_torch`, GPU targets only) and against one `sample` call a row, alternating, same outputs asserted.
 
     python bench/sampling_bench.py [--target cpu | sm90] [--batches 16,64] [--max-tokens 48] [--passes 4] [--dspark]
 
@@ -17,6 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import deepinfer.engine.speculative as speculative  # noqa: E402
+from deepinfer import sampler  # noqa: E402
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.default_model import trained_model  # noqa: E402
 
@@ -29,26 +31,28 @@ def main() -> int:
     p.add_argument("--passes", type=int, default=4)
     p.add_argument("--dspark", action="store_true", help="with DSpark drafting, static length 3")
     args = p.parse_args()
-    batched = speculative.plain_sampled
+    batched, at_once = speculative.plain_sampled, speculative.sample_plain
     spec = {"num_speculative_tokens": 3, "schedule": "static"} if args.dspark else None
     for batch in (int(b) for b in args.batches.split(",")):
         llm = LLM(trained_model(), target=args.target, max_num_seqs=batch, speculative_config=spec)
         prompts = [f"def f{i}(x):\n" for i in range(batch)]
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.8, seed=1, ignore_eos=True)
         llm.generate(prompts, params, use_tqdm=False)
-        times: dict[str, list[float]] = {"at once": [], "a row each": []}
+        ways = ["at once", "at once (torch)", "a row each"] if args.target != "cpu" else ["at once", "a row each"]
+        times: dict[str, list[float]] = {way: [] for way in ways}
         outputs = {}
         try:
             for i in range(args.passes):
                 for way in (list(times) if i % 2 == 0 else list(times)[::-1]):
-                    speculative.plain_sampled = batched if way == "at once" else (lambda *a: False)
+                    speculative.plain_sampled = batched if way != "a row each" else (lambda *a: False)
+                    speculative.sample_plain = sampler.sample_plain_torch if way == "at once (torch)" else at_once
                     start = time.perf_counter()
                     out = llm.generate(prompts, params, use_tqdm=False)
                     times[way].append(time.perf_counter() - start)
                     outputs[way] = [o.outputs[0].token_ids for o in out]
         finally:
-            speculative.plain_sampled = batched
-        assert outputs["at once"] == outputs["a row each"], "the two ways sampled different tokens"
+            speculative.plain_sampled, speculative.sample_plain = batched, at_once
+        assert all(outputs[way] == outputs["a row each"] for way in ways), "the ways sampled different tokens"
         tokens = batch * args.max_tokens
         for way, seconds in times.items():
             median = statistics.median(seconds)
