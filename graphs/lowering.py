@@ -370,7 +370,7 @@ TOPK_SELECT = Lowering(
     "topk_select", _topk_static, lambda st: {},
     lambda args, attrs, st, config, ctx, f: topk.topk_select(
         args[0].contiguous(), None if args[1] is None else args[1].contiguous(), topk=attrs["topk"], config=config),
-    _topk_trace, lambda st, m: topk.default_config())
+    _topk_trace, lambda st, m: topk.default_config(1, m))
 
 CANDIDATE_BLOCKS = Lowering(
     "candidate_blocks", _candidates_static, lambda st: {},
@@ -378,7 +378,7 @@ CANDIDATE_BLOCKS = Lowering(
                                                                      block=attrs["block"],
                                                                      topk_blocks=attrs["topk_blocks"], ctx=ctx,
                                                                      config=config),
-    _candidates_trace, lambda st, m: topk.default_config(st["block"]))
+    _candidates_trace, lambda st, m: topk.default_config(st["block"], m))
 
 # ---- cache rounding: fp8 and fp4 grids ---------------------------------------------------------------------------
 
