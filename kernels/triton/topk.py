@@ -176,7 +176,7 @@ def topk_select(scores: torch.Tensor, candidates: torch.Tensor | None = None, *,
     out = torch.empty(n, min(topk, c), dtype=torch.int64, device=scores.device)
     if out.numel() == 0:
         return out
-    config = config or default_config()
+    config = config or default_config(1, n)
     chosen = scores if candidates is None else candidates.view(torch.uint8)
     launch(topk_select_kernel, (n,), (scores, chosen, out, c),
            {"K": topk, "HAS_CANDIDATES": candidates is not None, "block_N": config["block_N"]}, config["num_warps"], 1)
@@ -202,7 +202,7 @@ def candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, *, ratio: in
     out = torch.empty(n, c, dtype=torch.bool, device=scores.device)
     if out.numel() == 0:
         return out
-    config = config or default_config(block)
+    config = config or default_config(block, n)
     launch(candidate_blocks_kernel, (n,), (scores, positions, out.view(torch.uint8), c),
            {"RATIO": ratio, "BLOCK": block, "BLOCK_P2": triton.next_power_of_2(block), "TOPK_BLOCKS": topk_blocks,
             "block_N": config["block_N"]}, config["num_warps"], 1)
