@@ -72,6 +72,9 @@ class CompiledModel:
         out = interpret(self.draft_graph, {"input_ids": ids}, self.params, ctx, self._kernels(batch_invariant))
         return out["hidden"], out["logits"]
 
+    def capture_ahead(self, tokens: int) -> None:
+        """A GPU target's CUDA graphs of every decode bucket up to `tokens` (deepinfer/compiled_gpu.py); none here."""
+
     def sampling(self) -> contextlib.AbstractContextManager:
         """What the engine samples in: launches as they are (logits on a CUDA device sample on Triton's JIT)."""
         return contextlib.nullcontext()

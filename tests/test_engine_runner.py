@@ -83,7 +83,7 @@ class Poisoned:
     def __init__(self, compiled, poison: int) -> None:
         self.compiled, self.poison = compiled, poison
         self.config, self.graph, self.target = compiled.config, compiled.graph, compiled.target
-        self.sampling = compiled.sampling
+        self.sampling, self.capture_ahead = compiled.sampling, compiled.capture_ahead
 
     def step(self, batch, **kwargs):
         if any(self.poison in tokens for _, tokens in batch):

@@ -57,8 +57,8 @@ class LLMEngine:
                                    speculative, ready=None if is_ready is None else lambda seq: is_ready(seq.seq_id))
         self.runner = ModelRunner(compiled, cache, eos_token_ids, args.batch_invariant, constraint,
                                   overlap_constraint=args.overlap_structured_outputs, drafter=drafter)
-        if hasattr(compiled, "capture_ahead"):  # GPU targets: every decode step's bucket captured at the first
-            compiled.capture_ahead(args.max_num_seqs * (1 + (speculative.num_speculative_tokens if speculative else 0)))
+        # GPU targets: every decode step's bucket captured at the first capture
+        compiled.capture_ahead(args.max_num_seqs * (1 + (speculative.num_speculative_tokens if speculative else 0)))
         self.output_processor = OutputProcessor(tokenizer, eos_token_ids)
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}
