@@ -1,5 +1,5 @@
-"""What the kernel benchmarks share (bench/bench_kernels.py, bench/bench_prefill.py): the rows they record, the
-ceilings a row is measured against, and the V4.1-Flash linear shapes."""
+"""What the kernel benchmarks share (bench/bench_kernels.py, bench/bench_prefill.py, bench/bench_replaced.py): the rows
+they record, the ceilings a row is measured against, the V4.1-Flash linear shapes, and `cycler`."""
 
 from __future__ import annotations
 
@@ -34,3 +34,13 @@ LINEARS = [("wq_a", 1280, 5120, 1), ("wq_b", 32768, 1280, 1), ("wkv", 512, 5120,
 
 
 __all__ = ["BF16_TFLOPS", "FP8_TFLOPS", "HBM_TBS", "LINEARS", "ROWS", "record"]
+
+
+def cycler(items: list):
+    """A function returning the next of `items` at each call, round and round: inputs rotated past the L2."""
+    state = {"i": 0}
+
+    def nxt():
+        state["i"] += 1
+        return items[state["i"] % len(items)]
+    return nxt
