@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_prefill import bench_prefill_gemm, bench_prefill_switch  # noqa: E402
 from bench_replaced import (bench_engram_lookup, bench_gate_route, bench_norm_e4m3,  # noqa: E402
-                            bench_sampling, bench_swiglu, bench_topk)
+                            bench_sampling, bench_swiglu, bench_topk, bench_topk_tiles)
 from bench_rows import FP8_TFLOPS, LINEARS, ROWS, cycler, record  # noqa: E402
 
 import kernels.triton.attention as attention  # noqa: E402
@@ -305,7 +305,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="bench_results.json")
     p.add_argument("--tuning", help="a tuning cache (JSON) whose configs the kernels use")
-    p.add_argument("--only", help="comma-separated parts: " + ",".join(PARTS))
+    p.add_argument("--only", help="comma-separated parts: " + ",".join([*PARTS, *SWEEPS]))
     args = p.parse_args()
     global TUNED
     TUNED = TuningCache(args.tuning) if args.tuning else None
@@ -313,7 +313,7 @@ def main() -> int:
     print("device:", torch.cuda.get_device_name(), flush=True)
     for name in args.only.split(",") if args.only else PARTS:
         try:
-            PARTS[name]()
+            (PARTS | SWEEPS)[name]()
         except Exception as e:  # one failing family must not hide the others' numbers
             print(f"FAILED {name}: {type(e).__name__}: {e}", flush=True)
         torch.cuda.empty_cache()
@@ -332,6 +332,7 @@ PARTS = {"ceilings": ceilings, "linear": lambda: bench_linear(TOKENS), "prefill_
          "attention": lambda: bench_attention(TOKENS),
          "indexer": lambda: bench_indexer(TOKENS), "topk": lambda: bench_topk([1, 64, 2048]),
          "cache": lambda: bench_cache([1, 16, 64]), "sampling": lambda: bench_sampling([1, 16, 64, 256])}
+SWEEPS = {"topk_tiles": lambda: bench_topk_tiles([1, 64, 2048])}  # tile sweeps: run only when named in --only
 
 
 def print_table(rows: list[dict]) -> None:

@@ -124,6 +124,38 @@ def bench_topk(tokens: list[int], widths: tuple[int, ...] = (2048, 16384)) -> No
                    base="torch eager", base_us=time_us(lambda: ref.candidate_blocks(scores, **blocks, ctx=ctx)))
 
 
+TOPK_TILES = [(4096, 16), (4096, 8), (2048, 8), (2048, 4), (1024, 4), (1024, 2), (512, 2), (256, 1)]
+
+
+def bench_topk_tiles(tokens: list[int], widths: tuple[int, ...] = (2048, 16384)) -> None:
+    """The sweep `kernels.triton.topk.default_config` was chosen from: each (block_N, num_warps) of `TOPK_TILES` for
+    topk_select (alone and inside candidates) and candidate_blocks (its tile block_N / 8 blocks of 8; top 256, which
+    selects at C 16384), against torch's ops; any tile picks the same items."""
+    import kernels.triton.topk as topk
+    from dsl.context import ForwardContext, SequenceState
+    from dsl.ops import indexer as ref
+
+    for width in widths:
+        for m in tokens:
+            scores = torch.randn(m, width, device="cuda")
+            ctx = ForwardContext([SequenceState(num_tokens=4 * width - 1 - i % 4) for i in range(m)], [1] * m,
+                                 device="cuda")
+            blocks = dict(ratio=4, block=8, topk_blocks=256)
+            candidates = ref.candidate_blocks(scores, **blocks, ctx=ctx)
+            base = {"topk_select": time_us(lambda: ref.topk_select(scores, None, topk=512)),
+                    "topk_select cand": time_us(lambda: ref.topk_select(scores, candidates, topk=512)),
+                    "candidate_blocks": time_us(lambda: ref.candidate_blocks(scores, **blocks, ctx=ctx))}
+            for block_n, warps in TOPK_TILES:
+                config = {"block_N": block_n, "num_warps": warps}
+                runs = {"topk_select": lambda c=config: topk.topk_select(scores, None, topk=512, config=c),
+                        "topk_select cand": lambda c=config: topk.topk_select(scores, candidates, topk=512, config=c),
+                        "candidate_blocks": lambda c=dict(config, block_N=block_n // 8): topk.candidate_blocks(
+                            scores, ctx.positions, **blocks, config=c)}
+                for name, run in runs.items():
+                    record(f"{name} {block_n}/{warps}w", f"T={m} C={width}", time_us(run), base="torch eager",
+                           base_us=base[name])
+
+
 def bench_sampling(rows: list[int], vocab: int = 129280) -> None:
     """Seeded draws over V4.1's vocabulary against `sample_plain`'s torch float64 path (deepinfer/sampler.py) as the
     engine calls it (host lists in, host time included): the kernels alone (kernels/triton/sampling.py, replayed),
@@ -145,4 +177,5 @@ def bench_sampling(rows: list[int], vocab: int = 129280) -> None:
                base="torch fp64 sample_plain", base_us=base_us)
 
 
-__all__ = ["bench_engram_lookup", "bench_gate_route", "bench_norm_e4m3", "bench_sampling", "bench_swiglu", "bench_topk"]
+__all__ = ["bench_engram_lookup", "bench_gate_route", "bench_norm_e4m3", "bench_sampling", "bench_swiglu", "bench_topk",
+           "bench_topk_tiles"]
