@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from deepinfer.checkpoint import load_checkpoint, save_checkpoint
 from deepinfer.config import DeepseekV41Config
-from deepinfer.dspark import DraftHead
+from deepinfer.dspark import DraftHead, allocate_by_confidence, allocate_static
 from deepinfer.models import DeepseekV41Flash
 from train.draft import block_positions, confidence_logits, run_drafts, sample_anchors
 from train.export import checkpoint_tensors
@@ -81,30 +81,33 @@ def greedy_labels(teacher: torch.Tensor, seqs: torch.Tensor, anchors: torch.Tens
     return greedy[rows, positions], torch.cat([torch.ones_like(path[..., :1]), path], dim=-1)
 
 
-def draft_outcomes(graphs, params, kernels: TrainingKernels, seqs: torch.Tensor,
-                   anchors: torch.Tensor) -> dict[str, torch.Tensor]:
+def draft_outcomes(graphs, params, kernels: TrainingKernels, seqs: torch.Tensor, anchors: torch.Tensor,
+                   confidence_grad: float = 0.0) -> dict[str, torch.Tensor]:
     """The backbone and the drafts over `seqs` [B, T + 1] (on the device) at `anchors` [B, K], per draft row
     (B * K * block): draft logits with the Markov term, the backbone's greedy labels, on_path (float), the
-    backbone's log-probabilities at the same positions, and the confidence head's features."""
+    backbone's log-probabilities at the same positions, and the confidence head's features (`confidence_grad`:
+    train/draft.py's `run_drafts`)."""
     graph, draft_graph, head, config = graphs
     batch, length, block = seqs.shape[0], seqs.shape[1] - 1, config.dspark_block_size
     out = backbone_forward(graph, params, kernels, seqs)
     teacher = out["logits"].detach().reshape(batch, length, -1)
     labels, on_path = greedy_labels(teacher, seqs, anchors, block)
-    logits, features = run_drafts(draft_graph, params, kernels, head, config, seqs, out["draft_keys"], anchors)
+    logits, features = run_drafts(draft_graph, params, kernels, head, config, seqs, out["draft_keys"], anchors,
+                                  confidence_grad)
     rows = torch.arange(batch, device=seqs.device)[:, None, None]
     target = teacher[rows, block_positions(anchors, block, seqs.device)].reshape(logits.shape)
     return {"logits": logits, "labels": labels.reshape(-1), "on_path": on_path.reshape(-1),
             "target": torch.log_softmax(target, -1), "features": features}
 
 
-def distill_losses(graphs, params, kernels: TrainingKernels, seqs: torch.Tensor,
-                   anchors: torch.Tensor) -> dict[str, torch.Tensor]:
+def distill_losses(graphs, params, kernels: TrainingKernels, seqs: torch.Tensor, anchors: torch.Tensor,
+                   confidence_grad: float = 0.0) -> dict[str, torch.Tensor]:
     """Losses of one batch `seqs` [B, T + 1] (on the device) at `anchors` [B, K]: masked hard cross-entropy
-    ("hard"), KL to the backbone ("kl"), confidence BCE; and, no grad, per block position the counts of verified
-    and accepted drafts and the sum of confidences on verified ones ([block] each)."""
+    ("hard"), KL to the backbone ("kl"), confidence BCE (`confidence_grad` of its gradient reaching the draft layers);
+    and, no grad, per block position the counts of verified and accepted drafts and the sum of confidences on
+    verified ones ([block] each)."""
     head, block = graphs[2], graphs[3].dspark_block_size
-    o = draft_outcomes(graphs, params, kernels, seqs, anchors)
+    o = draft_outcomes(graphs, params, kernels, seqs, anchors, confidence_grad)
     logits, labels, on_path = o["logits"], o["labels"], o["on_path"]
     ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
     kl = torch.nn.functional.kl_div(torch.log_softmax(logits, -1), o["target"], reduction="batchmean",
@@ -146,19 +149,28 @@ def heldout_metrics(graphs, params, kernels, seqs: torch.Tensor, device, batch: 
 
 
 @torch.no_grad()
-def greedy_walk(graphs, params, kernels, seqs: torch.Tensor, prompt_lens: torch.Tensor, device, batch: int) -> dict:
+def greedy_walk(graphs, params, kernels, seqs: torch.Tensor, prompt_lens: torch.Tensor, device, batch: int,
+                budget: float = 4.0) -> dict:
     """Acceptance as the engine counts it (static drafts of a whole block, greedy) on greedy continuations `seqs`
     [S, T + 1] of prompts of `prompt_lens` [S] tokens: the first block is anchored at the first generated token and
     each next one after the tokens a step gives (accepted drafts plus one); position i's rate is how often the drafts
-    up to i were all accepted, per step (bench/dspark_bench.py's figure), and tokens per step 1 + their sum."""
-    block, length = graphs[3].dspark_block_size, seqs.shape[1] - 1
+    up to i were all accepted, per step (bench/dspark_bench.py's figure), and tokens per step 1 + their sum.
+
+    Also the walk of all S sequences as one batch under a verification budget of `budget` tokens a running request
+    (`scheduled_walk`), and how well each confidence's cumulative product ranks the drafts (`ranking_auc`)."""
+    head, block, length = graphs[2], graphs[3].dspark_block_size, seqs.shape[1] - 1
     every = torch.arange(1, length - block + 1)  # [A]: all anchors, a at index a - 1
-    steps, accepted = 0, torch.zeros(block)
+    steps, accepted, all_runs, scores = 0, torch.zeros(block), [], {"head": [], "draft": []}
     for i in range(0, len(seqs), batch):
         chunk = seqs[i : i + batch].to(device)
         o = draft_outcomes(graphs, params, kernels, chunk, every.expand(len(chunk), -1))
-        hit = (o["logits"].argmax(-1) == o["labels"]).float() * o["on_path"]
+        picks = o["logits"].argmax(-1)
+        hit = (picks == o["labels"]).float() * o["on_path"]
         runs = hit.reshape(len(chunk), len(every), block).cumprod(-1).sum(-1).long().cpu()  # [S, A]: drafts accepted
+        all_runs.append(runs)
+        shape = (len(chunk), len(every), block)
+        scores["head"].append(torch.sigmoid(confidence_logits(head, o["features"])).reshape(shape).cpu())
+        scores["draft"].append(torch.softmax(o["logits"].float(), -1).gather(-1, picks[:, None]).reshape(shape).cpu())
         for row, prompt in zip(runs, prompt_lens[i : i + batch].tolist(), strict=True):
             a = prompt
             while a <= len(every):
@@ -166,8 +178,66 @@ def greedy_walk(graphs, params, kernels, seqs: torch.Tensor, prompt_lens: torch.
                 steps, accepted[:n] = steps + 1, accepted[:n] + 1
                 a += n + 1
     rates = accepted / max(steps, 1)
-    return {"walk_acceptance": [round(float(x), 4) for x in rates], "walk_tokens_per_step": round(1 + float(rates.sum()), 4),
-            "walk_steps": steps}
+    runs, scores = torch.cat(all_runs), {name: torch.cat(s) for name, s in scores.items()}
+    out = {"walk_acceptance": [round(float(x), 4) for x in rates], "walk_tokens_per_step": round(1 + float(rates.sum()), 4),
+           "walk_steps": steps}
+    out |= {f"auc_{name}": ranking_auc(s, runs, prompt_lens) for name, s in scores.items()}
+    return out | {f"scheduled_{budget:g}": scheduled_walk(runs, scores, prompt_lens, budget)}
+
+
+def ranking_auc(confidences: torch.Tensor, runs: torch.Tensor, prompt_lens: torch.Tensor) -> list[float]:
+    """Per block position i, over the generated anchors of each sequence (confidences [S, A, block], runs [S, A]),
+    how often a block whose drafts up to i are all accepted has a higher cumulative product of confidences up to i
+    than one where they are not (ties half): bench/dspark_oracle.py's AUC."""
+    generated = torch.arange(runs.shape[1])[None, :] >= prompt_lens[:, None] - 1  # anchor a at index a - 1
+    products = confidences.double().cumprod(-1)[generated]  # [n, block]
+    runs = runs[generated]
+    out = []
+    for i in range(products.shape[1]):
+        pos, neg = products[runs > i, i], products[runs <= i, i]
+        if not len(pos) or not len(neg):
+            out.append(float("nan"))
+            continue
+        _, where, counts = torch.unique(torch.cat([pos, neg]), return_inverse=True, return_counts=True)
+        ranks = (counts.cumsum(0) - (counts - 1) / 2.0)[where]  # 1-based, ties at their mean rank
+        u = ranks[: len(pos)].sum() - len(pos) * (len(pos) + 1) / 2  # Mann-Whitney U of the accepted ones
+        out.append(round(float(u / (len(pos) * len(neg))), 4))
+    return out
+
+
+def scheduled_walk(runs: torch.Tensor, confidences: dict[str, torch.Tensor], prompt_lens: torch.Tensor,
+                   budget: float) -> dict[str, float]:
+    """The walk of every sequence at once, as one batch of requests: each step a request at anchor a verifies the
+    drafts its allocation gives it (`allocate_static` per length, `allocate_by_confidence` per confidence, or the
+    oracle: the drafts it will accept, the longest runs first), all within `round(budget * running)` tokens, and
+    moves on by the drafts accepted plus one. Tokens a step per running request, per allocation."""
+    block = next(iter(confidences.values())).shape[-1]
+    rules = {f"static {k}": (lambda k: lambda at, available, total: allocate_static(k, available, total))(k)
+             for k in range(1, block + 1)}
+    rules |= {name: (lambda c: lambda at, available, total: allocate_by_confidence(c[at], available, total))(c)
+              for name, c in confidences.items()}
+
+    def oracle(at: tuple, available: torch.Tensor, total: int) -> torch.Tensor:
+        gets, left = torch.zeros_like(available), total - len(available)
+        for r in torch.argsort(runs[at], descending=True, stable=True).tolist():
+            gets[r] = max(0, min(int(runs[at][r]), left))
+            left -= int(gets[r])
+        return gets
+
+    out = {}
+    for name, rule in (rules | {"oracle": oracle}).items():
+        anchors, tokens, request_steps = prompt_lens.clone(), 0, 0
+        while True:
+            running = torch.nonzero(anchors <= runs.shape[1]).squeeze(-1)
+            if not len(running):
+                break
+            at = (running, anchors[running] - 1)
+            counts = rule(at, torch.full((len(running),), block, dtype=torch.int64), round(budget * len(running)))
+            moved = torch.minimum(runs[at], counts) + 1
+            anchors[running] += moved
+            tokens, request_steps = tokens + int(moved.sum()), request_steps + len(running)
+        out[name] = round(tokens / request_steps, 4)
+    return out
 
 
 def draft_tensors(params: dict[str, torch.Tensor], config: DeepseekV41Config,
@@ -244,6 +314,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--generate", type=int, default=0, help="greedy continuations to make first (train split)")
     p.add_argument("--generate-batch", type=int, default=1024)
     p.add_argument("--greedy-heldout", type=Path, default=None, help="held-out continuations for the engine's walk")
+    p.add_argument("--confidence-grad", type=float, default=0.0,
+                   help="share of the confidence loss's gradient that reaches the draft layers (0: the head alone)")
+    p.add_argument("--confidence-weight", type=float, default=1.0, help="the confidence loss's weight in the total")
+    p.add_argument("--walk-budget", type=float, default=4.0,
+                   help="verification tokens a running request in the held-out walk's scheduled replay")
+    p.add_argument("--select", choices=("walk", "scheduled"), default="walk",
+                   help="export the evaluation with the most walk tokens a step (static, whole blocks) or the most "
+                        "under confidence scheduling at --walk-budget")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--eval-seqs", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
@@ -255,6 +333,10 @@ def main() -> None:
     args = parse_args()
     if args.merge is not None:
         return merge(args.merge, args.checkpoint)
+    if args.select == "scheduled" and args.greedy_heldout is None:
+        raise SystemExit("--select scheduled needs --greedy-heldout (the walk it scores)")
+    if not 0.0 <= args.confidence_grad <= 1.0:
+        raise SystemExit(f"--confidence-grad must be in [0, 1], got {args.confidence_grad}")
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     model, params = frozen_backbone(args.checkpoint, device)
@@ -286,10 +368,14 @@ def main() -> None:
                  "heldout": heldout_metrics(graphs, params, kernels, held_seqs, device, args.batch, args.anchors)}
         if walk is not None:
             point["heldout"] |= greedy_walk(graphs, params, kernels, torch.from_numpy(walk["seqs"]),
-                                            torch.from_numpy(walk["prompt_lens"]), device, args.batch)
+                                            torch.from_numpy(walk["prompt_lens"]), device, args.batch,
+                                            args.walk_budget)
         record["curve"].append(point)
         tqdm.write(json.dumps(point))
-        score = point["heldout"].get("walk_tokens_per_step", point["heldout"]["tokens_per_step"])
+        held = point["heldout"]
+        score = held.get("walk_tokens_per_step", held["tokens_per_step"])
+        if args.select == "scheduled":
+            score = held[f"scheduled_{args.walk_budget:g}"]["head"]
         if score > best["score"]:
             best.update(score=score, step=step, drafts=draft_tensors(params, config, shipped))
 
@@ -311,8 +397,8 @@ def main() -> None:
             break
         for group in opt.param_groups:
             group["lr"] = lr_at(step, progress, args.lr, args.warmup)
-        losses = distill_losses(graphs, params, kernels, *batch())
-        total = losses["confidence_bce"] + sum(losses[k] for k in ("hard", "kl") if args.loss in (k, "both"))
+        losses = distill_losses(graphs, params, kernels, *batch(), confidence_grad=args.confidence_grad)
+        total = args.confidence_weight * losses["confidence_bce"] + sum(losses[k] for k in ("hard", "kl") if args.loss in (k, "both"))
         opt.zero_grad(set_to_none=True)
         total.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(trained, 1.0)

@@ -3,7 +3,8 @@
 For anchors a (random positions of each sequence, 1 <= a <= T - block), the block is [x_a, noise, ...] at positions
 a .. a + block - 1, attending to the `sliding_window` main keys before a and to itself; block position i predicts
 x_{a+1+i} with the draft logits plus the Markov term of the previous true token x_{a+i} (teacher forcing). The
-confidence head learns, from detached inputs, whether the draft's argmax at i is x_{a+1+i}.
+confidence head learns whether the draft's argmax at i is x_{a+1+i}, from inputs detached here (train/distill.py can
+let a share of its gradient into the draft layers).
 
 The blocks' windows are gathered from `draft_keys` in one indexing op (what `deepinfer.dspark.block_states` holds
 per block, without a state per block), and the draft graph runs batched over blocks (train/batched.py).
@@ -44,10 +45,12 @@ def gather_windows(draft_keys: torch.Tensor, anchors: torch.Tensor, window: int)
 
 
 def run_drafts(draft_graph, params: dict[str, torch.Tensor], kernels, head: DraftHead, config: DeepseekV41Config,
-               seqs: torch.Tensor, draft_keys: torch.Tensor, anchors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+               seqs: torch.Tensor, draft_keys: torch.Tensor, anchors: torch.Tensor,
+               confidence_grad: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The draft layers over every anchor's block, teacher-forced: the logits with the Markov term of the token
-    before each position [B * K * block, vocab], and the confidence head's inputs, detached [B * K * block,
-    hidden + rank].
+    before each position [B * K * block, vocab], and the confidence head's inputs [B * K * block, hidden + rank],
+    through which `confidence_grad` of the gradient reaches the draft layers and the Markov embedding (0: detached,
+    the head learns alone; 1: all of it).
 
     seqs [B, T + 1] on the device, draft_keys [B * T, n, D], anchors [B, K] (CPU).
     """
@@ -67,8 +70,15 @@ def run_drafts(draft_graph, params: dict[str, torch.Tensor], kernels, head: Draf
     finally:
         kernels.draft_windows = None
     emb, markov = head.markov(previous.reshape(-1))
-    features = torch.cat([out["hidden"].detach().float(), emb.detach()], dim=-1)
+    features = torch.cat([scale_grad(out["hidden"].float(), confidence_grad), scale_grad(emb, confidence_grad)], dim=-1)
     return out["logits"] + markov, features
+
+
+def scale_grad(x: torch.Tensor, share: float) -> torch.Tensor:
+    """`x`'s value, with `share` of the gradient passed back through it (0: detached)."""
+    if share == 0.0:
+        return x.detach()
+    return x if share == 1.0 else share * x + (1.0 - share) * x.detach()
 
 
 def confidence_logits(head: DraftHead, features: torch.Tensor) -> torch.Tensor:
