@@ -66,6 +66,8 @@ UNSEEN_LOSS_BOUND = 3.0  # measured 2.756 nats per token on the shipped bf16 wei
 DRAFT_ACCURACY_BOUND = 0.15  # measured 0.320 (0.293 before distillation; teacher-forced, mean over the 5 block
 # positions); random: about 0
 DRAFT_AGREEMENT_BOUND = 0.45  # measured 0.672 over 58 on-path positions (0.655 before distillation); random: about 0
+CONFIDENCE_AUC_BOUND = 0.75  # measured 0.801 (mean over the 5 block positions; 0.654 before the head was trained
+# through the draft layers, train/README.md); chance: 0.5
 
 
 def _record() -> dict:
@@ -138,6 +140,33 @@ def test_drafts_are_the_backbones_greedy_choices_on_its_path(model_and_forward, 
     on_path = torch.cat([torch.ones(len(anchors), 1), follows.cumprod(-1)], dim=-1)
     agreement = float(((drafts == labels).float() * on_path).sum() / on_path.sum())
     assert agreement > DRAFT_AGREEMENT_BOUND
+
+
+def test_confidence_head_ranks_the_drafts_that_will_be_accepted(model_and_forward) -> None:
+    """What confidence scheduling spends its budget by: over every block of the unseen text, the cumulative product
+    of the head's confidences up to position i ranks blocks whose drafts 1..i are all the backbone's greedy choices
+    (on its path) above those where they are not (train/distill.py's `ranking_auc`)."""
+    from train.distill import ranking_auc
+
+    model, params, ids, out = model_and_forward
+    config, block = model.config, model.config.dspark_block_size
+    anchors = list(range(1, len(ids) - block))
+    states = block_states(out["draft_keys"], anchors, config)
+    blocks = torch.tensor([[int(ids[a])] + [config.dspark_noise_token_id] * (block - 1) for a in anchors])
+    head = DraftHead(params, config)
+    with torch.inference_mode():
+        drafts = interpret(model.draft_graph(), {"input_ids": blocks.reshape(-1)}, params,
+                           ForwardContext(states, [block] * len(anchors)))
+        emb, markov = head.markov(torch.stack([ids[a : a + block] for a in anchors]).reshape(-1))
+        picks = (drafts["logits"] + markov).argmax(-1).reshape(len(anchors), block)
+        confidence = head.confidence(drafts["hidden"], emb).reshape(1, len(anchors), block)
+    greedy = out["logits"].argmax(-1)
+    labels = torch.stack([greedy[a : a + block] for a in anchors])
+    follows = torch.stack([greedy[a : a + block - 1] == ids[a + 1 : a + block] for a in anchors]).float()
+    on_path = torch.cat([torch.ones(len(anchors), 1), follows.cumprod(-1)], dim=-1)
+    runs = ((picks == labels).float() * on_path).cumprod(-1).sum(-1).long()  # drafts accepted from each anchor
+    auc = ranking_auc(confidence, runs[None], torch.tensor([1]))
+    assert sum(auc) / len(auc) > CONFIDENCE_AUC_BOUND, auc
 
 
 def test_llm_defaults_to_it_and_greedy_is_as_recorded(caplog: pytest.LogCaptureFixture) -> None:
