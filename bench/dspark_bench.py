@@ -14,7 +14,9 @@ step for all running requests), with the draft distribution's probabilities as c
 confidence head's ("conf-draft k/budget"), and with draft blocks sized per request ("adaptive k/budget": two more
 than the drafts it accepted last, at most k); `--regex` constrains every request (structured outputs drafting under the
 grammar's masks). A batch of b runs max(b, --min-requests) requests, b at a time, so a batch of 1 is not one
-prompt's luck. `--passes` runs the modes several times in alternating order and prints each one's median.
+prompt's luck. `--passes` runs the modes several times in alternating order and prints each one's median, and each
+mode's ratio to the best static length within a pass (median over passes); `--interleave` builds every mode's engine
+once first, so a pass times each mode once, seconds apart.
 """
 
 from __future__ import annotations
@@ -97,9 +99,9 @@ def time_phases(llm: LLM, nodes: bool) -> tuple[collections.Counter, collections
     return ms, calls
 
 
-def run_mode(model: str, speculative: dict | None, prompts: list[str], batch: int, max_tokens: int,
-             device_kwargs: dict, regex: str | None = None, profile: int = 0, timed_phases: str | None = None,
-             kernels: int = 0, warmups: int = 2) -> dict:
+def prepare_mode(model: str, speculative: dict | None, prompts: list[str], batch: int, max_tokens: int,
+                 device_kwargs: dict, regex: str | None = None, warmups: int = 2) -> tuple[LLM, SamplingParams, float]:
+    """A mode's engine after `warmups` untimed runs of the requests: (llm, sampling params, the first run's seconds)."""
     llm = LLM(model, max_num_seqs=batch, max_num_batched_tokens=max(512, 8 * batch),
               speculative_config=speculative, **device_kwargs)
     constraint = StructuredOutputsParams(regex=regex) if regex else None
@@ -109,6 +111,19 @@ def run_mode(model: str, speculative: dict | None, prompts: list[str], batch: in
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         cold = cold or time.perf_counter() - start
+    return llm, params, cold
+
+
+def run_mode(model: str, speculative: dict | None, prompts: list[str], batch: int, max_tokens: int,
+             device_kwargs: dict, regex: str | None = None, profile: int = 0, timed_phases: str | None = None,
+             kernels: int = 0, warmups: int = 2) -> dict:
+    llm, params, cold = prepare_mode(model, speculative, prompts, batch, max_tokens, device_kwargs, regex, warmups)
+    return timed_run(llm, params, prompts, cold, profile, timed_phases, kernels)
+
+
+def timed_run(llm: LLM, params: SamplingParams, prompts: list[str], cold: float = 0.0, profile: int = 0,
+              timed_phases: str | None = None, kernels: int = 0) -> dict:
+    """One timed `generate` of the requests on a prepared engine, with its acceptance and outputs."""
     profiler = cProfile.Profile() if profile else None
     phases = time_phases(llm, timed_phases == "nodes") if timed_phases else None
     activity = torch.profiler.ProfilerActivity
@@ -149,6 +164,21 @@ def run_mode(model: str, speculative: dict | None, prompts: list[str], batch: in
             "outputs": [o.outputs[0].token_ids for o in outs]}
 
 
+def paired_ratios(results: list[dict], batch: int, names: list[str]) -> None:
+    """Print each mode's tokens/s over the best static length's (the highest median) in the same pass, median and
+    range over the passes: the machine's drift over a call cancels in each ratio."""
+    rows = [r for r in results if r["batch"] == batch]
+    static = [n for n in names if n.startswith("static ")]
+    if not static:
+        return
+    best = max(static, key=lambda n: statistics.median(r["tokens_per_s"] for r in rows if r["mode"] == n))
+    base = {r["pass_index"]: r["tokens_per_s"] for r in rows if r["mode"] == best}
+    for name in names:
+        ratios = sorted(r["tokens_per_s"] / base[r["pass_index"]] for r in rows if r["mode"] == name)
+        print(f"paired  {batch:3d}  {name:16s} {statistics.median(ratios):.3f}x {best}  "
+              f"(passes {ratios[0]:.3f}-{ratios[-1]:.3f})", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -171,8 +201,13 @@ def main() -> None:
     ap.add_argument("--passes", type=int, default=1,
                     help="run the modes this many times, every other pass in reverse order (a machine speeds up over "
                          "a call, which favours the later modes), and print each mode's median")
+    ap.add_argument("--interleave", action="store_true",
+                    help="build every mode's engine once, then time one run of each mode a pass (alternating order): "
+                         "passes seconds apart, and each mode's ratio to the best static length per pass (paired)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.interleave and (args.profile or args.phases or args.kernels):
+        ap.error("--interleave times plain runs: drop --profile, --phases and --kernels")
     results = []
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = prompts_from_stdlib(max(batch, args.min_requests))
@@ -191,11 +226,16 @@ def main() -> None:
         if args.modes:
             modes = [m for m in modes if m[0] in args.modes.split(",")]
         reference = None
+        where = {"device": args.device} if args.target == "cpu" else {"target": args.target}
+        engines = {name: prepare_mode(args.model, spec, prompts, batch, args.max_tokens, where, args.regex,
+                                      args.warmups) for name, spec in modes} if args.interleave else {}
         for index in range(args.passes):
             for name, spec in modes if index % 2 == 0 else modes[::-1]:
-                where = {"device": args.device} if args.target == "cpu" else {"target": args.target}
-                r = run_mode(args.model, spec, prompts, batch, args.max_tokens, where, args.regex, args.profile,
-                             args.phases, args.kernels, args.warmups)
+                if args.interleave:
+                    r = timed_run(*engines[name][:2], prompts, engines[name][2] if index == 0 else 0.0)
+                else:
+                    r = run_mode(args.model, spec, prompts, batch, args.max_tokens, where, args.regex, args.profile,
+                                 args.phases, args.kernels, args.warmups)
                 outputs = r.pop("outputs")
                 reference = reference or outputs
                 r.update(batch=batch, mode=name, same_as_off=outputs == reference, pass_index=index)
@@ -210,6 +250,7 @@ def main() -> None:
                 runs = sorted(r["tokens_per_s"] for r in results if r["batch"] == batch and r["mode"] == name)
                 print(f"median  {batch:3d}  {name:16s} {statistics.median(runs):8.1f} tok/s  "
                       f"(passes: {' '.join(f'{v:.1f}' for v in runs)})", flush=True)
+            paired_ratios(results, batch, [name for name, _ in modes])
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
 

@@ -9,8 +9,9 @@
 #                                    --build-artifact artifacts/slice-sm90`, no GPU needed) so the device compiles nothing.
 #   GPU_TESTS="tests/test_gpu_cuda_graphs.py ..." bash bench/run_gpu.sh   only those test files
 #   DSPARK=1 bash bench/run_gpu.sh   DSpark drafting on the trained checkpoint (bench/dspark_bench.py) on the sm90 target
-#                                    (DSPARK_TARGET, DSPARK_BATCHES, DSPARK_TOKENS, DSPARK_PASSES) instead of the
-#                                    kernel benchmarks
+#                                    (DSPARK_TARGET, DSPARK_BATCHES, DSPARK_TOKENS, DSPARK_PASSES, DSPARK_MODES,
+#                                    DSPARK_BUDGETS; DSPARK_INTERLEAVE=1: every mode's engine built once, the passes
+#                                    timed side by side) instead of the kernel benchmarks
 #   PROFILE=1 bash bench/run_gpu.sh  where the slice's steps go (bench/step_profile.py): decode at PROFILE_BATCHES, and
 #                                    prefill at PROFILE_PREFILL tokens, with artifacts/slice-sm90-fp8 too when carried,
 #                                    instead of the kernel benchmarks (BENCH_KERNELS=1: both)
@@ -55,8 +56,9 @@ if [ "${DSPARK:-0}" = 1 ]; then
     SECONDS=0
     timeout "${DSPARK_TIMEOUT:-300}" python3 bench/dspark_bench.py --target "${DSPARK_TARGET:-sm90}" \
         --batches "${DSPARK_BATCHES:-1,16,64}" --max-tokens "${DSPARK_TOKENS:-32}" --passes "${DSPARK_PASSES:-1}" \
-        --out "$OUT/dspark.json" > "$OUT/dspark.log" 2>&1
-    echo "dspark: rc=$? in ${SECONDS}s"; grep -E "^(batch|median|Traceback|[A-Za-z]*Error)" "$OUT/dspark.log"
+        ${DSPARK_MODES:+--modes "$DSPARK_MODES"} ${DSPARK_BUDGETS:+--budgets "$DSPARK_BUDGETS"} \
+        $([ "${DSPARK_INTERLEAVE:-0}" = 1 ] && echo --interleave) --out "$OUT/dspark.json" > "$OUT/dspark.log" 2>&1
+    echo "dspark: rc=$? in ${SECONDS}s"; grep -E "^(batch|median|paired|Traceback|[A-Za-z]*Error)" "$OUT/dspark.log"
     [ "${BENCH_KERNELS:-0}" = 1 ] || exit 0
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
