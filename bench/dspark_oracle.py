@@ -26,6 +26,7 @@ from dspark_bench import DEFAULT_MODEL, prompts_from_stdlib  # noqa: E402
 
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.dspark import allocate_by_confidence, allocate_static, draft_probability  # noqa: E402
+from train.replay import allocate_oracle, auc  # noqa: E402
 
 K = 5
 
@@ -54,14 +55,6 @@ def record(llm: LLM) -> list[list[tuple]]:
 
     drafter.greedy, drafter.propose = run, wrapped
     return steps
-
-
-def auc(scores: torch.Tensor, accepted: torch.Tensor) -> float:
-    """P(a random accepted draft scores above a random rejected one), ties counting half."""
-    pos, neg = scores[accepted], scores[~accepted]
-    if not len(pos) or not len(neg):
-        return float("nan")
-    return ((pos[:, None] > neg[None, :]).double().mean() + 0.5 * (pos[:, None] == neg[None, :]).double().mean()).item()
 
 
 def main() -> None:
@@ -113,11 +106,7 @@ def main() -> None:
                     conf[j, : len(r[col])] = torch.tensor(r[col])
                 counts = allocate_by_confidence(conf, available, budget)
                 tokens[name] += (1 + torch.minimum(accepted, counts)).sum().item()
-            left, won = budget - n, 0  # the oracle: each request's accepted drafts, the longest first
-            for a in sorted(accepted.tolist(), reverse=True):
-                take = max(0, min(a, left))
-                won, left = won + take, left - take
-            tokens["oracle"] += n + won
+            tokens["oracle"] += (1 + torch.minimum(accepted, allocate_oracle(accepted, budget))).sum().item()
         print(f"budget {per:g}/request, tokens a step: " + ", ".join(f"{k} {v / proposals:.3f}"
                                                                      for k, v in tokens.items()))
 

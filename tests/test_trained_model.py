@@ -145,8 +145,8 @@ def test_drafts_are_the_backbones_greedy_choices_on_its_path(model_and_forward, 
 def test_confidence_head_ranks_the_drafts_that_will_be_accepted(model_and_forward) -> None:
     """What confidence scheduling spends its budget by: over every block of the unseen text, the cumulative product
     of the head's confidences up to position i ranks blocks whose drafts 1..i are all the backbone's greedy choices
-    (on its path) above those where they are not (train/distill.py's `ranking_auc`)."""
-    from train.distill import ranking_auc
+    (on its path) above those where they are not (train/replay.py's `ranking_auc`)."""
+    from train.replay import ranking_auc
 
     model, params, ids, out = model_and_forward
     config, block = model.config, model.config.dspark_block_size

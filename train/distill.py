@@ -39,12 +39,13 @@ from tqdm import tqdm
 
 from deepinfer.checkpoint import load_checkpoint, save_checkpoint
 from deepinfer.config import DeepseekV41Config
-from deepinfer.dspark import DraftHead, allocate_by_confidence, allocate_static
+from deepinfer.dspark import DraftHead
 from deepinfer.models import DeepseekV41Flash
 from train.draft import block_positions, confidence_logits, run_drafts, sample_anchors
 from train.export import checkpoint_tensors
 from train.greedy import continue_by_recompute, random_prompts
 from train.kernels import TrainingKernels
+from train.replay import ranking_auc, scheduled_walk
 from train.train import Batches, backbone_forward, lr_at, make_optimizer, trainable_params
 
 CHECKPOINT = Path("deepinfer/checkpoints/v41-tiny-stdlib")
@@ -183,61 +184,6 @@ def greedy_walk(graphs, params, kernels, seqs: torch.Tensor, prompt_lens: torch.
            "walk_steps": steps}
     out |= {f"auc_{name}": ranking_auc(s, runs, prompt_lens) for name, s in scores.items()}
     return out | {f"scheduled_{budget:g}": scheduled_walk(runs, scores, prompt_lens, budget)}
-
-
-def ranking_auc(confidences: torch.Tensor, runs: torch.Tensor, prompt_lens: torch.Tensor) -> list[float]:
-    """Per block position i, over the generated anchors of each sequence (confidences [S, A, block], runs [S, A]),
-    how often a block whose drafts up to i are all accepted has a higher cumulative product of confidences up to i
-    than one where they are not (ties half): bench/dspark_oracle.py's AUC."""
-    generated = torch.arange(runs.shape[1])[None, :] >= prompt_lens[:, None] - 1  # anchor a at index a - 1
-    products = confidences.double().cumprod(-1)[generated]  # [n, block]
-    runs = runs[generated]
-    out = []
-    for i in range(products.shape[1]):
-        pos, neg = products[runs > i, i], products[runs <= i, i]
-        if not len(pos) or not len(neg):
-            out.append(float("nan"))
-            continue
-        _, where, counts = torch.unique(torch.cat([pos, neg]), return_inverse=True, return_counts=True)
-        ranks = (counts.cumsum(0) - (counts - 1) / 2.0)[where]  # 1-based, ties at their mean rank
-        u = ranks[: len(pos)].sum() - len(pos) * (len(pos) + 1) / 2  # Mann-Whitney U of the accepted ones
-        out.append(round(float(u / (len(pos) * len(neg))), 4))
-    return out
-
-
-def scheduled_walk(runs: torch.Tensor, confidences: dict[str, torch.Tensor], prompt_lens: torch.Tensor,
-                   budget: float) -> dict[str, float]:
-    """The walk of every sequence at once, as one batch of requests: each step a request at anchor a verifies the
-    drafts its allocation gives it (`allocate_static` per length, `allocate_by_confidence` per confidence, or the
-    oracle: the drafts it will accept, the longest runs first), all within `round(budget * running)` tokens, and
-    moves on by the drafts accepted plus one. Tokens a step per running request, per allocation."""
-    block = next(iter(confidences.values())).shape[-1]
-    rules = {f"static {k}": (lambda k: lambda at, available, total: allocate_static(k, available, total))(k)
-             for k in range(1, block + 1)}
-    rules |= {name: (lambda c: lambda at, available, total: allocate_by_confidence(c[at], available, total))(c)
-              for name, c in confidences.items()}
-
-    def oracle(at: tuple, available: torch.Tensor, total: int) -> torch.Tensor:
-        gets, left = torch.zeros_like(available), total - len(available)
-        for r in torch.argsort(runs[at], descending=True, stable=True).tolist():
-            gets[r] = max(0, min(int(runs[at][r]), left))
-            left -= int(gets[r])
-        return gets
-
-    out = {}
-    for name, rule in (rules | {"oracle": oracle}).items():
-        anchors, tokens, request_steps = prompt_lens.clone(), 0, 0
-        while True:
-            running = torch.nonzero(anchors <= runs.shape[1]).squeeze(-1)
-            if not len(running):
-                break
-            at = (running, anchors[running] - 1)
-            counts = rule(at, torch.full((len(running),), block, dtype=torch.int64), round(budget * len(running)))
-            moved = torch.minimum(runs[at], counts) + 1
-            anchors[running] += moved
-            tokens, request_steps = tokens + int(moved.sum()), request_steps + len(running)
-        out[name] = round(tokens / request_steps, 4)
-    return out
 
 
 def draft_tensors(params: dict[str, torch.Tensor], config: DeepseekV41Config,

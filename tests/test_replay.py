@@ -1,11 +1,12 @@
-"""train/distill.py's held-out measures of the drafts: the ranking AUC and the scheduled walk (a replay of the
-verification budget over greedy continuations), checked on small cases worked by hand."""
+"""train/replay.py's measures of the drafts (train/distill.py exports by them, bench/dspark_oracle.py prints them):
+the ranking AUC, the oracle allocation and the scheduled walk (a replay of the verification budget over greedy
+continuations), checked on small cases worked by hand."""
 
 from __future__ import annotations
 
 import torch
 
-from train.distill import ranking_auc, scheduled_walk
+from train.replay import allocate_oracle, ranking_auc, scheduled_walk
 from train.draft import scale_grad
 
 
@@ -32,6 +33,14 @@ def test_ranking_auc_skips_prompt_anchors_and_uses_cumulative_products() -> None
     assert ranking_auc(conf, runs, lens) == [1.0, 1.0]
     conf[0, 3] = torch.tensor([0.95, 0.9])  # a rejected draft now outranks both accepted ones at position 1
     assert ranking_auc(conf, runs, lens)[0] == 0.0
+
+
+def test_allocate_oracle_gives_the_longest_runs_first() -> None:
+    runs = torch.tensor([1, 3, 0, 3])
+    # 4 requests, budget 9: 5 spare; request 1 (3, the lower index of the tie) then request 3 (2 of its 3 left)
+    assert allocate_oracle(runs, 9).tolist() == [0, 3, 0, 2]
+    assert allocate_oracle(runs, 4).tolist() == [0, 0, 0, 0]  # one token each, nothing spare
+    assert allocate_oracle(runs, 20).tolist() == [1, 3, 0, 3]  # never more than a request will accept
 
 
 def test_scheduled_walk_by_hand() -> None:
