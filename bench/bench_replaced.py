@@ -99,22 +99,30 @@ def bench_gate_route(tokens: list[int]) -> None:
         record("moe route", f"T={m} E={e} top{topk} block_M={block_m}", ours, base="torch (route_ref)", base_us=base)
 
 
+def _topk_case(m: int, width: int, topk_blocks: int) -> tuple:
+    """The indexer's selection at m tokens over `width` entries, each token seeing all of them (a context of 4 x
+    width at ratio 4): (scores [m, width], the forward context, candidate_blocks' arguments (blocks of 8), the
+    reference's candidates)."""
+    from dsl.context import ForwardContext, SequenceState
+    from dsl.ops import indexer as ref
+
+    scores = torch.randn(m, width, device="cuda")
+    ctx = ForwardContext([SequenceState(num_tokens=4 * width - 1 - i % 4) for i in range(m)], [1] * m, device="cuda")
+    blocks = dict(ratio=4, block=8, topk_blocks=topk_blocks)
+    return scores, ctx, blocks, ref.candidate_blocks(scores, **blocks, ctx=ctx)
+
+
 def bench_topk(tokens: list[int], widths: tuple[int, ...] = (2048, 16384)) -> None:
     """The indexer's selection (kernels/triton/topk.py) against the torch ops it replaces (dsl/ops/indexer.py), each
     token seeing all C entries: index_topk 512, alone (topk, where) and inside candidates (masked_fill first), and
     candidate blocks of 8 at ratio 4, top 2048 (amax, masked_fill, topk, scatter, gather; the block layout memoized
     as within a forward). C up to 16384 keeps every block: the kernel then skips its search."""
     import kernels.triton.topk as topk
-    from dsl.context import ForwardContext, SequenceState
     from dsl.ops import indexer as ref
 
     for width in widths:
         for m in tokens:
-            scores = torch.randn(m, width, device="cuda")
-            ctx = ForwardContext([SequenceState(num_tokens=4 * width - 1 - i % 4) for i in range(m)], [1] * m,
-                                 device="cuda")
-            blocks = dict(ratio=4, block=8, topk_blocks=2048)
-            candidates = ref.candidate_blocks(scores, **blocks, ctx=ctx)
+            scores, ctx, blocks, candidates = _topk_case(m, width, topk_blocks=2048)
             for name, cands in (("topk_select", None), ("topk_select cand", candidates)):
                 record(name, f"T={m} C={width} K=512", time_us(lambda c=cands: topk.topk_select(scores, c, topk=512)),
                        nbytes=m * (width * (4 if cands is None else 5) + 512 * 8), base="torch eager",
@@ -132,16 +140,11 @@ def bench_topk_tiles(tokens: list[int], widths: tuple[int, ...] = (2048, 16384))
     topk_select (alone and inside candidates) and candidate_blocks (its tile block_N / 8 blocks of 8; top 256, which
     selects at C 16384), against torch's ops; any tile picks the same items."""
     import kernels.triton.topk as topk
-    from dsl.context import ForwardContext, SequenceState
     from dsl.ops import indexer as ref
 
     for width in widths:
         for m in tokens:
-            scores = torch.randn(m, width, device="cuda")
-            ctx = ForwardContext([SequenceState(num_tokens=4 * width - 1 - i % 4) for i in range(m)], [1] * m,
-                                 device="cuda")
-            blocks = dict(ratio=4, block=8, topk_blocks=256)
-            candidates = ref.candidate_blocks(scores, **blocks, ctx=ctx)
+            scores, ctx, blocks, candidates = _topk_case(m, width, topk_blocks=256)
             base = {"topk_select": time_us(lambda: ref.topk_select(scores, None, topk=512)),
                     "topk_select cand": time_us(lambda: ref.topk_select(scores, candidates, topk=512)),
                     "candidate_blocks": time_us(lambda: ref.candidate_blocks(scores, **blocks, ctx=ctx))}
