@@ -7,16 +7,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from autotune.cache import DEFAULT_DEVICES, TuningCache, cache_key, default_cache, source_hash
+from autotune.cache import TuningCache, cache_key, default_cache, source_hash
 from autotune.space import get_configs
 from autotune.tune import tune
+from kernels.targets import get_target
 
 
 def choose(template: str, static: dict, bucket: int, target: str, src_hash: str, fallback: Callable[[], dict],
            cache: TuningCache | None = None, device: str | None = None) -> tuple[dict, str]:
     """(config, "tuned" | "heuristic") for one kernel node and token bucket."""
     cache = cache if cache is not None else default_cache(target)
-    key = cache_key(template, static, bucket, target, device or DEFAULT_DEVICES.get(target, "?"), src_hash)
+    key = cache_key(template, static, bucket, target, device or get_target(target).tuning_device or "?", src_hash)
     config = cache.get(key)
     return (config, "tuned") if config is not None else (fallback(), "heuristic")
 

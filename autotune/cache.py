@@ -10,7 +10,6 @@ import json
 import os
 from pathlib import Path
 
-DEFAULT_DEVICES = {"sm90": "NVIDIA H200", "sm100": "NVIDIA B200"}  # whose tuning a GPU-less compile uses
 TUNED_DIR = Path(__file__).parent / "tuned"
 
 
@@ -56,4 +55,4 @@ def default_cache(target: str) -> TuningCache:
     return TuningCache(os.environ.get("DEEPINFER_TUNING") or TUNED_DIR / f"{target}.json")
 
 
-__all__ = ["TuningCache", "cache_key", "source_hash", "default_cache", "DEFAULT_DEVICES"]
+__all__ = ["TuningCache", "cache_key", "source_hash", "default_cache"]

@@ -29,6 +29,7 @@ from autotune.tune import tune
 from dsl.ops import dense
 from dsl.ops import hyper as hyper_ref
 from dsl.quant import quantize_fp8_block
+from kernels.targets import DEFAULT_GPU_TARGET, TARGETS, cubin_targets
 
 V41 = {"hidden_size": 5120, "q_lora_rank": 1280, "num_attention_heads": 64, "head_dim": 512, "o_groups": 8,
        "o_lora_rank": 1024, "n_routed_experts": 384, "num_experts_per_tok": 6, "moe_intermediate_size": 2304,
@@ -36,7 +37,6 @@ V41 = {"hidden_size": 5120, "q_lora_rank": 1280, "num_attention_heads": 64, "hea
        "vocab_size": 129280}
 MODULES = {"linear": linear, "moe_gate": linear, "moe_experts": moe, "sparse_attention": attention,
            "hc_mixes": hyper}
-ARCHS = {"sm90": (9, 0), "sm100": (10, 0)}  # the compute capability whose tiles a target's tuning measures
 
 
 def load_config(path: str | os.PathLike | None) -> dict:
@@ -118,13 +118,14 @@ def select_work(cfg: dict, templates: list[str], buckets: list[int], only: dict[
 
 def check_device(target: str) -> str:
     """The name of this machine's GPU when it can tune for `target`; RuntimeError saying why not otherwise."""
-    if target not in ARCHS:
-        raise ValueError(f"no tuning for target {target!r}; targets: {', '.join(ARCHS)}")
+    spec = TARGETS.get(target)
+    if spec is None or not spec.builds_cubins:
+        raise ValueError(f"no tuning for target {target!r}; targets: {', '.join(t.name for t in cubin_targets())}")
     if not torch.cuda.is_available():
         raise RuntimeError("autotuning needs a CUDA GPU of the target's architecture; this machine has none")
     name, cap = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
-    if tuple(cap) != ARCHS[target]:
-        major, minor = ARCHS[target]
+    if tuple(cap) != spec.compute_capability:
+        major, minor = spec.compute_capability
         raise RuntimeError(f"autotuning for {target} needs a CUDA GPU of that architecture (sm_{major}{minor}); "
                            f"this machine has {name} (sm_{cap[0]}{cap[1]})")
     return name
@@ -269,7 +270,8 @@ def summary(rows: list[tuple]) -> str:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The tuning flags, shared by `python -m autotune.run` and `deepinfer autotune`."""
     p.add_argument("--config", help="a config.json or model directory (default: the full V4.1-Flash sizes)")
-    p.add_argument("--target", default="sm90", help="sm90 or sm100: the GPU here must be of that architecture")
+    p.add_argument("--target", default=DEFAULT_GPU_TARGET,
+                   help=f"{' or '.join(t.name for t in cubin_targets())}: the GPU here must be of that architecture")
     p.add_argument("--buckets", default="16,64", help="token-count buckets to tune, comma-separated (default 16,64)")
     p.add_argument("--templates", default=",".join(MODULES), help=f"comma-separated subset of {','.join(MODULES)}")
     p.add_argument("--out", help="cache file (default: autotune/tuned/<target>.json)")

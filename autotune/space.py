@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import itertools
 
-SMEM_LIMIT = {"sm90": 227 * 1024, "sm100": 227 * 1024}
+from kernels.targets import DEFAULT_GPU_TARGET, get_target
 
 
 def _pipelined_bytes(config: dict, per_stage: int) -> int:
     return per_stage * config.get("num_stages", 1)
 
 
-def linear_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
+def linear_configs(static: dict, bucket: int, target: str = DEFAULT_GPU_TARGET) -> list[dict]:
     """Decode buckets: tile width, K stage, pipeline depth and split-K (the levers of a weight-streaming
     kernel); larger buckets: square-ish tiles."""
     fp8 = static["fmt"] == "fp8"
@@ -34,12 +34,12 @@ def linear_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict
                   "num_stages": stages}
         if dequant_w:
             config["fp8_dequant_w"] = True
-        if _pipelined_bytes(config, bk * (bn * wbytes + bm * 4)) <= SMEM_LIMIT[target]:
+        if _pipelined_bytes(config, bk * (bn * wbytes + bm * 4)) <= get_target(target).smem_per_block:
             out.append(config)
     return out
 
 
-def moe_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
+def moe_configs(static: dict, bucket: int, target: str = DEFAULT_GPU_TARGET) -> list[dict]:
     """Per GEMM: tile width (64 rows per warpgroup), K stage, pipeline depth, and for decode buckets split-K (few
     experts fill the GPU only with their K split; GEMM 1 reads K = d, GEMM 2 K = inter, each split two stages or
     more). fp4 at block_K 256 spills registers in GEMM 1: not a candidate. Prefill buckets (> 64 tokens: about
@@ -54,12 +54,12 @@ def moe_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
         warps = 8 if bn * bm >= 128 * 64 else bn // 16
         gemm = {"block_M": bm, "block_N": bn, "block_K": bk, "num_warps": warps, "num_stages": stages}
         # per stage: the codes of two weights (half a byte each), bf16 activations, two fp32 scales per 32 codes
-        if _pipelined_bytes(gemm, bk * (bn + 2 * bm) + bn * bk // 4) <= SMEM_LIMIT[target]:
+        if _pipelined_bytes(gemm, bk * (bn + 2 * bm) + bn * bk // 4) <= get_target(target).smem_per_block:
             out.append({"up": dict(gemm, split_k=up), "down": dict(gemm, split_k=down)})
     return out
 
 
-def gate_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
+def gate_configs(static: dict, bucket: int, target: str = DEFAULT_GPU_TARGET) -> list[dict]:
     """The MoE gate's projection: linear.py with fp32 weights and fp32 products (routing is discrete), so its tiles
     are the FMA path's, not the tensor cores': decode buckets split K; prefill buckets try smaller K stages and
     more warps, whose fp32 operands and accumulators would otherwise spill."""
@@ -74,21 +74,21 @@ def gate_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
             continue
         config = {"block_M": bm, "block_N": bn, "block_K": bk, "split_k": split, "num_warps": warps,
                   "num_stages": stages}
-        if _pipelined_bytes(config, bk * (bn + bm) * 4) <= SMEM_LIMIT[target]:
+        if _pipelined_bytes(config, bk * (bn + bm) * 4) <= get_target(target).smem_per_block:
             out.append(config)
     return out
 
 
-def attention_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
+def attention_configs(static: dict, bucket: int, target: str = DEFAULT_GPU_TARGET) -> list[dict]:
     d = 1 << (static["d"] - 1).bit_length()
     out = []
     for bs, warps, stages, split in itertools.product([16, 32, 64], [4, 8], [2, 3], [1, 2, 4, 8]):
-        if bs * d * 2 * stages + 16 * d * 2 <= SMEM_LIMIT[target]:
+        if bs * d * 2 * stages + 16 * d * 2 <= get_target(target).smem_per_block:
             out.append({"block_H": 16, "block_S": bs, "num_warps": warps, "num_stages": stages, "split_kv": split})
     return out
 
 
-def mixes_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
+def mixes_configs(static: dict, bucket: int, target: str = DEFAULT_GPU_TARGET) -> list[dict]:
     """Decode buckets: 16 tokens a program and K split 4 to 64 ways (few tokens fill the GPU only so); prefill
     buckets: 32 or 64 tokens a program (each tile of the projection read from L2 serves more of them), little or
     no split."""
@@ -100,7 +100,7 @@ def mixes_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]
             for bm, bk, s, w, st in grid if static["hc"] * static["d"] // s >= bk]
 
 
-def norm_configs(static: dict, bucket: int, target: str = "sm90") -> list[dict]:
+def norm_configs(static: dict, bucket: int, target: str = DEFAULT_GPU_TARGET) -> list[dict]:
     return [{"num_warps": w} for w in (4, 8, 16)]
 
 
@@ -108,7 +108,7 @@ SPACES = {"linear": linear_configs, "moe_gate": gate_configs, "moe_experts": moe
           "sparse_attention": attention_configs, "hc_mixes": mixes_configs, "rms_norm": norm_configs}
 
 
-def get_configs(template: str, static: dict, bucket: int, target: str = "sm90") -> list[dict]:
+def get_configs(template: str, static: dict, bucket: int, target: str = DEFAULT_GPU_TARGET) -> list[dict]:
     """Every candidate config of `template` for these static shapes and token bucket (empty: nothing to tune)."""
     space = SPACES.get(template)
     return [] if space is None else space(static, bucket, target)

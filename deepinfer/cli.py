@@ -20,6 +20,7 @@ from deepinfer.outputs import RequestOutput
 from deepinfer.results_file import InputLine, ResultsFile, read_inputs
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured_outputs.params import StructuredOutputsParams
+from kernels.targets import DEFAULT_TARGET, built_targets
 
 # CLI flag -> SamplingParams field, for the flags that are passed only when given.
 _SAMPLING_FLAGS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
@@ -31,7 +32,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="checkpoint directory (default: the embedded model, a tiny V4.1-Flash trained on the "
                              "Python standard library)")
-    parser.add_argument("--target", default="cpu", help="compile target: cpu, sm90, sm100 (default: cpu)")
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help=f"compile target: {', '.join(t.name for t in built_targets())} "
+                             f"(default: {DEFAULT_TARGET})")
     parser.add_argument("--fp8-activations", action="store_true",
                         help="GPU targets: e4m3 inputs for the fp8-weight linears (faster prefill, not exact)")
     engine = parser.add_argument_group("engine (EngineArgs; defaults as there)")

@@ -7,22 +7,15 @@ import torch
 from deepinfer.compiled import CompiledModel
 from deepinfer.models.deepseek_v41 import DeepseekV41Flash
 from dsl.passes import run_passes
-
-TARGETS = {
-    "cpu": "every op's torch reference; runs anywhere",
-    "sm90": "Hopper: Triton and TileLang kernels, sm_90a cubins",
-    "sm100": "Blackwell: sm_100a cubins, built anywhere",
-    "ascend950": "reserved",
-}
-BUILT_TARGETS = ("cpu", "sm90", "sm100")
+from kernels.targets import DEFAULT_TARGET, PLAN, built_targets, get_target
 
 
-def compile(model: DeepseekV41Flash, target: str = "cpu", *, dot_fp32: bool = False,  # noqa: A001 - public name
+def compile(model: DeepseekV41Flash, target: str = DEFAULT_TARGET, *, dot_fp32: bool = False,  # noqa: A001 - public name
             buckets: tuple[int, ...] | None = None, drafting: bool = False, device: str = "cpu",
             fp8_activations: bool = False):
     """Lower `model` for `target` and return a `CompiledModel` ready to run.
 
-    GPU targets ("sm90", "sm100") build cubins ahead of time, on any machine (no GPU needed) and return a
+    GPU targets (kernels/targets.py) build cubins ahead of time, on any machine (no GPU needed) and return a
     `GpuCompiledModel`: `.save(dir)` writes the artifact, `deepinfer.load(dir)` runs it. `dot_fp32` makes the
     kernels multiply in fp32 (exactness checks) instead of bf16; `buckets` are the token-count buckets that get
     a config and cubins each (default `graphs.plan.BUCKETS`). `drafting` adds the DSpark draft layers: every step
@@ -34,12 +27,11 @@ def compile(model: DeepseekV41Flash, target: str = "cpu", *, dot_fp32: bool = Fa
     about 3e-2 relative error per linear (the reference multiplies exactly); the logits of the smooth fixture,
     quantized, move by 6e-2 relative L2 (92% argmax agreement), against 7e-3 for the default sm90 path.
     """
-    if target not in TARGETS:
-        raise ValueError(f"unknown target {target!r}; targets are {', '.join(TARGETS)}")
-    if target not in BUILT_TARGETS:
-        raise NotImplementedError(f"target {target!r} ({TARGETS[target]}) has no kernels in this build yet; "
-                                  f"built targets: {', '.join(BUILT_TARGETS)}")
-    if target in ("sm90", "sm100"):
+    spec = get_target(target)
+    if not spec.is_built:
+        raise NotImplementedError(f"target {target!r} ({spec.description}) has no kernels in this build yet; "
+                                  f"built targets: {', '.join(t.name for t in built_targets())}")
+    if spec.runtime == PLAN:
         return _compile_gpu(model, target, dot_fp32, buckets, drafting, fp8_activations)
     if fp8_activations:
         raise ValueError("fp8_activations is a GPU target's kernel path; the cpu target runs the exact references")

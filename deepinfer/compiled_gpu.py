@@ -1,8 +1,8 @@
 """A model compiled for a GPU target (sm90, sm100): its plan and cubins; saved as an artifact, or run.
 
-`deepinfer.compile(model, target="sm90")` returns one; `.save(dir)` writes the artifact (graphs/artifact.py);
-`deepinfer.load(dir)` reads one back and runs it with torch and the CUDA driver alone (cubins launched through
-`graphs.launcher`, never compiled again). `forward` and `step` match `CompiledModel`'s.
+`deepinfer.compile(model, target=...)` with a GPU target returns one; `.save(dir)` writes the artifact
+(graphs/artifact.py); `deepinfer.load(dir)` reads one back and runs it with torch and the CUDA driver alone (cubins
+launched through `graphs.launcher`, never compiled again). `forward` and `step` match `CompiledModel`'s.
 
 `step(..., batch_invariant=True)` runs every kernel node with its plan's batch-invariant config (graphs/plan.py)
 and the reference nodes whose picks depend on the batch's widths (the indexer's block and top-k selection, in
@@ -34,6 +34,7 @@ from graphs import artifact
 from graphs.aot import Built
 from graphs.plan import Plan
 from kernels.launch import use_launcher
+from kernels.targets import cubin_targets, get_target
 
 # Reference nodes that run batch-invariant versions: with ties, or a row width set by the batch's longest cache,
 # torch's top-k picks (and their order, which is the attention's summation order) can change with the batch.
@@ -113,8 +114,9 @@ class GpuCompiledModel:
 
     def _ready(self):
         """(main executor, draft executor or None), made on first use."""
-        if self.target != "sm90":
-            raise RuntimeError(f"a {self.target} artifact runs on a {self.target} GPU; this build runs sm90 only")
+        if not get_target(self.target).runnable:
+            runnable = ", ".join(t.name for t in cubin_targets() if t.runnable)
+            raise RuntimeError(f"a {self.target} artifact runs on a {self.target} GPU; this build runs {runnable} only")
         if not torch.cuda.is_available():
             raise RuntimeError("running a GPU artifact needs a CUDA device")
         if self._executors is None:

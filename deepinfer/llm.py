@@ -22,6 +22,7 @@ from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured_outputs.constraint import StructuredOutputConstraint
 from deepinfer.tokenizer import load_tokenizer
+from kernels.targets import DEFAULT_TARGET, INTERPRETER, get_target
 
 if TYPE_CHECKING:
     from deepinfer.models import DeepseekV41Flash
@@ -36,10 +37,11 @@ class LLM:
 
     `model` is a checkpoint directory (config.json and safetensors), a `DeepseekV41Flash` (such as the random-weight
     `deepinfer.default_model.default_model()`), or None for the embedded default: a tiny V4.1-Flash trained on the
-    Python standard library (`deepinfer.default_model.trained_model()`). `target` is the compile target ("cpu" runs
-    anywhere). `tokenizer` is a directory holding tokenizer.json (default: the model's, else the V4 tokenizer).
-    Every other keyword is an engine argument (`EngineArgs`: `max_model_len`, `max_num_seqs`,
-    `max_num_batched_tokens`, `kv_cache_memory_bytes`, `block_size`, `async_scheduling`, `batch_invariant`, `seed`);
+    Python standard library (`deepinfer.default_model.trained_model()`). `target` is the compile target
+    (kernels/targets.py; the default, cpu, runs anywhere). `tokenizer` is a directory holding tokenizer.json
+    (default: the model's, else the V4 tokenizer). Every other keyword is an engine argument (`EngineArgs`:
+    `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`, `kv_cache_memory_bytes`, `block_size`,
+    `async_scheduling`, `batch_invariant`, `seed`);
     vLLM arguments DeepInfer does not have are ignored with a warning. `constraint` replaces the token-constraint
     hook (`deepinfer.engine.TokenConstraint`); by default it is structured outputs, built on the first request that
     asks for them (`SamplingParams(structured_outputs=...)`). `speculative_config` turns on DSpark drafting, e.g.
@@ -50,7 +52,8 @@ class LLM:
     prefill, not the reference's exact products.
     """
 
-    def __init__(self, model: str | DeepseekV41Flash | None = None, target: str = "cpu", tokenizer: str | None = None,
+    def __init__(self, model: str | DeepseekV41Flash | None = None, target: str = DEFAULT_TARGET,
+                 tokenizer: str | None = None,
                  constraint: TokenConstraint | None = None, speculative_config: dict | None = None,
                  device: str = "cpu", fp8_activations: bool = False, **kwargs: Any) -> None:
         from deepinfer.models import DeepseekV41Flash
@@ -75,7 +78,7 @@ class LLM:
         if fp8_activations:
             options["fp8_activations"] = True
         if device != "cpu":
-            if target != "cpu":
+            if get_target(target).runtime != INTERPRETER:
                 raise ValueError(f"device={device!r} runs the cpu target's torch code on that device; target "
                                  f"{target!r} chooses its own")
             options["device"] = device

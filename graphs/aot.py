@@ -27,9 +27,8 @@ from dsl.cache import CacheSpec
 from graphs.lowering import LOWERINGS
 from graphs.plan import Plan
 from kernels.launch import Launch, use_launcher
+from kernels.targets import get_target
 from kernels.tilelang.kernel import TileLangKernel
-
-ARCHS = {"sm90": 90, "sm100": 100}
 
 
 @dataclass(frozen=True)
@@ -127,7 +126,7 @@ def compile_tilelang(call: Launch, target: str) -> Built:
     names the device function's parameters in launch order (`arg_order`), its threads and dynamic shared memory."""
     from kernels.tilelang.build import compile_launch as build_tilelang
 
-    arch = f"sm_{ARCHS[target]}a"
+    arch = get_target(target).arch
     b = build_tilelang(call, arch)
     if _debug_source():
         print(f"// {call.key()} for {target}\n{b.source}", file=sys.stderr)
@@ -142,7 +141,8 @@ def compile_tilelang(call: Launch, target: str) -> Built:
 
 
 def compile_launch(call: Launch, target: str) -> Built:
-    """Compile one recorded launch for `target` ("sm90" | "sm100") with Triton (or TileLang), no GPU needed."""
+    """Compile one recorded launch for a cubin target (kernels/targets.py) with Triton (or TileLang), no GPU
+    needed."""
     if isinstance(call.kernel, TileLangKernel):
         return compile_tilelang(call, target)
     import triton
@@ -158,13 +158,13 @@ def compile_launch(call: Launch, target: str) -> Built:
     # pointers are 16-byte aligned: the launcher checks it on every launch
     attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types) if t.startswith("*")}
     src = ASTSource(fn=call.kernel, signature=signature, constexprs=call.constexprs, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", ARCHS[target], 32),
+    k = triton.compile(src, target=GPUTarget("cuda", get_target(target).triton_arch, 32),
                        options={"num_warps": call.num_warps, "num_stages": call.num_stages})
     md = k.metadata
     if _debug_source():
         print(f"// {call.key()} for {target}\n{k.asm['ttgir']}", file=sys.stderr)
     spec = {"id": _variant_id(call, target), "key": call.key(), "name": md.name, "target": target,
-            "arch": f"sm_{ARCHS[target]}a", "signature": types, "constexprs": call.constexprs,
+            "arch": get_target(target).arch, "signature": types, "constexprs": call.constexprs,
             "num_warps": call.num_warps, "num_stages": call.num_stages, "shared": md.shared,
             "global_scratch_size": md.global_scratch_size, "global_scratch_align": md.global_scratch_align,
             "profile_scratch_size": md.profile_scratch_size, "profile_scratch_align": md.profile_scratch_align,
@@ -179,7 +179,7 @@ def _cache_dir() -> Path:
 
 def build(launches: dict[str, Launch], target: str, use_cache: bool = True) -> dict[str, Built]:
     """Compile every launch for `target`, reusing cached cubins. Returns key -> Built."""
-    if target not in ARCHS:
+    if not get_target(target).builds_cubins:
         raise ValueError(f"no cubin build for target {target!r}")
     out = {}
     cache = _cache_dir()
@@ -204,4 +204,4 @@ def build(launches: dict[str, Launch], target: str, use_cache: bool = True) -> d
 
 
 __all__ = ["Built", "record_launches", "record_cache_launches", "record_sampling_launches", "compile_launch",
-           "compile_tilelang", "build", "ARCHS"]
+           "compile_tilelang", "build"]

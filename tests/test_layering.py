@@ -1,4 +1,5 @@
-"""DESIGN.md's layering: dsl <- kernels <- autotune <- graphs <- deepinfer; data flows one way.
+"""DESIGN.md's layering: dsl <- kernels <- autotune <- graphs <- deepinfer; data flows one way. And one target
+table: only kernels/targets.py names a target.
 
 Every .py under the five packages is parsed (ast, nothing imported); absolute imports, relative imports resolved
 against the file's package, and `importlib.import_module("...")` / `__import__("...")` with a literal name count.
@@ -7,6 +8,7 @@ against the file's package, and `importlib.import_module("...")` / `__import__("
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -117,3 +119,77 @@ def test_relative_imports_resolve_against_the_package() -> None:
     # Three dots from kernels/triton/a.py would leave `kernels`: Python refuses, and so does the checker.
     with pytest.raises(ValueError, match="climbs above"):
         imported_modules("from ... import graphs", ["kernels", "triton", "a"], False)
+
+
+# ---- the target table: the one place that names a target -------------------------------------------------------
+
+TARGET_TABLE = ROOT / "kernels" / "targets.py"
+ARCH_NAME = re.compile(r"sm_\d+a?")
+
+
+def _mentions_target(node: ast.AST) -> bool:
+    """Whether an expression is about a target: a name, attribute or call naming `target`."""
+    return any(isinstance(n, ast.Name) and "target" in n.id.lower()
+               or isinstance(n, ast.Attribute) and "target" in n.attr.lower() for n in ast.walk(node))
+
+
+def target_strings(source: str, names: set[str], device_types: set[str]) -> list[str]:
+    """Where `source` names a target as a string: a literal equal to a target's name or an architecture (sm_90a);
+    a name that is also a torch device type ("cpu") only where it is compared with, passed as or defaults a
+    target."""
+    def literal(node: ast.AST) -> str | None:
+        return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else None
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        value = literal(node)
+        if value is not None and (value in names - device_types or ARCH_NAME.fullmatch(value)):
+            found.append(f"line {node.lineno}: {value!r}")
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            hits = [literal(s) for s in sides if literal(s) in names & device_types]
+            if hits and any(_mentions_target(s) for s in sides if literal(s) is None):
+                found.append(f"line {node.lineno}: {hits[0]!r} compared with a target")
+        elif isinstance(node, ast.keyword) and node.arg and "target" in node.arg and literal(node.value) in names:
+            found.append(f"line {node.value.lineno}: {node.arg}={literal(node.value)!r}")
+        elif isinstance(node, ast.arguments):
+            args = node.posonlyargs + node.args
+            pairs = list(zip(args[len(args) - len(node.defaults):], node.defaults))
+            pairs += [(a, d) for a, d in zip(node.kwonlyargs, node.kw_defaults) if d is not None]
+            found += [f"line {d.lineno}: {a.arg}={literal(d)!r}" for a, d in pairs
+                      if "target" in a.arg and literal(d) in names]
+        elif isinstance(node, ast.Call) and node.args and literal(node.args[0]) == "--target":
+            found += [f"line {k.value.lineno}: --target default {literal(k.value)!r}" for k in node.keywords
+                      if k.arg == "default" and literal(k.value) in names]
+    return found
+
+
+def _target_names() -> tuple[set[str], set[str]]:
+    from kernels.targets import TARGETS
+
+    return set(TARGETS), {"cpu", "cuda", "meta", "mps", "npu", "xpu"} & set(TARGETS)
+
+
+@pytest.mark.parametrize("path", [p for p in project_files() if p != TARGET_TABLE],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_only_the_target_table_names_targets(path: Path) -> None:
+    names, device_types = _target_names()
+    assert target_strings(path.read_text(encoding="utf-8"), names, device_types) == []
+
+
+@pytest.mark.parametrize("source,is_bad", [
+    ("x = 'sm90'", True),
+    ("arch = 'sm_90a'", True),
+    ("if spec.target == 'cpu':\n    pass", True),
+    ("if 'cpu' != self.target:\n    pass", True),
+    ("compile(model, target='cpu')", True),
+    ("def f(target: str = 'cpu'):\n    pass", True),
+    ("def f(*, target='sm100'):\n    pass", True),
+    ("p.add_argument('--target', default='cpu')", True),
+    ("t = torch.device('cpu')\nif x.device.type == 'cpu':\n    pass", False),  # device strings are not targets
+    ("def f(device: str = 'cpu'):\n    pass", False),
+    ('"""Runs on sm90 and sm_90a cubins."""', False),  # prose may name them
+])
+def test_target_checker_flags_exactly_the_target_strings(source: str, is_bad: bool) -> None:
+    names, device_types = _target_names()
+    assert bool(target_strings(source, names, device_types)) == is_bad

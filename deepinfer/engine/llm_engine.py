@@ -50,8 +50,8 @@ class LLMEngine:
         spec = CacheSpec.from_graph(compiled.graph, spare=speculative.num_speculative_tokens if speculative else 0)
         self.layout = CacheLayout.plan(spec, args.cache_bytes, args.max_num_seqs, self.max_model_len, args.block_size)
         logger.info("caches: %s", self.layout.describe())
-        device = getattr(compiled, "device", "cpu") if compiled.target == "cpu" else "cuda"
-        cache = PagedCache(spec, self.layout.num_slots, self.layout.num_blocks, self.layout.block_size, device)
+        cache = PagedCache(spec, self.layout.num_slots, self.layout.num_blocks, self.layout.block_size,
+                           compiled.device)
         is_ready = getattr(constraint, "is_ready", None)  # structured outputs: a grammar compiling holds its request
         self.scheduler = Scheduler(BlockManager(self.layout), args.max_num_seqs, args.max_num_batched_tokens,
                                    speculative, ready=None if is_ready is None else lambda seq: is_ready(seq.seq_id))
