@@ -58,7 +58,7 @@ def main() -> int:
     print(f"{'way':22s} {'reserved MiB':>12s} {'graphs MiB':>10s} {'capture s':>9s}  step ms by bucket")
     for way in ("ahead", "lazy, one pool", "lazy, a pool each"):
         compiled.capture_ahead(args.up_to if way == "ahead" else 0)
-        compiled.cuda_graphs = True  # fresh graphs
+        compiled.runtime.cuda_graphs = True  # fresh graphs
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved()
@@ -76,7 +76,7 @@ def main() -> int:
             seconds = time.perf_counter() - start
         finally:
             CudaGraphs.begin = begin
-        graphs = compiled._ready()[0].cuda_graphs
+        graphs = compiled.runtime.executors()[0].cuda_graphs
         held = sum(s.bytes for s in graphs.steps.values())
         ms = {}
         for b in buckets:
