@@ -84,17 +84,23 @@ def load(path: str | Path, model: DeepseekV41Flash | None = None) -> Compiled:
     from graphs import artifact
     from graphs.plan_runtime import PlanRuntime
 
-    manifest, plan, specs, cubins, draft_plan = artifact.read(path)
+    saved = artifact.read(path)
     if model is None:
-        if not manifest.get("model_dir"):
+        if not saved.manifest["model_dir"]:
             raise ValueError(f"{path} names no checkpoint: pass the model")
-        model = DeepseekV41Flash.from_pretrained(manifest["model_dir"])
-    if artifact.config_hash(model.config.to_dict()) != manifest["model_config_hash"]:
+        model = DeepseekV41Flash.from_pretrained(saved.manifest["model_dir"])
+    if artifact.config_hash(model.config.to_dict()) != saved.manifest["model_config_hash"]:
         raise ValueError(f"{path} was compiled for another model config")
-    graph = run_passes(model.graph(dspark=draft_plan is not None))
-    draft = None if draft_plan is None else (run_passes(model.draft_graph()), draft_plan)
-    runtime = PlanRuntime(graph, plan, specs, cubins, model.params(), draft=draft)
-    return CompiledModel(model.config, graph, plan.target, runtime, None if draft is None else draft[0],
+    graph = run_passes(model.graph(dspark=saved.draft_plan is not None))
+    draft = None if saved.draft_plan is None else (run_passes(model.draft_graph()), saved.draft_plan)
+    for name, g, plan in [("plan.json", graph, saved.plan)] + ([("draft_plan.json", *draft)] if draft else []):
+        try:
+            plan.check_graph(g)
+        except ValueError as e:
+            raise artifact.ArtifactError(f"{Path(path) / name}: {e}") from None
+    runtime = PlanRuntime(graph, saved.plan, saved.specs, saved.cubins, model.params(), draft=draft)
+    return CompiledModel(model.config, graph, saved.plan.target, runtime, None if draft is None else draft[0],
                          model.model_dir)
+
 
 __all__ = ["compile", "load"]
