@@ -1,8 +1,8 @@
 """A compiled model: a model's planned graph for one target, its weights, and the runtime that runs it.
 
-`deepinfer.compile(model, target=...)` and `deepinfer.load(dir)` return one, whatever the target: the target
-record's `runtime` (kernels/targets.py) chose its `runtime`, the interpreter or a plan (graphs/runtime.py). The
-engine sees it as a `RunnableModel`, the members it uses.
+`deepinfer.compile(model, target=...)` and `deepinfer.load(dir)` return one, whatever the target; its `runtime` is
+the one the target's record names (kernels/targets.py): the interpreter or a plan (graphs/runtime.py). The engine
+sees it as a `RunnableModel`, the members it uses.
 """
 
 from __future__ import annotations
