@@ -186,7 +186,7 @@ def interpret_step(graph, params: dict, device: str, kernels: dict | None = None
 
 
 def sm90_step(model: DeepseekV41Flash, artifact: str | None, device: str, cuda_graphs: bool = True):
-    """The sm90 target: the saved artifact (or a fresh compile) run by GpuCompiledModel, its static segments replayed
+    """The sm90 target: the saved artifact (or a fresh compile) run by its CompiledModel, its static segments replayed
     as CUDA graphs or not; on a machine without a GPU, the same plan through the executor with its Triton kernels
     under the interpreter."""
     if device == "cuda":
@@ -196,7 +196,7 @@ def sm90_step(model: DeepseekV41Flash, artifact: str | None, device: str, cuda_g
             print(f"artifact {artifact} not used ({e}); compiling", flush=True)
             compiled = None
         compiled = compiled or deepinfer.compile(model, target="sm90")
-        compiled.cuda_graphs = cuda_graphs
+        compiled.runtime.cuda_graphs = cuda_graphs
         return compiled.step
     from graphs.executor import Executor
     from graphs.plan import make_plan
@@ -277,7 +277,7 @@ def build_artifact(path: str, fp8_activations: bool = False, buckets: tuple[int,
     compiled = deepinfer.compile(DeepseekV41Flash(config, slice_weights(config, "meta")), target="sm90",
                                  fp8_activations=fp8_activations, buckets=buckets)
     compiled.save(path)
-    print(f"wrote {path}: {len(compiled.cubins)} cubins")
+    print(f"wrote {path}: {len(compiled.runtime.cubins)} cubins")
 
 
 def make_step(path: str, model: DeepseekV41Flash, artifact: str | None, device: str):

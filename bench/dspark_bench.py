@@ -39,6 +39,7 @@ import torch  # noqa: E402
 from node_timing import time_nodes, timer  # noqa: E402
 
 from deepinfer import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from graphs.plan_runtime import PlanRuntime  # noqa: E402
 
 DEFAULT_MODEL = ROOT / "deepinfer" / "checkpoints" / "v41-tiny-stdlib"
 
@@ -90,9 +91,9 @@ def time_phases(llm: LLM, nodes: bool) -> tuple[collections.Counter, collections
         wrap(engine.runner.drafter, "propose", "propose")
         wrap(llm.compiled, "draft", "draft forward")
     if nodes:
-        if not hasattr(llm.compiled, "_ready"):
+        if not isinstance(llm.compiled.runtime, PlanRuntime):
             raise SystemExit("--phases nodes times a GPU target's executors: pass --target sm90")
-        main, draft = llm.compiled._ready()
+        main, draft = llm.compiled.runtime.executors()
         time_nodes(main, timed, "  forward: ")
         if draft is not None:
             time_nodes(draft, timed, "  draft: ")
@@ -144,8 +145,10 @@ def timed_run(llm: LLM, params: SamplingParams, prompts: list[str], cold: float 
         print(f"  {steps} steps, {elapsed * 1e3 / steps:.2f} ms a step; synchronised ms a step:", flush=True)
         for key, total in sorted(ms.items(), key=lambda kv: -kv[1])[:24]:
             print(f"    {key:44s} {total / steps:7.2f} ms  {calls[key] / steps:6.1f} calls")
-        for name, executor in zip(("forward", "draft"), getattr(llm.compiled, "_executors", None) or ()):
-            graphs = getattr(executor, "cuda_graphs", None)
+        runtime = llm.compiled.runtime
+        executors = runtime.executors() if isinstance(runtime, PlanRuntime) else ()
+        for name, executor in zip(("forward", "draft"), executors):
+            graphs = None if executor is None else executor.cuda_graphs
             if graphs is not None:
                 print(f"    {name} segments (every run of the mode): {graphs.replays} replayed, "
                       f"{graphs.captures} captured, {graphs.eager} eager over a bucket, {len(graphs.broken)} broken")

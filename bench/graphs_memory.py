@@ -30,7 +30,7 @@ from slice_caches import Caches  # noqa: E402
 
 from deepinfer.models import DeepseekV41Flash  # noqa: E402
 from dsl.passes import run_passes  # noqa: E402
-from graphs.capture import BUCKETS, CudaGraphs  # noqa: E402
+from graphs.capture import GRAPH_BUCKETS, CudaGraphs  # noqa: E402
 
 
 def main() -> int:
@@ -43,7 +43,7 @@ def main() -> int:
     model = DeepseekV41Flash(config, slice_weights(config, "cuda"))
     step = sm90_step(model, args.artifact, "cuda", cuda_graphs=True)
     compiled = step.__self__
-    buckets = [b for b in BUCKETS if b <= args.up_to]
+    buckets = [b for b in GRAPH_BUCKETS if b <= args.up_to]
     caches = Caches(run_passes(model.graph()), True, buckets[-1], args.context + 256, "cuda")
     gen = torch.Generator().manual_seed(0)
     context = caches.fresh(0)
@@ -58,7 +58,7 @@ def main() -> int:
     print(f"{'way':22s} {'reserved MiB':>12s} {'graphs MiB':>10s} {'capture s':>9s}  step ms by bucket")
     for way in ("ahead", "lazy, one pool", "lazy, a pool each"):
         compiled.capture_ahead(args.up_to if way == "ahead" else 0)
-        compiled.cuda_graphs = True  # fresh graphs
+        compiled.runtime.cuda_graphs = True  # fresh graphs
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved()
@@ -76,7 +76,7 @@ def main() -> int:
             seconds = time.perf_counter() - start
         finally:
             CudaGraphs.begin = begin
-        graphs = compiled._ready()[0].cuda_graphs
+        graphs = compiled.runtime.executors()[0].cuda_graphs
         held = sum(s.bytes for s in graphs.steps.values())
         ms = {}
         for b in buckets:

@@ -42,13 +42,13 @@ def main() -> int:
     for after in (int(a) for a in args.prefill_after.split(",")):
         linear_prefill.serves = lambda m, *_, after=after: m > after  # read when a plan is made
         eager = deepinfer.compile(model, target="sm90")
-        eager.cuda_graphs = False
+        eager.runtime.cuda_graphs = False
         graphs = deepinfer.compile(model, target="sm90")
-        graphs.cuda_graphs = True
+        graphs.runtime.cuda_graphs = True
         a, b = run(graphs, args.invariant), run(eager, args.invariant)
         print(f"prefill GEMM over {after} tokens, per step max |graphs - eager|: {differences(a, b)}")
         print(f"  eager again: {differences(run(eager, args.invariant), b)}")
-        graphs.cuda_graphs = True  # fresh graphs: captured again
+        graphs.runtime.cuda_graphs = True  # fresh graphs: captured again
         print(f"  graphs again: {differences(run(graphs, args.invariant), a)}", flush=True)
     return 0
 

@@ -20,7 +20,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import deepinfer  # noqa: E402
-from deepinfer.compiled_gpu import INVARIANT_REFERENCES  # noqa: E402
 from deepinfer.models import DeepseekV41Flash  # noqa: E402
 from dsl.context import ForwardContext, SequenceState  # noqa: E402
 from kernels.launch import use_launcher  # noqa: E402
@@ -30,7 +29,7 @@ DEFAULT_MODEL = ROOT / "deepinfer" / "checkpoints" / "v41-tiny-stdlib"
 
 def feed(compiled, prompt: list[int], decode: list[int], chunk: int) -> dict[tuple[int, int], list[torch.Tensor]]:
     """Per (node index, output), the rows of the decode tokens (in order) of every output over the tokens."""
-    executor, _ = compiled._ready()
+    executor, _ = compiled.runtime.executors()
     state, rows = SequenceState(), {}
     pieces = [prompt] + [decode[i:i + chunk] for i in range(0, len(decode), chunk)]
     for n, tokens in enumerate(pieces):
@@ -42,8 +41,8 @@ def feed(compiled, prompt: list[int], decode: list[int], chunk: int) -> dict[tup
                 if keep and isinstance(out, torch.Tensor) and out.dim() and out.shape[0] == count:
                     rows.setdefault((index, j), []).extend(out.detach().float().cpu().unbind(0))
 
-        with torch.inference_mode(), use_launcher(compiled._launcher):
-            executor.run({"input_ids": ids}, ctx, True, INVARIANT_REFERENCES, trace)
+        with torch.inference_mode(), use_launcher(compiled.runtime.launcher):
+            executor.run({"input_ids": ids}, ctx, True, trace)
         ctx.commit()
     return rows
 
@@ -82,7 +81,7 @@ def main() -> None:
         differing += 1
         if shown < 25:
             node = compiled.graph.nodes[key[0]]
-            template = compiled.plan.nodes[key[0]].template or "reference"
+            template = compiled.runtime.plan.nodes[key[0]].template or "reference"
             print(f"node {key[0]:4d} {node.op:24s} ({template}) out {key[1]}: max diff {max(diffs[t] for t in bad):.3e}"
                   f" at decode tokens {bad[:8]}")
             shown += 1

@@ -69,7 +69,7 @@ def main() -> int:
     batches = [int(b) for b in args.batches.split(",")]
     step = sm90_step(model, args.artifact, "cuda", cuda_graphs=not args.no_graphs)
     compiled = step.__self__
-    compiled.cache_kernels = compiled.cache_kernels and not args.no_cache_kernels
+    compiled.runtime.cache_kernels = not args.no_cache_kernels
     prefills = [int(t) for t in args.prefill.split(",") if t]
     caches = Caches(run_passes(model.graph()), True, max(batches), max([args.context + 16, *prefills]), "cuda")
     gen = torch.Generator().manual_seed(0)
@@ -84,7 +84,7 @@ def main() -> int:
             return [(s, torch.randint(0, config.vocab_size, (1,), generator=gen).tolist()) for s in states]
         for _ in range(3):  # first sight of the token count, capture, one replay
             step(tokens())
-        executor = compiled._ready()[0]
+        executor = compiled.runtime.executors()[0]
         times, calls, total = profile(step, executor, tokens())
         plain = []
         for _ in range(5):
@@ -95,8 +95,8 @@ def main() -> int:
             torch.cuda.synchronize()
             plain.append(1e3 * (time.perf_counter() - t))
         plain.sort()
-        print(f"\ndecode B={b} ctx={args.context} graphs={not args.no_graphs} cache kernels={compiled.cache_kernels}: "
-              f"step {plain[2]:.2f} ms "
+        print(f"\ndecode B={b} ctx={args.context} graphs={not args.no_graphs} "
+              f"cache kernels={compiled.runtime.cache_kernels}: step {plain[2]:.2f} ms "
               f"(median of 5), synchronised node by node {total:.2f} ms")
         print(f"{'op':34s} {'calls':>5s} {'ms':>8s} {'share':>6s}")
         for key, ms in times.most_common(args.top):
@@ -123,7 +123,7 @@ def profile_prefills(step, compiled, caches, prefills: list[int], vocab: int, ge
             state = caches.fresh(1)
             if timed:
                 times, calls = collections.Counter(), collections.Counter()
-                undo = time_nodes(compiled._ready()[0], timer(times, calls))
+                undo = time_nodes(compiled.runtime.executors()[0], timer(times, calls))
             torch.cuda.synchronize()
             start = time.perf_counter()
             step([(state, ids)])

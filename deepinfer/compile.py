@@ -1,44 +1,51 @@
-"""`deepinfer.compile(model, target)`: the model's DSL graph through the passes, planned for a target."""
+"""`deepinfer.compile(model, target)` and `deepinfer.load(dir)`: the model's DSL graph through the passes, planned
+for a target, and the `CompiledModel` (graphs/compiled_model.py) that runs it."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
-from deepinfer.compiled import CompiledModel
+from deepinfer.batch_invariant import KERNELS as BATCH_INVARIANT_KERNELS
+from deepinfer.config import DeepseekV41Config
 from deepinfer.models.deepseek_v41 import DeepseekV41Flash
 from dsl.passes import run_passes
+from graphs.compiled_model import CompiledModel
+from graphs.interpreter import Interpreter
 from kernels.targets import DEFAULT_TARGET, PLAN, built_targets, get_target
+
+Compiled = CompiledModel[DeepseekV41Config]
 
 
 def compile(model: DeepseekV41Flash, target: str = DEFAULT_TARGET, *, dot_fp32: bool = False,  # noqa: A001 - public name
             buckets: tuple[int, ...] | None = None, drafting: bool = False, device: str = "cpu",
-            fp8_activations: bool = False):
+            fp8_activations: bool = False) -> Compiled:
     """Lower `model` for `target` and return a `CompiledModel` ready to run.
 
-    GPU targets (kernels/targets.py) build cubins ahead of time, on any machine (no GPU needed) and return a
-    `GpuCompiledModel`: `.save(dir)` writes the artifact, `deepinfer.load(dir)` runs it. `dot_fp32` makes the
-    kernels multiply in fp32 (exactness checks) instead of bf16; `buckets` are the token-count buckets that get
-    a config and cubins each (default `graphs.plan.BUCKETS`). `drafting` adds the DSpark draft layers: every step
-    writes their main keys, and `draft()` runs them (on GPU targets the draft graph is planned and built too).
-    `device` is where the cpu target's torch code runs ("cuda": the references on a GPU, eagerly; for comparisons
-    and the engine there). `fp8_activations` (GPU targets): linears over fp8 weights round their inputs to e4m3 with
-    a power-of-two scale per token and multiply on the fp8 tensor cores (kernels/triton/linear_fp8.py): at
-    prefill sizes on the H200 such a linear takes half the time of the exact path's bf16 GEMM, at the price of
-    about 3e-2 relative error per linear (the reference multiplies exactly); the logits of the smooth fixture,
-    quantized, move by 6e-2 relative L2 (92% argmax agreement), against 7e-3 for the default sm90 path.
+    GPU targets (kernels/targets.py) build cubins ahead of time, on any machine (no GPU needed): `.save(dir)` writes
+    the artifact, `deepinfer.load(dir)` runs it. `dot_fp32` makes the kernels multiply in fp32 (exactness checks)
+    instead of bf16; `buckets` are the token-count buckets that get a config and cubins each (default
+    `graphs.plan.BUCKETS`). `drafting` adds the DSpark draft layers: every step writes their main keys, and `draft()`
+    runs them (on GPU targets the draft graph is planned and built too). `device` is where the cpu target's torch
+    code runs ("cuda": the references on a GPU, eagerly; for comparisons and the engine there). `fp8_activations`
+    (GPU targets): linears over fp8 weights round their inputs to e4m3 with a power-of-two scale per token and
+    multiply on the fp8 tensor cores (kernels/triton/linear_fp8.py), trading accuracy for speed at prefill sizes
+    (bench/RESULTS.md has both).
     """
     spec = get_target(target)
     if not spec.is_built:
         raise NotImplementedError(f"target {target!r} ({spec.description}) has no kernels in this build yet; "
                                   f"built targets: {', '.join(t.name for t in built_targets())}")
     if spec.runtime == PLAN:
-        return _compile_gpu(model, target, dot_fp32, buckets, drafting, fp8_activations)
+        return _compile_plan(model, spec.name, dot_fp32, buckets, drafting, fp8_activations)
     if fp8_activations:
         raise ValueError("fp8_activations is a GPU target's kernel path; the cpu target runs the exact references")
     graph = run_passes(model.graph(dspark=drafting))
     draft_graph = run_passes(model.draft_graph()) if drafting else None
     params = {name: _for_cpu(t).to(device) for name, t in model.params().items()}
-    return CompiledModel(model.config, graph, params, target, draft_graph, device)
+    runtime = Interpreter(graph, params, device, BATCH_INVARIANT_KERNELS, draft_graph)
+    return CompiledModel(model.config, graph, spec.name, runtime, draft_graph, model.model_dir)
 
 
 def _for_cpu(t: torch.Tensor) -> torch.Tensor:
@@ -48,12 +55,12 @@ def _for_cpu(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _compile_gpu(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets: tuple[int, ...] | None,
-                 drafting: bool, fp8_activations: bool):
-    from deepinfer.compiled_gpu import GpuCompiledModel
+def _compile_plan(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets: tuple[int, ...] | None,
+                  drafting: bool, fp8_activations: bool) -> Compiled:
     from dsl.cache import CacheSpec
     from graphs.aot import build, record_cache_launches, record_launches, record_sampling_launches
     from graphs.plan import BUCKETS, make_plan
+    from graphs.plan_runtime import PlanRuntime
 
     graphs = [run_passes(model.graph(dspark=drafting))] + ([run_passes(model.draft_graph())] if drafting else [])
     params = model.params()
@@ -67,11 +74,33 @@ def _compile_gpu(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets: 
     specs = {key: b.spec for key, b in built.items()}
     cubins = {key: b.cubin for key, b in built.items()}
     draft = (graphs[1], plans[1]) if drafting else None
-    return GpuCompiledModel(model.config, graphs[0], plans[0], specs, cubins, params, model.model_dir, built, draft)
+    runtime = PlanRuntime(graphs[0], plans[0], specs, cubins, params, built, draft)
+    return CompiledModel(model.config, graphs[0], target, runtime, graphs[1] if drafting else None, model.model_dir)
 
 
-def load(path, model: DeepseekV41Flash | None = None):
-    """Run a saved GPU artifact (see `deepinfer.compiled_gpu.load`)."""
-    from deepinfer.compiled_gpu import load as load_artifact
+def load(path: str | Path, model: DeepseekV41Flash | None = None) -> Compiled:
+    """Run an artifact saved by `compile(...).save(path)` (graphs/artifact.py says what it holds). The weights come
+    from `model` (a DeepseekV41Flash), else from the checkpoint directory the artifact names."""
+    from graphs import artifact
+    from graphs.plan_runtime import PlanRuntime
 
-    return load_artifact(path, model)
+    saved = artifact.read(path)
+    if model is None:
+        if not saved.manifest["model_dir"]:
+            raise ValueError(f"{path} names no checkpoint: pass the model")
+        model = DeepseekV41Flash.from_pretrained(saved.manifest["model_dir"])
+    if artifact.config_hash(model.config.to_dict()) != saved.manifest["model_config_hash"]:
+        raise ValueError(f"{path} was compiled for another model config")
+    graph = run_passes(model.graph(dspark=saved.draft_plan is not None))
+    draft = None if saved.draft_plan is None else (run_passes(model.draft_graph()), saved.draft_plan)
+    for name, g, plan in [("plan.json", graph, saved.plan)] + ([("draft_plan.json", *draft)] if draft else []):
+        try:
+            plan.check_graph(g)
+        except ValueError as e:
+            raise artifact.ArtifactError(f"{Path(path) / name}: {e}") from None
+    runtime = PlanRuntime(graph, saved.plan, saved.specs, saved.cubins, model.params(), draft=draft)
+    return CompiledModel(model.config, graph, saved.plan.target, runtime, None if draft is None else draft[0],
+                         model.model_dir)
+
+
+__all__ = ["compile", "load"]

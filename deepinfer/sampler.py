@@ -159,8 +159,8 @@ def sample_plain(logits: torch.Tensor, temperatures: Sequence[float], seeds: Seq
     argmax, `sample`'s greedy pick. int64 [R] on the logits' device, each row's token bitwise `sample`'s.
 
     float32/bfloat16 logits on a CUDA device, where a launcher serves it (Triton's JIT, or the artifact's cubins that
-    `GpuCompiledModel.sampling` lends), are drawn by the sampling kernel (kernels/triton/sampling.py), every row at
-    once; others by `sample_plain_torch`, at most `max_elements` logits at a time."""
+    a GPU target's `CompiledModel.sampling` lends), are drawn by the sampling kernel (kernels/triton/sampling.py),
+    every row at once; others by `sample_plain_torch`, at most `max_elements` logits at a time."""
     if not logits.is_cuda:
         return sample_plain_torch(logits, temperatures, seeds, positions, max_elements)
     from dsl.transfer import host_to

@@ -134,7 +134,7 @@ class PagedCache:
                              for layer, dim, ratio in spec.partials}
             self.history = torch.empty(num_slots, spec.history + spec.spare if spec.history else 0, dtype=torch.long)
         # How entries go into and out of the pools: the torch functions above, or replacements with their arguments and
-        # bitwise results that a target installs for its steps (a GPU target's kernels: deepinfer/compiled_gpu.py).
+        # bitwise results that a target installs for its steps (a GPU target's kernels: graphs/plan_runtime.py).
         self.writer: Callable[..., None] = store_rows
         self.reader: Callable[..., torch.Tensor] = load_rows
 

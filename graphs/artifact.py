@@ -17,13 +17,35 @@ import hashlib
 import json
 import platform
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from graphs.aot import Built
 from graphs.plan import Plan
+from kernels.targets import TARGETS, cubin_targets
 
-FORMAT = 1
+FORMAT = 2  # the layout above; an artifact of another format is compiled again
+
+MANIFEST_FIELDS = {"format": int, "target": str, "model_config_hash": str, "model_dir": (str, type(None)),
+                   "drafting": bool}
+DRAFT_PLAN_FIELDS = {"target": str, "buckets": list, "dot_fp32": bool, "nodes": list}
+PLAN_FIELDS = DRAFT_PLAN_FIELDS | {"kernels": dict}  # launch key -> file id in kernels/
+SPEC_FIELDS = {"key": str, "name": str, "shared": int, "signature": list}  # what every launch reads
+BACKEND_FIELDS = {"triton": {"num_warps": int, "global_scratch_size": int, "profile_scratch_size": int},
+                  "tilelang": {"threads": int, "arg_order": list}}
+
+
+class ArtifactError(ValueError):
+    """A malformed artifact, or one whose files lead out of its directory: the message names the file."""
+
+
+class Artifact(NamedTuple):
+    manifest: dict
+    plan: Plan
+    specs: dict[str, dict]  # launch specs by launch key (`Launch.key()`)
+    cubins: dict[str, bytes]  # by launch key
+    draft_plan: Plan | None  # the DSpark draft layers' plan, where compiled with drafting
 
 
 def config_hash(config: dict) -> str:
@@ -66,21 +88,116 @@ def save(path: str | Path, plan: Plan, built: dict[str, Built], model_config: di
     return root
 
 
-def read(path: str | Path) -> tuple[dict, Plan, dict[str, dict], dict[str, bytes], Plan | None]:
-    """(manifest, plan, specs by launch key, cubins by launch key, draft plan or None) of a saved artifact."""
+def read(path: str | Path) -> Artifact:
+    """A saved artifact, every file checked: ArtifactError names the file and what is wrong with it. Every file read
+    resolves (symlinks followed) strictly inside the artifact directory, and a kernel entry of plan.json names a
+    file in kernels/, nothing else."""
     root = Path(path)
-    manifest = json.loads((root / "manifest.json").read_text())
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{root}: artifact format {manifest.get('format')}, this build reads {FORMAT}")
-    plan_json = json.loads((root / "plan.json").read_text())
+    if not root.is_dir():
+        raise ArtifactError(f"{root}: no artifact directory there")
+    root = root.resolve()
+    manifest = _json(root, "manifest.json", MANIFEST_FIELDS)
+    if manifest["format"] != FORMAT:
+        raise ArtifactError(f"{root / 'manifest.json'}: artifact format {manifest['format']}, this build reads "
+                            f"format {FORMAT}: compile the model again")
+    target = TARGETS.get(manifest["target"])
+    if target is None or not target.builds_cubins:
+        raise ArtifactError(f"{root / 'manifest.json'}: target {manifest['target']!r} is none whose models this "
+                            f"build saves ({', '.join(t.name for t in cubin_targets())})")
+    plan_json = _json(root, "plan.json", PLAN_FIELDS)
+    plan = _plan(root / "plan.json", plan_json)
+    if plan.target != manifest["target"]:
+        raise ArtifactError(f"{root / 'plan.json'}: planned for {plan.target}, but manifest.json says "
+                            f"{manifest['target']}")
     specs, cubins = {}, {}
     for key, file_id in plan_json["kernels"].items():
-        specs[key] = json.loads((root / "kernels" / f"{file_id}.json").read_text())
-        cubins[key] = (root / "kernels" / f"{file_id}.cubin").read_bytes()
+        what = f"kernel entry {key!r} of plan.json"
+        if not isinstance(file_id, str) or "/" in file_id or "\\" in file_id or file_id in ("", ".", ".."):
+            raise ArtifactError(f"{root / 'plan.json'}: {what} names {file_id!r}, not a file name in kernels/")
+        specs[key] = _spec(root, f"kernels/{file_id}.json", key, what)
+        cubins[key] = _cubin(_inside(root, f"kernels/{file_id}.cubin", what))
     draft_plan = None
-    if manifest.get("drafting"):
-        draft_plan = Plan.from_json(json.loads((root / "draft_plan.json").read_text()))
-    return manifest, Plan.from_json(plan_json), specs, cubins, draft_plan
+    if manifest["drafting"]:
+        draft_plan = _plan(root / "draft_plan.json", _json(root, "draft_plan.json", DRAFT_PLAN_FIELDS))
+    return Artifact(manifest, plan, specs, cubins, draft_plan)
 
 
-__all__ = ["save", "read", "config_hash", "FORMAT"]
+def _inside(root: Path, name: str, what: str | None = None) -> Path:
+    """`root / name` resolved, refused unless it is a file strictly inside `root` (itself resolved)."""
+    path = root / name
+    resolved = path.resolve()
+    about = f" ({what})" if what else ""
+    if not resolved.is_relative_to(root) or resolved == root:
+        raise ArtifactError(f"{path}{about}: leaves the artifact directory {root} (it resolves to {resolved})")
+    if not resolved.is_file():
+        raise ArtifactError(f"{path}{about}: missing")
+    return resolved
+
+
+def _json(root: Path, name: str, fields: dict[str, type | tuple[type, ...]], what: str | None = None) -> dict:
+    """The JSON object in `root / name`, with each of `fields` present and of its type."""
+    path = _inside(root, name, what)
+    data = _object(root / name, path)
+    _fields(root / name, data, fields)
+    return data
+
+
+def _object(name: Path, path: Path) -> dict:
+    """The JSON object in file `path` (`name` as the artifact lists it)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ArtifactError(f"{name}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"{name}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{name}: a JSON object expected, found {type(data).__name__}")
+    return data
+
+
+def _fields(name: Path, data: dict, fields: dict[str, type | tuple[type, ...]]) -> None:
+    """Each of `fields` present in `data` and of its type (a bool is no int)."""
+    for key, kind in fields.items():
+        kinds = kind if isinstance(kind, tuple) else (kind,)
+        if key not in data:
+            raise ArtifactError(f"{name}: no {key!r}")
+        value = data[key]
+        if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+            raise ArtifactError(f"{name}: {key!r} is {value!r}, not {' or '.join(t.__name__ for t in kinds)}")
+
+
+def _plan(path: Path, data: dict) -> Plan:
+    try:
+        plan = Plan.from_json(data)
+    except KeyError as e:
+        raise ArtifactError(f"{path}: a node has no {e.args[0]!r}") from None
+    except (TypeError, ValueError, AttributeError, IndexError) as e:
+        raise ArtifactError(f"{path}: not a plan ({type(e).__name__}: {e})") from None
+    bare = [f"{n.index} ({n.op})" for n in plan.kernel_nodes() if n.invariant is None]
+    if bare:
+        raise ArtifactError(f"{path}: kernel nodes {', '.join(bare[:5])} have no batch-invariant config")
+    return plan
+
+
+def _spec(root: Path, name: str, key: str, what: str) -> dict:
+    """A kernel's launch spec: what the launcher reads, of its types, made for the launch `key`."""
+    spec = _json(root, name, SPEC_FIELDS, what)
+    backend = spec.get("backend", "triton")
+    if backend not in BACKEND_FIELDS:
+        raise ArtifactError(f"{root / name}: backend {backend!r}, not one of {', '.join(BACKEND_FIELDS)}")
+    _fields(root / name, spec, BACKEND_FIELDS[backend])
+    if spec["key"] != key:
+        raise ArtifactError(f"{root / name}: the launch spec of {spec['key']!r}, but plan.json lists it for {key!r}")
+    if not all(isinstance(t, str) for t in spec["signature"]):
+        raise ArtifactError(f"{root / name}: 'signature' holds {spec['signature']!r}, not argument type names")
+    return spec
+
+
+def _cubin(path: Path) -> bytes:
+    data = path.read_bytes()
+    if not data.startswith(b"\x7fELF"):
+        raise ArtifactError(f"{path}: not a cubin (no ELF header)")
+    return data
+
+
+__all__ = ["FORMAT", "Artifact", "ArtifactError", "config_hash", "read", "save"]

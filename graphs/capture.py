@@ -8,7 +8,7 @@ most of a decode step's launches (the linears, MoE, hyper-connection mixes, norm
 step of a few tokens each launch costs far more on the host than on the GPU, so replaying them as CUDA graphs is
 what makes the step GPU-bound.
 
-Token counts are padded to buckets (`BUCKETS`): a segment always runs over `bucket(N)` rows, the forward's N and
+Token counts are padded to buckets (`GRAPH_BUCKETS`): a segment always runs over `bucket(N)` rows, the forward's N and
 padding rows after them (zeros, or whatever an earlier replay left there; every node in a segment works row by row,
 so they never reach the real rows), and the rest of the forward sees the first N rows. `CudaGraphs` keeps one
 `CapturedStep` per (bucket, mode): the first forward in a bucket runs its segments eagerly (that loads kernels and
@@ -52,8 +52,8 @@ from dsl.graph import Graph, Value
 from dsl.ops import OPS
 from dsl.tensor import OPAQUE_DTYPES, num_tokens
 
-# Token-count buckets; each bound of the plan's buckets (graphs/plan.py) is one of them.
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# The token counts segments are captured at; each of the plan's tuning buckets (graphs/plan.py) up to 512 is one.
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 # Context-reading ops whose only use of the context is a tensor of one row per token: a captured segment reads
 # it from a static buffer, refreshed before each replay.
@@ -165,7 +165,7 @@ class CapturedStep:
 RunNodes = Callable[[dict, object], None]  # runs a segment's nodes eagerly over an env and a context
 
 
-def bucket(n: int, buckets: tuple[int, ...] = BUCKETS) -> int:
+def bucket(n: int, buckets: tuple[int, ...] = GRAPH_BUCKETS) -> int:
     """The smallest bucket holding `n` tokens."""
     return next(b for b in buckets if b >= n)
 
@@ -175,10 +175,10 @@ class CudaGraphs:
     `capture=False` pads the segments without capturing them (what a forward in a new bucket does; on a CPU, the
     padding alone can be tested); `pad` fills the padding rows of tensors made for it (floating point only)."""
 
-    def __init__(self, graph: Graph, max_tokens: int = BUCKETS[-1], max_steps: int = 32, max_bytes: int = 4 << 30,
+    def __init__(self, graph: Graph, max_tokens: int = GRAPH_BUCKETS[-1], max_steps: int = 32, max_bytes: int = 4 << 30,
                  capture: bool = True, pad: float = 0.0, ahead: int = 0) -> None:
-        if max_tokens > BUCKETS[-1]:
-            raise ValueError(f"max_tokens {max_tokens} is past the largest bucket, {BUCKETS[-1]}")
+        if max_tokens > GRAPH_BUCKETS[-1]:
+            raise ValueError(f"max_tokens {max_tokens} is past the largest bucket, {GRAPH_BUCKETS[-1]}")
         self.segments = find_segments(graph)
         self.at = {s.start: s for s in self.segments}
         # each segment output's maker: (segment start, index among its outputs)
@@ -210,7 +210,7 @@ class CudaGraphs:
         if self.ahead and mode not in self.ahead_done:
             self.ahead_done.add(mode)
             top = bucket(min(self.ahead, self.max_tokens))
-            ahead = [b for b in BUCKETS if b <= top and b != rows and (b, *mode) not in self.steps]
+            ahead = [b for b in GRAPH_BUCKETS if b <= top and b != rows and (b, *mode) not in self.steps]
             ahead = ahead[:self.max_steps - 1]  # the smallest, if max_steps cannot hold them all
         self.evict(1 + len(ahead))
         if self.pool is None:
@@ -393,4 +393,4 @@ class _Forward:
         return {k: v.clone() if id(v) in self.static else v for k, v in outputs.items()}
 
 
-__all__ = ["BUCKETS", "CONTEXT_TENSORS", "CudaGraphs", "Segment", "bucket", "capturable", "find_segments"]
+__all__ = ["CONTEXT_TENSORS", "GRAPH_BUCKETS", "CudaGraphs", "Segment", "bucket", "capturable", "find_segments"]

@@ -5,8 +5,7 @@ once, and converted once per format a kernel asks for (plain weights to bf16, or
 in fp32; fp8 32x32-block weights to one scale per row where the plan rounds activations to e4m3; the fp4 experts'
 power-of-two scales to the bf16 factor their kernel multiplies codes by). Kernel
 launches go through whatever launcher is current: Triton's JIT, or an artifact's cubins.
-`run(..., batch_invariant=True)` gives every kernel node its batch-invariant config and runs the reference nodes
-named in `references` with those implementations instead (same signature, as `dsl.interpret`'s `kernels`).
+`run(..., batch_invariant=True)` gives every kernel node its batch-invariant config.
 """
 
 from __future__ import annotations
@@ -67,35 +66,33 @@ class Executor:
         return self.formatted[key]
 
     def run(self, inputs: dict[str, Any], ctx, batch_invariant: bool = False,
-            references: dict[str, Callable] | None = None,
             trace: Callable[[int, tuple], None] | None = None) -> dict[str, Any]:
-        """The graph's outputs. `references` replaces nodes' reference implementations by op name; `trace(index,
-        outputs)` sees every node's outputs as they are made (bench/invariance_probe.py), every node then eager."""
+        """The graph's outputs. `trace(index, outputs)` sees every node's outputs as they are made
+        (bench/invariance_probe.py), every node then eager."""
         graph = self.graph
-        references = references or {}
         env: dict = {value: inputs[name] for name, value in graph.inputs.items()}
         env |= {value: self.params[name] for name, value in graph.params.items()}
         forward = None
         if self.cuda_graphs is not None and trace is None:
-            forward = self.cuda_graphs.begin(ctx, (batch_invariant, *sorted((k, id(f)) for k, f in references.items())))
+            forward = self.cuda_graphs.begin(ctx, (batch_invariant,))
         index = 0
         while index < len(graph.nodes):
             segment = forward and self.cuda_graphs.at.get(index)
             if segment:
                 def run_nodes(env: dict, ctx, segment=segment) -> None:
                     for i in range(segment.start, segment.stop):
-                        self._node(i, env, ctx, batch_invariant, references)
+                        self._node(i, env, ctx, batch_invariant)
                 forward.run(segment, env, run_nodes)
                 index = segment.stop
                 continue
-            result = self._node(index, env, ctx, batch_invariant, references)
+            result = self._node(index, env, ctx, batch_invariant)
             if trace is not None:
                 trace(index, result)
             index += 1
         outputs = {name: env[v] for name, v in graph.outputs.items()}
         return outputs if forward is None else forward.finish(outputs)
 
-    def _node(self, index: int, env: dict, ctx, batch_invariant: bool, references: dict[str, Callable]) -> tuple:
+    def _node(self, index: int, env: dict, ctx, batch_invariant: bool) -> tuple:
         """Run node `index` over `env` (its outputs added to it); returns them."""
         node, entry = self.graph.nodes[index], self.plan.nodes[index]
         opdef = OPS[node.op]
@@ -104,7 +101,7 @@ class Executor:
             result = self._kernel(node, entry, args, ctx, batch_invariant)
         else:
             kwargs = dict(node.attrs, ctx=ctx) if opdef.uses_context else node.attrs
-            result = references.get(node.op, opdef.reference)(*args, **kwargs)
+            result = opdef.reference(*args, **kwargs)
         if opdef.num_outputs == 1:
             result = (result,)
         for value, r in zip(node.outputs, result, strict=True):

@@ -19,7 +19,7 @@ from dsl.context import ForwardContext, SequenceState
 from dsl.interpret import interpret
 from dsl.ops import OPS
 from dsl.passes import run_passes
-from graphs.capture import BUCKETS, CONTEXT_TENSORS, CudaGraphs, _StaticContext, bucket, capturable, find_segments
+from graphs.capture import CONTEXT_TENSORS, GRAPH_BUCKETS, CudaGraphs, _StaticContext, bucket, capturable, find_segments
 from graphs.plan import BUCKETS as PLAN_BUCKETS
 from tests.conftest import fixture_dir
 
@@ -140,7 +140,7 @@ def test_padding_rows_never_reach_the_real_rows(name: str) -> None:
 
 def test_buckets_hold_the_plans_bucket_bounds() -> None:
     """A padded step must pick the kernel configs its token count would: the plan's bounds are buckets too."""
-    assert all(b in BUCKETS for b in PLAN_BUCKETS if b <= BUCKETS[-1])
+    assert all(b in GRAPH_BUCKETS for b in PLAN_BUCKETS if b <= GRAPH_BUCKETS[-1])
     assert [bucket(n) for n in (1, 3, 5, 16, 17, 65, 193, 512)] == [1, 4, 8, 16, 24, 80, 224, 512]
 
 

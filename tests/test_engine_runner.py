@@ -83,6 +83,7 @@ class Poisoned:
     def __init__(self, compiled, poison: int) -> None:
         self.compiled, self.poison = compiled, poison
         self.config, self.graph, self.target = compiled.config, compiled.graph, compiled.target
+        self.device = compiled.device
         self.sampling, self.capture_ahead = compiled.sampling, compiled.capture_ahead
 
     def step(self, batch, **kwargs):

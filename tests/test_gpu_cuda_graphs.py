@@ -22,9 +22,9 @@ def sm90_models():
 
     model = DeepseekV41Flash.from_pretrained(TRAINED_CHECKPOINT)  # every kind of layer, Engram; ships its tokenizer
     eager = deepinfer.compile(model, target="sm90")
-    eager.cuda_graphs = False
+    eager.runtime.cuda_graphs = False
     graphs = deepinfer.compile(model, target="sm90")
-    graphs.cuda_graphs = True
+    graphs.runtime.cuda_graphs = True
     return eager, graphs
 
 
@@ -52,7 +52,7 @@ def test_replayed_steps_give_the_eager_logits_bitwise(sm90_models) -> None:
     eager, graphs = sm90_models
     expected = run(eager, batch_invariant=True)
     got = run(graphs, batch_invariant=True)
-    captured = graphs._executors[0].cuda_graphs
+    captured = graphs.runtime.executors()[0].cuda_graphs
     assert captured.broken == set(), "some segments could not be captured"
     # 3 and 4 tokens a step share the bucket of 4: captured at 3 (padded), replayed at 3 and at 4; the prefills
     # (172 and 23 tokens) run their buckets' first, eager forwards
@@ -66,21 +66,21 @@ def test_replays_match_eager_with_the_tuned_configs(sm90_models) -> None:
     """Bitwise too: a tolerance hid torch's reductions (Engram's gate, before its kernel), whose last bits followed
     the padded row count and, through a flipped top-k pick, moved later steps' logits by 1.7e-2."""
     eager, graphs = sm90_models
-    graphs.cuda_graphs = True  # drop the previous test's graphs
+    graphs.runtime.cuda_graphs = True  # drop the previous test's graphs
     for i, (a, b) in enumerate(zip(run(graphs, False), run(eager, False), strict=True)):
         assert torch.equal(a, b), f"step {i}: {(a - b).abs().max()}"
 
 
 def test_returned_logits_survive_the_next_replay(sm90_models) -> None:
     _, graphs = sm90_models
-    graphs.cuda_graphs = True
+    graphs.runtime.cuda_graphs = True
     states = [graphs.new_sequence() for _ in range(2)]
     graphs.step([(states[0], [5, 6, 7]), (states[1], [9])])
     kept = []
     for t in range(5):
         logits = graphs.step([(states[0], [10 + t]), (states[1], [20 + t])])
         kept.append((logits, logits.clone()))
-    assert graphs._executors[0].cuda_graphs.replays > 0
+    assert graphs.runtime.executors()[0].cuda_graphs.replays > 0
     for logits, copy in kept:
         assert torch.equal(logits, copy)
 
@@ -90,11 +90,11 @@ def test_decode_buckets_captured_ahead_replay_from_their_first_step(sm90_models)
     bucket 4) captures buckets 8, 4, 2 and 1 in one pool, largest first, on zeros: the feed's logits stay the eager
     ones bitwise, and steps of 8 and 2 tokens met for the first time replay at once."""
     eager, graphs = sm90_models
-    graphs.cuda_graphs = True
+    graphs.runtime.cuda_graphs = True
     graphs.capture_ahead(8)
     try:
         expected, got = run(eager, batch_invariant=True), run(graphs, batch_invariant=True)
-        captured = graphs._executors[0].cuda_graphs
+        captured = graphs.runtime.executors()[0].cuda_graphs
         assert captured.broken == set()
         assert captured.captures == 4 * len(captured.segments)
         assert sorted(rows for rows, *_ in captured.steps) == [1, 2, 4, 8]

@@ -65,7 +65,7 @@ def test_a_drafting_artifact_holds_the_draft_plan(tmp_path) -> None:
     model = trained_model()
     loaded = deepinfer.load(out, model)  # rebuilds both graphs and checks the plans against them
     assert loaded.draft_graph is not None and len(loaded.draft_graph.nodes) == len(draft_plan.nodes)
-    assert loaded.plan.to_json() == plan.to_json()
+    assert loaded.runtime.plan.to_json() == plan.to_json()
     assert artifact.read(plain)[4] is None
     assert deepinfer.load(plain, model).draft_graph is None
 

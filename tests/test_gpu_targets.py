@@ -154,7 +154,6 @@ def test_a_cache_without_ptx_still_serves_its_cubins(tmp_path) -> None:
 @pytest.mark.parametrize("fixture", ["v41-smooth", "v41-smooth-engram"])
 def test_executor_matches_the_cpu_target_under_the_interpreter(fixture, compiled_fixture) -> None:
     """Every kernel node of a smooth fixture on Triton's interpreter (fp32 products) against the cpu target."""
-    from deepinfer.compiled_gpu import INVARIANT_REFERENCES
     from deepinfer.models import DeepseekV41Flash
     from dsl.context import ForwardContext
     from dsl.passes import run_passes
@@ -169,9 +168,9 @@ def test_executor_matches_the_cpu_target_under_the_interpreter(fixture, compiled
     plan = make_plan(graph, model.params(), "sm90", buckets=(16,), dot_fp32=True)
     executor = Executor(graph, plan, model.params(), "cpu")
     want = compiled_fixture(fixture).forward(ids[None])[0]
-    for invariant in (False, True):  # the bucket's configs, then the invariant ones with their references
+    for invariant in (False, True):  # the bucket's configs, then the invariant ones
         ctx = ForwardContext([SequenceState()], [len(ids)])
-        got = executor.run({"input_ids": ids}, ctx, invariant, INVARIANT_REFERENCES if invariant else None)["logits"]
+        got = executor.run({"input_ids": ids}, ctx, invariant)["logits"]
         assert rel_l2(got.numpy(), want.numpy()) < 1e-4
     assert executor.kernel_calls == 2 * len(plan.kernel_nodes()) > 2 * 100
     assert ("engram_gate" in {n.op for n in plan.kernel_nodes()}) == fixture.endswith("engram")
@@ -228,7 +227,7 @@ m = deepinfer.load({path!r}, DeepseekV41Flash.from_pretrained("tests/fixtures/v4
 logits = m.forward(torch.tensor(o["full_ids"])).cpu().numpy()
 ref = o["full_logits"]
 print(json.dumps({{"rel": rel_l2(logits, ref), "argmax": float((logits.argmax(-1) == ref.argmax(-1)).mean()),
-                  "launches": m._launcher.launches, "triton": sys.modules.get("triton") is not None}}))
+                  "launches": m.runtime.launcher.launches, "triton": sys.modules.get("triton") is not None}}))
 """
 
 
@@ -313,19 +312,35 @@ def test_invariant_configs_launch_the_same_kernels_for_every_token_count(model_n
     assert changing > 0
 
 
-def test_a_plan_without_invariant_configs_loads_and_says_to_recompile() -> None:
-    from deepinfer.compiled_gpu import GpuCompiledModel
-    from deepinfer.models import DeepseekV41Flash
+def test_a_plan_keeps_its_invariant_configs_through_json() -> None:
+    """plan.json holds every kernel node's invariant config (an artifact whose plan lacks one is refused at load:
+    tests/test_artifact.py)."""
     from graphs.plan import Plan
 
-    graph, plan = planned("smooth")
-    saved = plan.to_json()
-    assert Plan.from_json(json.loads(json.dumps(saved))).kernel_nodes()[0].invariant == plan.kernel_nodes()[0].invariant
-    for node in saved["nodes"]:
-        node.pop("invariant_config", None)  # plan.json as written before batch-invariant configs
-    old = Plan.from_json(saved)
-    assert not old.has_invariant_configs and old.kernel_nodes()[0].configs == plan.kernel_nodes()[0].configs
-    model = DeepseekV41Flash.from_pretrained(fixture_dir("v41-smooth"))
-    compiled = GpuCompiledModel(model.config, graph, old, {}, {}, model.params())
-    with pytest.raises(ValueError, match="compile the model again"):
-        compiled.step([(SequenceState(), [1, 2])], batch_invariant=True)
+    _, plan = planned("smooth")
+    again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert [n.invariant for n in again.kernel_nodes()] == [n.invariant for n in plan.kernel_nodes()]
+    assert all(n.invariant is not None for n in again.kernel_nodes())
+
+
+@pytest.mark.parametrize("model_name", ["smooth", "v41"])
+def test_batch_invariant_mode_swaps_no_reference_node(model_name) -> None:
+    """graphs/plan_runtime.py runs a plan's reference nodes as they are in batch-invariant mode. Of the ops whose
+    reference has a batch-invariant version (deepinfer/batch_invariant.py), a plan leaves only the compressor's
+    ratio-1 pooling, which passes its rows through untouched, and the indexer's key projection over the compressed
+    entries (which only chooses entries)."""
+    from deepinfer.batch_invariant import KERNELS
+    from dsl.context import ForwardContext
+    from dsl.ops.compressor import compress_pool
+
+    graph, plan = planned(model_name)
+    left = [graph.nodes[n.index] for n in plan.nodes if not n.template and n.op in KERNELS]
+    assert {node.op for node in left} == {"compress_pool", "linear"}
+    for node in left:
+        if node.op == "compress_pool":
+            assert node.attrs["ratio"] == 1 and node.inputs[1] is None
+        else:
+            assert node.inputs[1].name.endswith(".attn.indexer.wk.weight")
+    kv = torch.randn(5, 8)
+    entries = compress_pool(kv, layer=0, ratio=1, ctx=ForwardContext([SequenceState()], [5]))
+    assert entries.values is kv and entries.counts == [5]

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from itertools import count
 
+from deepinfer.config import DeepseekV41Config
 from deepinfer.engine.block_manager import BlockManager, CacheLayout
 from deepinfer.engine.engine_args import EngineArgs
 from deepinfer.engine.model_runner import ModelRunner, RowInput, SampleRow, StepInput, StepOutput, TokenConstraint
@@ -28,6 +29,7 @@ from deepinfer.engine.speculative import Drafter, SpeculativeConfig
 from deepinfer.outputs import RequestMetrics, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from dsl.cache import CacheSpec, PagedCache
+from graphs.compiled_model import RunnableModel
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +37,9 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     """Runs requests on a compiled model. `add_request` queues one; `run()` yields outputs as requests finish."""
 
-    def __init__(self, compiled, tokenizer, args: EngineArgs, eos_token_ids: tuple[int, ...],
-                 constraint: TokenConstraint | None = None, speculative: SpeculativeConfig | None = None) -> None:
+    def __init__(self, compiled: RunnableModel[DeepseekV41Config], tokenizer, args: EngineArgs,
+                 eos_token_ids: tuple[int, ...], constraint: TokenConstraint | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.args, self.config = args, compiled.config
         self.max_model_len = args.max_model_len or self.config.max_position_embeddings
         drafter = None

@@ -19,12 +19,14 @@ from typing import Protocol
 
 import torch
 
+from deepinfer.config import DeepseekV41Config
 from deepinfer.engine.speculative import Drafter, Proposal, step_picks, verify
 from deepinfer.outputs import Logprob
 from deepinfer.sampler import as_allowed
 from deepinfer.sampling_params import SamplingParams
 from dsl.cache import PagedCache
 from dsl.context import SequenceState
+from graphs.compiled_model import RunnableModel
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +103,8 @@ class TokenConstraint(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, compiled, cache: PagedCache, eos_token_ids: tuple[int, ...], batch_invariant: bool,
-                 constraint: TokenConstraint | None = None, overlap_constraint: bool = True,
+    def __init__(self, compiled: RunnableModel[DeepseekV41Config], cache: PagedCache, eos_token_ids: tuple[int, ...],
+                 batch_invariant: bool, constraint: TokenConstraint | None = None, overlap_constraint: bool = True,
                  drafter: Drafter | None = None) -> None:
         self.compiled, self.cache, self.eos_token_ids = compiled, cache, eos_token_ids
         self.batch_invariant = batch_invariant

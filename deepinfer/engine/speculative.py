@@ -21,10 +21,12 @@ from typing import Any
 
 import torch
 
+from deepinfer.config import DeepseekV41Config
 from deepinfer.dspark import DraftHead, block_tokens, draft_probability
 from deepinfer.outputs import Logprob
 from deepinfer.sampler import as_allowed, plain_sampled, sample, sample_plain, top_logprobs
 from dsl.context import SequenceState
+from graphs.compiled_model import RunnableModel
 
 SCHEDULES = ("confidence", "static")
 DRAFT_LENGTHS = ("fixed", "adaptive")
@@ -113,15 +115,14 @@ class Proposal:
 class Drafter:
     """Verifies a step's drafts and proposes the next ones, on the runner's side."""
 
-    def __init__(self, compiled, config: SpeculativeConfig, eos_token_ids: tuple[int, ...],
-                 batch_invariant: bool) -> None:
+    def __init__(self, compiled: RunnableModel[DeepseekV41Config], config: SpeculativeConfig,
+                 eos_token_ids: tuple[int, ...], batch_invariant: bool) -> None:
         model_config = compiled.config
         if config.num_speculative_tokens > model_config.dspark_block_size:
             raise ValueError(f"num_speculative_tokens {config.num_speculative_tokens} exceeds the model's draft "
                              f"block of {model_config.dspark_block_size} tokens")
         self.compiled, self.config = compiled, config
-        self.head = DraftHead(compiled.params, model_config, config.confidence_temperature,
-                              getattr(compiled, "device", None))
+        self.head = DraftHead(compiled.params, model_config, config.confidence_temperature, compiled.device)
         self.eos_token_ids, self.batch_invariant = eos_token_ids, batch_invariant
         self.greedy = GreedyDrafts(self.head, config.confidence)
 

@@ -200,22 +200,24 @@ def test_the_pools_hooks_give_the_cache_ops_bit_for_bit(monkeypatch) -> None:
 
 
 def test_the_sm90_model_lends_its_pools_the_kernels_for_its_steps_only() -> None:
-    """An artifact with the cache kernels installs them on the pools of a step's sequences and puts the pools' own
-    back after it (an error included); one built before them leaves the pools alone."""
-    from deepinfer.compiled_gpu import GpuCompiledModel
+    """The plan runtime installs the cache kernels on the pools of a step's sequences and puts the pools' own back
+    after it (an error included); with `cache_kernels` off it leaves the pools alone."""
     from dsl.cache import CacheSpec, PagedCache
     from dsl.context import SequenceState
+    from dsl.graph import Graph
     from graphs.aot import record_cache_launches
     from graphs.plan import Plan
+    from graphs.plan_runtime import PlanRuntime
 
     spec = CacheSpec(windows=((0, 64, 8, FP8),), compressed=(("kv", 1, 64, 4, KV_FP4),))
     keys = record_cache_launches(spec)
     assert {k.split("(")[0] for k in keys} == set(kernel.KERNEL_NAMES) and len(keys) == 4
     cache = PagedCache(spec, num_slots=2, num_blocks=2, block_size=8)
     states = [SequenceState(cache=cache, slot=0), SequenceState(cache=cache, slot=1), SequenceState()]
-    for specs, lent in (({k: {} for k in keys}, True), ({}, False)):
-        model = GpuCompiledModel(None, None, Plan("sm90", []), specs, {}, {})
-        with pytest.raises(RuntimeError), model._pools(states):
+    runtime = PlanRuntime(Graph(), Plan("sm90", []), {}, {}, {})
+    for lent in (True, False):
+        runtime.cache_kernels = lent
+        with pytest.raises(RuntimeError), runtime.pools(states):
             assert (cache.writer is kernel.store_rows) == lent and (cache.reader is kernel.load_rows) == lent
             raise RuntimeError
         assert cache.writer is dsl.cache.store_rows and cache.reader is dsl.cache.load_rows
@@ -232,10 +234,10 @@ def test_the_sm90_model_in_pools_gives_the_torch_paths_logits() -> None:
     from dsl.context import SequenceState
 
     compiled = deepinfer.compile(DeepseekV41Flash.from_pretrained(TRAINED_CHECKPOINT), target="sm90")
-    assert compiled.cache_kernels
+    assert compiled.runtime.cache_kernels
     logits = {}
     for on in (True, False):
-        compiled.cache_kernels = on
+        compiled.runtime.cache_kernels = on
         cache = PagedCache(CacheSpec.from_graph(compiled.graph), 4, 40, 16, "cuda")
         seqs = [SequenceState(cache=cache, slot=i, block_table=list(range(39 - i, -1, -4))) for i in range(4)]
         gen = torch.Generator().manual_seed(0)

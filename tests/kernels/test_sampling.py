@@ -156,21 +156,25 @@ def test_bad_arguments_name_the_argument(device) -> None:
     assert gumbel_argmax(logits[:0], factors[:0], s[:0], p[:0]).shape == (0,)
 
 
-def test_the_sm90_model_lends_its_cubins_to_sampling_only_when_it_has_them() -> None:
-    """`GpuCompiledModel.sampling()` routes launches to the artifact's launcher where its specs hold the sampling
-    kernels (`sample_plain` then launches their cubins, no Triton needed); an older artifact's leaves the JIT."""
-    from deepinfer.compiled_gpu import GpuCompiledModel
+def test_the_sm90_model_lends_its_launcher_to_sampling_once_it_has_one() -> None:
+    """`CompiledModel.sampling()` on a GPU target routes launches to the artifact's launcher (`sample_plain` then
+    launches the sampling kernel's cubins, which every GPU artifact holds, no Triton needed); before the first step
+    made one, launches stay on the JIT."""
+    from dsl.graph import Graph
     from graphs.aot import record_sampling_launches
+    from graphs.compiled_model import CompiledModel
     from graphs.plan import Plan
+    from graphs.plan_runtime import PlanRuntime
 
     keys = record_sampling_launches(VOCAB)
     assert {k.split("(")[0] for k in keys} == set(KERNEL_NAMES) and len(keys) == 2
     assert all("V=129280" in k or "BLOCKS=127" in k for k in keys)
-    for specs, lent in (({k: {} for k in keys}, True), ({}, False)):
-        model = GpuCompiledModel(None, None, Plan("sm90", []), specs, {}, {})
-        model._launcher = lambda call: None  # as after a step
+    runtime = PlanRuntime(Graph(), Plan("sm90", []), {}, {}, {})
+    model = CompiledModel(None, Graph(), "sm90", runtime)
+    for launcher in (None, lambda call: None):  # before a step; after it made the cubins' launcher
+        runtime.launcher = launcher
         with model.sampling():
-            assert is_jit() != lent
+            assert is_jit() == (launcher is None)
         assert is_jit()
 
 

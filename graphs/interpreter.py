@@ -1,0 +1,57 @@
+"""The interpreter runtime: every node of a model's graphs through its torch reference (`dsl.interpret`).
+
+It is what the cpu target runs, on any torch device (`deepinfer.compile(..., device="cuda")` runs the references on
+a GPU, eagerly: for comparisons). Batch-invariant mode runs the ops whose reference rounds differently with the
+batch through their batch-invariant implementations (`kernels`, by op name), plain torch on any device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from dsl.context import ForwardContext
+from dsl.graph import Graph
+from dsl.interpret import interpret
+
+
+class Interpreter:
+    def __init__(self, graph: Graph, params: dict[str, torch.Tensor], device: torch.device | str,
+                 kernels: dict[str, Callable], draft_graph: Graph | None = None) -> None:
+        """`params` are used as they are (on `device` already); `kernels`: the batch-invariant implementations."""
+        self.graph, self.draft_graph = graph, draft_graph
+        self._params = params
+        self.device = torch.device(device)
+        self.kernels = kernels
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        return self._params
+
+    def ready(self) -> None:
+        """Nothing to make: the references run as they are."""
+
+    def run(self, input_ids: torch.Tensor, ctx: ForwardContext, batch_invariant: bool,
+            draft: bool = False) -> dict[str, torch.Tensor]:
+        graph = self.draft_graph if draft else self.graph
+        if graph is None:
+            raise RuntimeError("this model was compiled without DSpark drafting: compile(..., drafting=True)")
+        return interpret(graph, {"input_ids": input_ids}, self._params, ctx, self.kernels if batch_invariant else None)
+
+    def sampling(self) -> contextlib.AbstractContextManager:
+        """Launches as they are: logits on a CUDA device sample on Triton's JIT, on the CPU with torch."""
+        return contextlib.nullcontext()
+
+    def capture_ahead(self, tokens: int) -> None:
+        """Nothing is captured: every forward runs its references eagerly."""
+
+    def save(self, path: str | Path, model_config: dict, model_dir: str | None) -> None:
+        raise ValueError(f"cannot save to {path}: this model runs every op's torch reference over the checkpoint's "
+                         "weights (the interpreter), so nothing is built to save; compile it again where it is "
+                         "needed, or compile for a GPU target (kernels/targets.py) to save an artifact")
+
+
+__all__ = ["Interpreter"]

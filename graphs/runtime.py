@@ -1,0 +1,54 @@
+"""What runs a compiled model's graphs: the target record's `runtime` (kernels/targets.py) picks one.
+
+`Interpreter` (graphs/interpreter.py) runs every node through its torch reference, the DSL's semantics, on any torch
+device; `PlanRuntime` (graphs/plan_runtime.py) runs a plan: kernel nodes on cubins built ahead of time, launched
+through the CUDA driver and replayed as CUDA graphs, the rest on their references. `CompiledModel`
+(graphs/compiled_model.py) holds one and does the rest of a step (checks, the forward's context, logit rows) alike
+for both.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from dsl.context import ForwardContext
+
+
+class Runtime(Protocol):
+    """A model's main graph (and its DSpark draft graph, where compiled with drafting) with its weights on a device."""
+
+    device: torch.device
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        """The weights by checkpoint name, as the runtime holds them."""
+        ...
+
+    def ready(self) -> None:
+        """Make what the first run needs, or say why it cannot run here (no such device)."""
+        ...
+
+    def run(self, input_ids: torch.Tensor, ctx: ForwardContext, batch_invariant: bool,
+            draft: bool = False) -> dict[str, torch.Tensor]:
+        """The outputs of the main graph (the draft graph when `draft`) over `input_ids` [N] on the device; with
+        `batch_invariant`, every row's values are bitwise independent of the other rows and their number."""
+        ...
+
+    def sampling(self) -> AbstractContextManager:
+        """What the engine samples in (the launcher the sampling kernel's launches go to)."""
+        ...
+
+    def capture_ahead(self, tokens: int) -> None:
+        """The most tokens a decode step runs, for runtimes that capture CUDA graphs per token count."""
+        ...
+
+    def save(self, path: str | Path, model_config: dict, model_dir: str | None) -> None:
+        """Write what was built as an artifact directory (graphs/artifact.py), or say why there is nothing to save."""
+        ...
+
+
+__all__ = ["Runtime"]
