@@ -239,8 +239,10 @@ def check_lossless_and_accepts(off: LLM, on: LLM, params: SamplingParams, at_lea
 def test_greedy_fast_paths_match_the_sampler(compiled, confidence: str) -> None:
     """Rows that sample plain greedily propose and verify on the argmax read back once: the same drafts and
     confidences as the per-token sampler's path, and the same verified tokens, for matching and mismatching drafts."""
-    from deepinfer.engine.model_runner import SampleRow
-    from deepinfer.engine.speculative import Drafter, plain_greedy, verify
+    from deepinfer.engine.sampler import Draw, Sampler, SampleRow
+    from deepinfer.engine.spec_decode.drafter import Drafter
+    from deepinfer.engine.spec_decode.verifier import verify
+    from deepinfer.sampler import plain_greedy
 
     drafter = Drafter(compiled, SpeculativeConfig(num_speculative_tokens=4, confidence=confidence), (1,),
                       batch_invariant=True)
@@ -252,7 +254,7 @@ def test_greedy_fast_paths_match_the_sampler(compiled, confidence: str) -> None:
         compiled.step([(state, prompt)], batch_invariant=True)
         row = SampleRow(len(rows), str(len(rows)), 0, SamplingParams(temperature=0), 0, prompt, [prompt[-1]], 0)
         rows.append((state, row, [prompt[-1]]))
-    assert all(plain_greedy(s, outputs) for _, s, outputs in rows)
+    assert all(plain_greedy(s.params, len(outputs)) for _, s, outputs in rows)
     fast = drafter.propose(rows)
     vocab = compiled.config.vocab_size
     slow = drafter.propose(rows, fill_next=lambda samples, drafts: torch.ones(len(samples), vocab, dtype=torch.bool))
@@ -265,17 +267,19 @@ def test_greedy_fast_paths_match_the_sampler(compiled, confidence: str) -> None:
     logits = torch.randn(5, 64, generator=gen)
     target = torch.argmax(logits, dim=-1).tolist()
     penalised = SampleRow(9, "9", 0, SamplingParams(temperature=0, presence_penalty=1e-9), 0, [1], [], 0)
+    sampler, state = Sampler((1,)), rows[0][0]
     for drafts in (target[:4], target[:2] + [target[2] + 1, target[3]], [target[0] + 1] * 4, []):
-        assert verify(logits, None, rows[0][1], [5], drafts, (1,)) == \
-            verify(logits, None, penalised, [5], drafts, (1,))  # the per-token sampler (a penalty that changes none)
+        fast = verify(sampler, logits, None, [Draw(rows[0][1], [5], drafts, 0, state)])
+        slow = verify(sampler, logits, None, [Draw(penalised, [5], drafts, 0, state)])  # a penalty that changes none
+        assert fast == slow  # the argmax read back once, and the per-token sampler
 
 
 @pytest.mark.parametrize("confidence", ["head", "draft"])
 def test_sampled_drafts_for_every_row_at_once_match_the_sampler(compiled, confidence: str) -> None:
     """Rows that sample from their scaled logits alone (beside a greedy one) draft every position of every row at
     once (`_plain_drafts`): the drafts and confidences of the per-token sampler's path."""
-    from deepinfer.engine.model_runner import SampleRow
-    from deepinfer.engine.speculative import Drafter
+    from deepinfer.engine.sampler import SampleRow
+    from deepinfer.engine.spec_decode.drafter import Drafter
     from deepinfer.sampler import plain_sampled
 
     drafter = Drafter(compiled, SpeculativeConfig(num_speculative_tokens=4, confidence=confidence), (1,),
