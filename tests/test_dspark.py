@@ -117,6 +117,35 @@ def test_draft_forward_reads_the_main_keys_of_the_sequence(compiled) -> None:
     assert markov.shape == logits.shape and bool(((conf >= 0) & (conf <= 1)).all())
 
 
+def test_the_scheduler_feeds_decoding_sequences_the_drafts_the_plan_gives(compiled) -> None:
+    """The scheduler asks DSpark's plan (static here: in request order, within the verification budget) and feeds
+    each decoding sequence a prefix of its proposal after its last token, never past its max_tokens; a preempted
+    sequence drops its proposal."""
+    from deepinfer.engine.block_manager import BlockManager, CacheLayout
+    from deepinfer.engine.scheduler import Scheduler
+    from deepinfer.engine.sequence import Sequence
+    from deepinfer.engine.spec_decode import DSparkSpeculator
+    from deepinfer.engine.speculator import Proposal
+
+    config = SpeculativeConfig(num_speculative_tokens=3, schedule="static", verify_budget=7)
+    layout = CacheLayout(num_slots=4, num_blocks=100, block_size=4, slot_bytes=1, block_bytes=1)
+    scheduler = Scheduler(BlockManager(layout), 4, 16, DSparkSpeculator(compiled, config, (1,), True))
+    seqs = [Sequence(str(i), 0, [5, 6, 7], SamplingParams(max_tokens=m), 0, 1000) for i, m in enumerate((8, 3, 8))]
+    for seq in seqs:
+        scheduler.add(seq)
+    first = scheduler.schedule()
+    assert [(c.length, c.drafts) for c in first] == [(3, [])] * 3  # prefills verify nothing
+    for c in first:  # what the engine does with the step's result
+        c.seq.num_inflight -= 1
+        c.seq.output_token_ids.append(9)
+        c.seq.proposal = Proposal([11, 12, 13], [0.9, 0.8, 0.7])
+    chunks = scheduler.schedule()
+    # 7 tokens: one each, then 3 drafts for the first, 1 for the second (its last token but one), none left
+    assert [(c.start, c.length, c.drafts) for c in chunks] == [(3, 4, [11, 12, 13]), (3, 2, [11]), (3, 1, [])]
+    scheduler.preempt(seqs[2])
+    assert seqs[2].proposal is None and seqs[0].proposal is not None
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_taking_tokens_back_leaves_the_caches_as_before(compiled, paged: bool) -> None:
     """A sequence that ran extra tokens and took them back continues exactly as one that never ran them: across
