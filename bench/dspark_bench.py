@@ -87,8 +87,8 @@ def time_phases(llm: LLM, nodes: bool) -> tuple[collections.Counter, collections
     wrap(engine, "_postprocess", "postprocess")
     wrap(engine.runner, "execute", "runner")
     wrap(llm.compiled, "step", "forward")
-    if engine.runner.drafter is not None:
-        wrap(engine.runner.drafter, "propose", "propose")
+    if engine.runner.speculator is not None:
+        wrap(engine.runner.speculator.drafter, "propose", "propose")
         wrap(llm.compiled, "draft", "draft forward")
     if nodes:
         if not isinstance(llm.compiled.runtime, PlanRuntime):

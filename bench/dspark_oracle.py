@@ -35,7 +35,7 @@ def record(llm: LLM) -> list[list[tuple]]:
     """Wrap the drafter so every propose call (one step) appends [(request id, outputs so far, drafts, head
     confidences, draft probabilities)] to the returned list."""
     steps: list[list[tuple]] = []
-    drafter = llm.engine.runner.drafter
+    drafter = llm.engine.runner.speculator.drafter
     propose, greedy = drafter.propose, drafter.greedy
     probabilities: list[torch.Tensor] = []
 

@@ -17,10 +17,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import deepinfer.engine.speculative as speculative  # noqa: E402
+import deepinfer.engine.sampler as engine_sampler  # noqa: E402
+import deepinfer.engine.spec_decode.drafter as drafter  # noqa: E402
 from deepinfer import sampler  # noqa: E402
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.default_model import trained_model  # noqa: E402
+
+
+def use(plain_sampled, sample_plain) -> None:
+    """The engine's sampler and the drafter judge rows with `plain_sampled` and draw them with `sample_plain`."""
+    for module in (engine_sampler, drafter):
+        module.plain_sampled, module.sample_plain = plain_sampled, sample_plain
 
 
 def main() -> int:
@@ -31,7 +38,7 @@ def main() -> int:
     p.add_argument("--passes", type=int, default=4)
     p.add_argument("--dspark", action="store_true", help="with DSpark drafting, static length 3")
     args = p.parse_args()
-    batched, at_once = speculative.plain_sampled, speculative.sample_plain
+    batched, at_once = sampler.plain_sampled, sampler.sample_plain
     spec = {"num_speculative_tokens": 3, "schedule": "static"} if args.dspark else None
     for batch in (int(b) for b in args.batches.split(",")):
         llm = LLM(trained_model(), target=args.target, max_num_seqs=batch, speculative_config=spec)
@@ -44,14 +51,14 @@ def main() -> int:
         try:
             for i in range(args.passes):
                 for way in (list(times) if i % 2 == 0 else list(times)[::-1]):
-                    speculative.plain_sampled = batched if way != "a row each" else (lambda *a: False)
-                    speculative.sample_plain = sampler.sample_plain_torch if way == "at once (torch)" else at_once
+                    use(batched if way != "a row each" else (lambda *a: False),
+                        sampler.sample_plain_torch if way == "at once (torch)" else at_once)
                     start = time.perf_counter()
                     out = llm.generate(prompts, params, use_tqdm=False)
                     times[way].append(time.perf_counter() - start)
                     outputs[way] = [o.outputs[0].token_ids for o in out]
         finally:
-            speculative.plain_sampled, speculative.sample_plain = batched, at_once
+            use(batched, at_once)
         assert all(outputs[way] == outputs["a row each"] for way in ways), "the ways sampled different tokens"
         tokens = batch * args.max_tokens
         for way, seconds in times.items():

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from deepinfer.compile import compile as compile_model
 from deepinfer.engine import EngineArgs, LLMEngine, TokenConstraint
 from deepinfer.engine.request import PromptType, RequestError
-from deepinfer.engine.speculative import SpeculativeConfig
+from deepinfer.engine.spec_decode import DSparkSpeculator, SpeculativeConfig
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured_outputs.constraint import StructuredOutputConstraint
@@ -87,8 +87,10 @@ class LLM:
         self.eos_token_ids = tuple(t for t in eos if t is not None and 0 <= t < self.config.vocab_size)
         if constraint is None:
             constraint = StructuredOutputConstraint(self._structured_output_manager)
+        speculator = None if speculative is None else DSparkSpeculator(self.compiled, speculative, self.eos_token_ids,
+                                                                      self.engine_args.batch_invariant)
         self.engine = LLMEngine(self.compiled, self.tokenizer, self.engine_args, self.eos_token_ids, constraint,
-                                speculative)
+                                speculator)
         self.max_model_len = self.engine.max_model_len
         # The model's many long-lived objects leave the collector's view, as vLLM does: a full collection over them
         # mid-step cost up to 10 ms a step here. Garbage goes first, so nothing dead is frozen.

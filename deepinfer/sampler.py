@@ -115,6 +115,28 @@ def allowed_mask(scaled_logits: torch.Tensor, params: SamplingParams) -> torch.T
     return keep
 
 
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, output_token_ids: Sequence[int] = (),
+                  prompt_token_ids: Sequence[int] = (), eos_token_ids: Sequence[int] = ()) -> torch.Tensor:
+    """The logits processors on one row of logits [V], in order: vLLM's penalties, then, until `min_tokens` outputs
+    exist, eos (unless ignore_eos) and the stop token ids banned. float64 [V]. A processor added here also says in
+    `adjusts_logits` when it acts, so that the rows it changes leave the batched draws (`plain_greedy`,
+    `plain_sampled`)."""
+    logits = apply_penalties(logits.to(torch.float64), params, output_token_ids, prompt_token_ids)
+    if len(output_token_ids) < params.min_tokens:
+        banned = [*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]
+        banned = [t for t in banned if t < logits.shape[-1]]
+        if banned:
+            logits[torch.as_tensor(banned, dtype=torch.int64, device=logits.device)] = float("-inf")
+    return logits
+
+
+def adjusts_logits(params: SamplingParams, num_outputs: int) -> bool:
+    """Whether `adjust_logits` may change a row's logits after `num_outputs` outputs: a penalty, or a min_tokens ban
+    still in force."""
+    return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            or num_outputs < params.min_tokens)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: int,
            output_token_ids: Sequence[int] = (), prompt_token_ids: Sequence[int] = (),
            eos_token_ids: Sequence[int] = ()) -> int:
@@ -122,15 +144,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: in
 
     `position` is the index in the whole sequence (prompt included) of the token being sampled; together with
     `seed` it keys the noise. `output_token_ids` are the tokens generated so far (penalties, min_tokens),
-    `prompt_token_ids` the prompt (repetition penalty). Until `min_tokens` tokens exist, eos (unless ignore_eos)
-    and the stop token ids are banned. Greedy (temperature 0) picks the argmax, ties to the lowest id.
+    `prompt_token_ids` the prompt (repetition penalty); `adjust_logits` applies them. Greedy (temperature 0) picks
+    the argmax, ties to the lowest id.
     """
-    logits = apply_penalties(logits.to(torch.float64), params, output_token_ids, prompt_token_ids)
-    if len(output_token_ids) < params.min_tokens:
-        banned = [*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]
-        banned = [t for t in banned if t < logits.shape[-1]]
-        if banned:
-            logits[torch.as_tensor(banned, dtype=torch.int64, device=logits.device)] = float("-inf")
+    logits = adjust_logits(logits, params, output_token_ids, prompt_token_ids, eos_token_ids)
     if params.is_greedy:
         return int(torch.argmax(logits))  # torch.argmax returns the first of equal maxima: the lowest id
     scaled = logits * (1.0 / params.temperature)  # one rounding, the same for a scalar or a tensor factor, any device
@@ -141,14 +158,19 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: in
     return int(torch.argmax(scaled.masked_fill(~allowed, float("-inf")) + noise))
 
 
+def plain_greedy(params: SamplingParams, num_outputs: int) -> bool:
+    """Whether `sample` picks a row's next tokens as the plain argmax of its logits (`sample_plain` at temperature
+    0): greedy, nothing adjusting the logits after `num_outputs` outputs, no log-probabilities asked for."""
+    return params.is_greedy and not adjusts_logits(params, num_outputs) and params.logprobs is None
+
+
 def plain_sampled(params: SamplingParams, num_outputs: int, vocab_size: int) -> bool:
     """Whether `sample` draws a row's next tokens from its temperature-scaled logits alone (`sample_plain` then
-    draws them for many rows at once): not greedy, no penalty, no min_p / top_k / top_p cut, min_tokens reached
-    (`num_outputs` tokens so far), no log-probabilities asked for."""
+    draws them for many rows at once): not greedy, nothing adjusting the logits after `num_outputs` outputs, no
+    min_p / top_k / top_p cut, no log-probabilities asked for."""
     p = params
-    return (not p.is_greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0 and p.min_p == 0.0 and not 0 < p.top_k < vocab_size and p.top_p >= 1.0
-            and num_outputs >= p.min_tokens and p.logprobs is None)
+    return (not p.is_greedy and not adjusts_logits(p, num_outputs) and p.min_p == 0.0
+            and not 0 < p.top_k < vocab_size and p.top_p >= 1.0 and p.logprobs is None)
 
 
 def sample_plain(logits: torch.Tensor, temperatures: Sequence[float], seeds: Sequence[int],

@@ -117,6 +117,35 @@ def test_draft_forward_reads_the_main_keys_of_the_sequence(compiled) -> None:
     assert markov.shape == logits.shape and bool(((conf >= 0) & (conf <= 1)).all())
 
 
+def test_the_scheduler_feeds_decoding_sequences_the_drafts_the_plan_gives(compiled) -> None:
+    """The scheduler asks DSpark's plan (static here: in request order, within the verification budget) and feeds
+    each decoding sequence a prefix of its proposal after its last token, never past its max_tokens; a preempted
+    sequence drops its proposal."""
+    from deepinfer.engine.block_manager import BlockManager, CacheLayout
+    from deepinfer.engine.scheduler import Scheduler
+    from deepinfer.engine.sequence import Sequence
+    from deepinfer.engine.spec_decode import DSparkSpeculator
+    from deepinfer.engine.speculator import Proposal
+
+    config = SpeculativeConfig(num_speculative_tokens=3, schedule="static", verify_budget=7)
+    layout = CacheLayout(num_slots=4, num_blocks=100, block_size=4, slot_bytes=1, block_bytes=1)
+    scheduler = Scheduler(BlockManager(layout), 4, 16, DSparkSpeculator(compiled, config, (1,), True))
+    seqs = [Sequence(str(i), 0, [5, 6, 7], SamplingParams(max_tokens=m), 0, 1000) for i, m in enumerate((8, 3, 8))]
+    for seq in seqs:
+        scheduler.add(seq)
+    first = scheduler.schedule()
+    assert [(c.length, c.drafts) for c in first] == [(3, [])] * 3  # prefills verify nothing
+    for c in first:  # what the engine does with the step's result
+        c.seq.num_inflight -= 1
+        c.seq.output_token_ids.append(9)
+        c.seq.proposal = Proposal([11, 12, 13], [0.9, 0.8, 0.7])
+    chunks = scheduler.schedule()
+    # 7 tokens: one each, then 3 drafts for the first, 1 for the second (its last token but one), none left
+    assert [(c.start, c.length, c.drafts) for c in chunks] == [(3, 4, [11, 12, 13]), (3, 2, [11]), (3, 1, [])]
+    scheduler.preempt(seqs[2])
+    assert seqs[2].proposal is None and seqs[0].proposal is not None
+
+
 @pytest.mark.parametrize("paged", [False, True])
 def test_taking_tokens_back_leaves_the_caches_as_before(compiled, paged: bool) -> None:
     """A sequence that ran extra tokens and took them back continues exactly as one that never ran them: across
@@ -239,8 +268,10 @@ def check_lossless_and_accepts(off: LLM, on: LLM, params: SamplingParams, at_lea
 def test_greedy_fast_paths_match_the_sampler(compiled, confidence: str) -> None:
     """Rows that sample plain greedily propose and verify on the argmax read back once: the same drafts and
     confidences as the per-token sampler's path, and the same verified tokens, for matching and mismatching drafts."""
-    from deepinfer.engine.model_runner import SampleRow
-    from deepinfer.engine.speculative import Drafter, plain_greedy, verify
+    from deepinfer.engine.sampler import Draw, Sampler, SampleRow
+    from deepinfer.engine.spec_decode.drafter import Drafter
+    from deepinfer.engine.spec_decode.verifier import verify
+    from deepinfer.sampler import plain_greedy
 
     drafter = Drafter(compiled, SpeculativeConfig(num_speculative_tokens=4, confidence=confidence), (1,),
                       batch_invariant=True)
@@ -252,7 +283,7 @@ def test_greedy_fast_paths_match_the_sampler(compiled, confidence: str) -> None:
         compiled.step([(state, prompt)], batch_invariant=True)
         row = SampleRow(len(rows), str(len(rows)), 0, SamplingParams(temperature=0), 0, prompt, [prompt[-1]], 0)
         rows.append((state, row, [prompt[-1]]))
-    assert all(plain_greedy(s, outputs) for _, s, outputs in rows)
+    assert all(plain_greedy(s.params, len(outputs)) for _, s, outputs in rows)
     fast = drafter.propose(rows)
     vocab = compiled.config.vocab_size
     slow = drafter.propose(rows, fill_next=lambda samples, drafts: torch.ones(len(samples), vocab, dtype=torch.bool))
@@ -265,17 +296,19 @@ def test_greedy_fast_paths_match_the_sampler(compiled, confidence: str) -> None:
     logits = torch.randn(5, 64, generator=gen)
     target = torch.argmax(logits, dim=-1).tolist()
     penalised = SampleRow(9, "9", 0, SamplingParams(temperature=0, presence_penalty=1e-9), 0, [1], [], 0)
+    sampler, state = Sampler((1,)), rows[0][0]
     for drafts in (target[:4], target[:2] + [target[2] + 1, target[3]], [target[0] + 1] * 4, []):
-        assert verify(logits, None, rows[0][1], [5], drafts, (1,)) == \
-            verify(logits, None, penalised, [5], drafts, (1,))  # the per-token sampler (a penalty that changes none)
+        fast = verify(sampler, logits, None, [Draw(rows[0][1], [5], drafts, 0, state)])
+        slow = verify(sampler, logits, None, [Draw(penalised, [5], drafts, 0, state)])  # a penalty that changes none
+        assert fast == slow  # the argmax read back once, and the per-token sampler
 
 
 @pytest.mark.parametrize("confidence", ["head", "draft"])
 def test_sampled_drafts_for_every_row_at_once_match_the_sampler(compiled, confidence: str) -> None:
     """Rows that sample from their scaled logits alone (beside a greedy one) draft every position of every row at
     once (`_plain_drafts`): the drafts and confidences of the per-token sampler's path."""
-    from deepinfer.engine.model_runner import SampleRow
-    from deepinfer.engine.speculative import Drafter
+    from deepinfer.engine.sampler import SampleRow
+    from deepinfer.engine.spec_decode.drafter import Drafter
     from deepinfer.sampler import plain_sampled
 
     drafter = Drafter(compiled, SpeculativeConfig(num_speculative_tokens=4, confidence=confidence), (1,),

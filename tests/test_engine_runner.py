@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from deepinfer.engine import EngineArgs, LLMEngine, SampleRow
-from deepinfer.sampler import unpack_bitmask
 from deepinfer.llm import LLM
+from deepinfer.sampler import unpack_bitmask
 from deepinfer.sampling_params import SamplingParams
 from tests.conftest import fixture_dir
 
@@ -19,7 +19,20 @@ def llm() -> LLM:
     return LLM(str(fixture_dir("v41-tiny-engram")), target="cpu", max_model_len=64)
 
 
-class EveryThird:
+class Open:
+    """The parts of a token constraint that prepare nothing: every sequence is ready at once."""
+
+    def submit(self, seq_id: int, params: SamplingParams) -> None:
+        pass
+
+    def is_ready(self, seq_id: int) -> bool:
+        return True
+
+    def wait_ready(self, timeout: float) -> bool:
+        return False
+
+
+class EveryThird(Open):
     """Allows the ids that are 0 mod 3 (mod 6 for odd samples); records what it is told."""
 
     def __init__(self, packed: bool) -> None:
@@ -82,8 +95,8 @@ class Poisoned:
 
     def __init__(self, compiled, poison: int) -> None:
         self.compiled, self.poison = compiled, poison
-        self.config, self.graph, self.target = compiled.config, compiled.graph, compiled.target
-        self.device = compiled.device
+        self.config, self.graph, self.target, self.device = compiled.config, compiled.graph, compiled.target, \
+            compiled.device
         self.sampling, self.capture_ahead = compiled.sampling, compiled.capture_ahead
 
     def step(self, batch, **kwargs):
@@ -107,7 +120,7 @@ def test_a_failing_step_fails_its_requests_and_the_engine_goes_on(llm: LLM, asyn
     assert good.error is None and last.error is None
 
 
-class Verdicts:
+class Verdicts(Open):
     """Ends request "0" at its third token (complete) and fails request "1" at its second; leaves "2" alone."""
 
     def __init__(self) -> None:
@@ -148,10 +161,12 @@ def test_the_constraint_can_end_a_sequence_or_fail_its_request(llm: LLM, async_s
 
 @pytest.mark.parametrize("drafting", [False, True])
 def test_sampled_rows_drawn_for_the_whole_step_are_each_rows_sample(monkeypatch, drafting: bool) -> None:
-    """Rows that sample from their scaled logits alone are drawn for the whole step at once (`step_picks`); their
-    tokens are the ones sampling each row alone gives, beside greedy and top-p rows, with and without drafts."""
-    from deepinfer.engine import speculative
+    """Rows that sample from their scaled logits alone are drawn for the whole step at once (`Sampler.picks`, and
+    the drafter's drafts); their tokens are the ones sampling each row alone gives, beside greedy and top-p rows, with
+    and without drafts."""
     from deepinfer.default_model import trained_model
+    from deepinfer.engine import sampler
+    from deepinfer.engine.spec_decode import drafter
 
     spec = {"num_speculative_tokens": 3} if drafting else None
     llm = LLM(trained_model(), max_num_seqs=6, speculative_config=spec)
@@ -159,11 +174,13 @@ def test_sampled_rows_drawn_for_the_whole_step_are_each_rows_sample(monkeypatch,
     params = [SamplingParams(max_tokens=12, temperature=t, top_p=p, seed=40 + i, ignore_eos=True)
               for i, (t, p) in enumerate([(0.7, 1.0), (1.3, 1.0), (0.0, 1.0), (0.9, 0.9), (0.4, 1.0), (1.0, 1.0)])]
     drawn = []
-    sample_plain = speculative.sample_plain
-    monkeypatch.setattr(speculative, "sample_plain", lambda logits, *a: drawn.append(len(logits)) or
-                        sample_plain(logits, *a))
+    sample_plain = sampler.sample_plain
+    for module in (sampler, drafter):
+        monkeypatch.setattr(module, "sample_plain", lambda logits, *a: drawn.append(len(logits)) or
+                            sample_plain(logits, *a))
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert max(drawn) >= 4  # the four plain sampled requests' rows together (more with drafts)
-    monkeypatch.setattr(speculative, "plain_sampled", lambda *args: False)  # every sampled row alone
+    for module in (sampler, drafter):
+        monkeypatch.setattr(module, "plain_sampled", lambda *args: False)  # every sampled row alone
     alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert batched == alone

@@ -88,7 +88,7 @@ def test_greedy_drafts_replay_what_they_compute_eagerly() -> None:
     """The greedy proposer's CUDA graph (captured at a shape's second call) gives the eager loop's drafts and
     confidences bitwise, for new inputs at every call; another shape gets its own graph."""
     from deepinfer.dspark import DraftHead
-    from deepinfer.engine.speculative import GreedyDrafts
+    from deepinfer.engine.spec_decode.greedy_drafts import GreedyDrafts
 
     model = trained_model()
     head = DraftHead(model.params(), model.config, device="cuda")

@@ -20,12 +20,14 @@ from itertools import count
 from deepinfer.config import DeepseekV41Config
 from deepinfer.engine.block_manager import BlockManager, CacheLayout
 from deepinfer.engine.engine_args import EngineArgs
-from deepinfer.engine.model_runner import ModelRunner, RowInput, SampleRow, StepInput, StepOutput, TokenConstraint
+from deepinfer.engine.model_runner import ModelRunner, RowInput, StepInput, StepOutput
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.request import PromptType, Request, RequestError, check_prompt, tokenize_prompt
+from deepinfer.engine.sampler import SampleRow
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
 from deepinfer.engine.sequence import SequenceStatus
-from deepinfer.engine.speculative import Drafter, SpeculativeConfig
+from deepinfer.engine.speculator import Speculator
+from deepinfer.engine.token_constraint import TokenConstraint
 from deepinfer.outputs import RequestMetrics, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from dsl.cache import CacheSpec, PagedCache
@@ -35,33 +37,32 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    """Runs requests on a compiled model. `add_request` queues one; `run()` yields outputs as requests finish."""
+    """Runs requests on a compiled model. `add_request` queues one; `run()` yields outputs as requests finish.
+    `constraint`: the token constraint (None: none); `speculator`: speculative decoding (None: off)."""
 
-    def __init__(self, compiled: RunnableModel[DeepseekV41Config], tokenizer, args: EngineArgs,
-                 eos_token_ids: tuple[int, ...], constraint: TokenConstraint | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+    def __init__(self, compiled: RunnableModel[DeepseekV41Config], tokenizer, args: EngineArgs, eos_token_ids: tuple[int, ...],
+                 constraint: TokenConstraint | None = None, speculator: Speculator | None = None) -> None:
         self.args, self.config = args, compiled.config
         self.max_model_len = args.max_model_len or self.config.max_position_embeddings
-        drafter = None
-        if speculative is not None:
-            drafter = Drafter(compiled, speculative, eos_token_ids, args.batch_invariant)
-            if args.async_scheduling:
-                logger.info("speculative decoding schedules each step after the last one's tokens are seen: "
-                            "async_scheduling is off")
-        self.speculative = speculative
+        self.constraint, self.speculator = constraint, speculator
+        if speculator is not None and args.async_scheduling:
+            logger.info("speculative decoding schedules each step after the last one's tokens are seen: "
+                        "async_scheduling is off")
+        num_drafts = speculator.num_speculative_tokens if speculator is not None else 0
         # Rejected drafts are taken back: every ring keeps that many more positions.
-        spec = CacheSpec.from_graph(compiled.graph, spare=speculative.num_speculative_tokens if speculative else 0)
+        spec = CacheSpec.from_graph(compiled.graph, spare=num_drafts)
         self.layout = CacheLayout.plan(spec, args.cache_bytes, args.max_num_seqs, self.max_model_len, args.block_size)
         logger.info("caches: %s", self.layout.describe())
         cache = PagedCache(spec, self.layout.num_slots, self.layout.num_blocks, self.layout.block_size,
                            compiled.device)
-        is_ready = getattr(constraint, "is_ready", None)  # structured outputs: a grammar compiling holds its request
+        # a sequence whose constraint is still being prepared waits, and holds back no other
+        ready = (lambda seq: constraint.is_ready(seq.seq_id)) if constraint is not None else None
         self.scheduler = Scheduler(BlockManager(self.layout), args.max_num_seqs, args.max_num_batched_tokens,
-                                   speculative, ready=None if is_ready is None else lambda seq: is_ready(seq.seq_id))
+                                   speculator, ready=ready)
         self.runner = ModelRunner(compiled, cache, eos_token_ids, args.batch_invariant, constraint,
-                                  overlap_constraint=args.overlap_structured_outputs, drafter=drafter)
+                                  overlap_constraint=args.overlap_structured_outputs, speculator=speculator)
         # GPU targets: every decode step's bucket captured at the first capture
-        compiled.capture_ahead(args.max_num_seqs * (1 + (speculative.num_speculative_tokens if speculative else 0)))
+        compiled.capture_ahead(args.max_num_seqs * (1 + num_drafts))
         self.output_processor = OutputProcessor(tokenizer, eos_token_ids)
         self.tokenizer = tokenizer
         self.requests: dict[str, Request] = {}
@@ -88,13 +89,12 @@ class LLMEngine:
             if isinstance(prompt, str):
                 request.prompt = prompt
             return request_id
-        # A constraint that can start early (structured outputs compile their grammar) does so now, while the
-        # steps before this request's first sample run, rather than on the first fill.
-        submit = getattr(self.runner.constraint, "submit", None)
+        # The constraint starts now (structured outputs compile their grammar), while the steps before this
+        # request's first sample run, rather than on its first fill.
         for seq in request.make_sequences(self.max_model_len):
             self.scheduler.add(seq)
-            if submit is not None and params.structured_outputs is not None:
-                submit(seq.seq_id, params)
+            if self.constraint is not None:
+                self.constraint.submit(seq.seq_id, params)
         return request_id
 
     def run(self) -> Iterator[RequestOutput]:
@@ -109,9 +109,8 @@ class LLMEngine:
                         self._postprocess(*last)
                         last, chunks = None, self._schedule()
                         continue
-                    wait_ready = getattr(self.runner.constraint, "wait_ready", None)
-                    if self.scheduler.has_unfinished and wait_ready is not None and wait_ready(1.0):
-                        chunks = self._schedule()  # every waiting sequence is held back for its grammar
+                    if self.scheduler.has_unfinished and self._wait_ready():
+                        chunks = self._schedule()  # every waiting sequence is held back for its constraint
                         continue
                     if self.scheduler.has_unfinished:
                         raise RuntimeError(f"the scheduler can run nothing: {self.scheduler.running} running, "
@@ -119,13 +118,17 @@ class LLMEngine:
                     self.runner.execute(self._step_input([]))  # hand the last finished sequences to the runner
                     return
                 step = self._step_input(chunks)
-                if self.args.async_scheduling and self.speculative is None:
+                if self.args.async_scheduling and self.speculator is None:
                     cpu = helper.submit(self._process_and_schedule, last)
                     last = (chunks, self.runner.execute(step))
                     chunks = cpu.result()
                 else:
                     self._postprocess(chunks, self.runner.execute(step))
                     chunks = self._schedule()
+
+    def _wait_ready(self) -> bool:
+        """Wait up to a second for a sequence the constraint holds back; False when it holds none back."""
+        return self.constraint is not None and self.constraint.wait_ready(1.0)
 
     def _schedule(self) -> list[ScheduledChunk]:
         return self.scheduler.schedule() if self.scheduler.has_unfinished else []

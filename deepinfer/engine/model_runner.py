@@ -2,48 +2,33 @@
 
 It owns what lives on the device: the cache pools, each running sequence's `SequenceState`, and the tokens the last
 step sampled. A step's inputs may hold PLACEHOLDER tokens (asynchronous scheduling fed the step before its outputs
-were seen on the CPU); they are the tokens the previous step sampled for those sequences, taken here. Sampling is
-per row with the seeded, stateless sampler, so a row's token depends on its logits, seed and position only.
-
-Structured outputs hook in through a `TokenConstraint` (see below), called on the device side in step order, so a
-grammar matcher always sees the tokens of the step before, asynchronous scheduling or not.
+were seen on the CPU); they are the tokens the previous step sampled for those sequences, taken here. The sampler
+(deepinfer/engine/sampler.py) draws each sampled row's token with the seeded, stateless sampler, so a row's token
+depends on its logits, seed and position only. A token constraint (deepinfer/engine/token_constraint.py) fills its
+masks while the forward runs; a speculator (deepinfer/engine/speculator.py) samples in the sampler's place and
+proposes the next drafts.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from itertools import accumulate
-from typing import Protocol
 
 import torch
 
 from deepinfer.config import DeepseekV41Config
-from deepinfer.engine.speculative import Drafter, Proposal, step_picks, verify
+from deepinfer.engine.sampler import Draw, Sampler, SampleRow, Tokens
+from deepinfer.engine.speculator import Proposal, Speculator
+from deepinfer.engine.token_constraint import TokenConstraint
 from deepinfer.outputs import Logprob
 from deepinfer.sampler import as_allowed
-from deepinfer.sampling_params import SamplingParams
 from dsl.cache import PagedCache
 from dsl.context import SequenceState
 from graphs.compiled_model import RunnableModel
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class SampleRow:
-    """What sampling one row needs. `output_token_ids` are the outputs seen on the CPU when the step was scheduled;
-    the one the previous step sampled follows them when `num_pending` is 1."""
-
-    seq_id: int
-    request_id: str
-    index: int
-    params: SamplingParams
-    seed: int
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    num_pending: int
 
 
 @dataclass
@@ -80,58 +65,29 @@ class StepOutput:
     proposals: dict[int, Proposal] = field(default_factory=dict)
 
 
-class TokenConstraint(Protocol):
-    """Per-sequence allowed tokens (structured outputs). The runner calls, in step order on one thread:
-    `fill(rows, drafts)` once per step after launching the forward: a mask for the positions about to be sampled,
-    1 + len(drafts[i]) rows for row i (the position after its last token, then after each of its drafts in turn),
-    bool [positions, vocab] (True = allowed) or a packed int32 bitmask [positions, ceil(vocab / 32)] (bit v % 32 of
-    word v // 32), or None when no row is constrained; each mask row a sequence can reach must allow a token.
-    `accept(rows, tokens)` after sampling, with each row's tokens of the step in order; it returns the sequences
-    the constraint ends, by seq_id (or None for none): None when the constraint is complete (the sequence stops
-    there, finish_reason "stop"), or a message when it failed (the request fails alone, finish_reason "error").
-    `fill_next(rows, drafts)` while proposing drafts: one mask row per row, the tokens allowed after its accepted
-    tokens followed by `drafts[i]`; a row allowing nothing says those drafts end or break the constraint (drafting
-    stops there and the last draft is dropped). `finish(seq_ids)` for sequences that will not be sampled again."""
-
-    def fill(self, rows: list[SampleRow], drafts: list[list[int]]) -> torch.Tensor | None: ...
-
-    def accept(self, rows: list[SampleRow], tokens: list[list[int]]) -> dict[int, str | None] | None: ...
-
-    def fill_next(self, rows: list[SampleRow], drafts: list[list[int]]) -> torch.Tensor | None: ...
-
-    def finish(self, seq_ids: list[int]) -> None: ...
-
-
 class ModelRunner:
-    def __init__(self, compiled: RunnableModel[DeepseekV41Config], cache: PagedCache, eos_token_ids: tuple[int, ...],
-                 batch_invariant: bool, constraint: TokenConstraint | None = None, overlap_constraint: bool = True,
-                 drafter: Drafter | None = None) -> None:
-        self.compiled, self.cache, self.eos_token_ids = compiled, cache, eos_token_ids
+    def __init__(self, compiled: RunnableModel[DeepseekV41Config], cache: PagedCache, eos_token_ids: tuple[int, ...], batch_invariant: bool,
+                 constraint: TokenConstraint | None = None, overlap_constraint: bool = True,
+                 speculator: Speculator | None = None) -> None:
+        self.compiled, self.cache = compiled, cache
         self.batch_invariant = batch_invariant
-        self.constraint = constraint
-        self.drafter = drafter
+        self.constraint, self.speculator = constraint, speculator
+        self.sampler = Sampler(eos_token_ids)
         # One thread fills the masks while the forward runs; one, so fills stay in step order.
-        self._filler = ThreadPoolExecutor(1, thread_name_prefix="mask-fill") if constraint and overlap_constraint \
-            else None
+        overlap = constraint is not None and overlap_constraint
+        self._filler = ThreadPoolExecutor(1, thread_name_prefix="mask-fill") if overlap else None
         self.states: dict[int, SequenceState] = {}
         self.last_sampled: dict[int, int] = {}
-        self.draft_lengths: dict[int, int] = {}  # each drafting sequence's draft block this step
         self.failed: set[int] = set()  # sequences of a failed step: skipped until the CPU side frees them
 
     def execute(self, step: StepInput) -> StepOutput:
         """Run one step. A failure comes back as `error`; its sequences are skipped from then on (their rows get
         token 0), so the steps already scheduled behind it still run for the others."""
-        for seq_id in step.freed:
-            self.states.pop(seq_id, None)
-            self.last_sampled.pop(seq_id, None)
-            self.draft_lengths.pop(seq_id, None)
-            self.failed.discard(seq_id)
-        if self.constraint is not None and step.finished:
-            self.constraint.finish(step.finished)
+        self._forget(step)
         rows = [row for row in step.rows if row.seq_id not in self.failed]
         out = StepOutput([], [])
         try:
-            tokens = self._execute(rows, out.ended, out.proposals)
+            tokens = self._execute(rows, out)
         except Exception as e:  # a failing step fails its requests, not the engine
             logger.exception("a step of %d sequences failed", len(rows))
             self.failed.update(row.seq_id for row in rows)
@@ -144,59 +100,61 @@ class ModelRunner:
                 out.logprobs.append(logprobs)
         return out
 
-    def _execute(self, rows: list[RowInput], ended: dict[int, str | None],
-                 proposals: dict[int, Proposal]) -> dict[int, tuple[list[int], list[dict | None]]]:
-        """Forward and sample; (tokens, logprobs) per sampled sequence. The constraint's verdicts go to `ended`,
-        the drafter's next drafts to `proposals`."""
+    def _forget(self, step: StepInput) -> None:
+        """Drop the state of the sequences the CPU side released; tell the constraint which are done for good."""
+        for seq_id in step.freed:
+            self.states.pop(seq_id, None)
+            self.last_sampled.pop(seq_id, None)
+            self.failed.discard(seq_id)
+        if self.speculator is not None and step.freed:
+            self.speculator.forget(step.freed)
+        if self.constraint is not None and step.finished:
+            self.constraint.finish(step.finished)
+
+    def _execute(self, rows: list[RowInput], out: StepOutput) -> dict[int, Tokens]:
+        """Forward and sample; the tokens of each sampled sequence, by seq_id. The constraint's verdicts go to
+        `out.ended`, the speculator's proposals to `out.proposals`."""
         if not rows:
             return {}
         batch = [(self._state(row), self._resolve(row)) for row in rows]
-        sampled = [(i, row) for i, row in enumerate(rows) if row.sample is not None]
-        samples = [row.sample for _, row in sampled]
-        drafts = [row.token_ids[len(row.token_ids) - row.num_drafts:] for _, row in sampled]
-        fill = (lambda: self.constraint.fill(samples, drafts)) if self.constraint and sampled else (lambda: None)
-        # The overlap: the masks are filled while the forward runs.
-        pending = self._filler.submit(fill) if self._filler is not None else None
-        # Asked only when wanted: a target without batch-invariant kernels then refuses, rather than run without.
-        kwargs = {"batch_invariant": True} if self.batch_invariant else {}
-        num_logits = [1 + row.num_drafts for row in rows]
-        if self.drafter is not None:
-            kwargs["num_logits"] = num_logits
-        logits = self.compiled.step(batch, **kwargs)
-        allowed = as_allowed(pending.result() if pending is not None else fill(), logits.shape[-1])
-        first = list(accumulate(num_logits, initial=0))  # each row's first logits row
-        mask_first = list(accumulate((1 + len(d) for d in drafts), initial=0))  # each sampled row's first mask row
-        outputs = [row.sample.output_token_ids + ([self.last_sampled[row.seq_id]] if row.sample.num_pending else [])
-                   for _, row in sampled]
-        # plain greedy and plain sampled rows: every row's token read back once for the step (on a GPU target drawn by
-        # the sampling kernel's cubins)
+        draws = self._draws(rows, batch)
+        masks = self._masks(draws)  # filling while the forward runs, when a filler thread is on
+        logits = self._forward(batch, rows)
+        allowed = as_allowed(masks(), logits.shape[-1])
         with self.compiled.sampling():
-            picks = None if allowed is not None else step_picks(
-                logits, [(row.sample, o, range(first[i], first[i] + 1 + row.num_drafts))
-                         for (i, row), o in zip(sampled, outputs, strict=True)])
-        out, drafting, lengths = {}, [], []
-        for j, (i, row) in enumerate(sampled):
+            sampled = (self.speculator.verify if self.speculator is not None else self.sampler)(logits, allowed, draws)
+        tokens = [t for t, _ in sampled]
+        if self.constraint is not None and draws:
+            out.ended.update(self.constraint.accept([d.row for d in draws], tokens) or {})
+        if self.speculator is not None:
+            out.proposals.update(self.speculator.propose(draws, tokens, self.constraint))
+        return {d.row.seq_id: s for d, s in zip(draws, sampled, strict=True)}
+
+    def _draws(self, rows: list[RowInput], batch: list[tuple[SequenceState, list[int]]]) -> list[Draw]:
+        """The sampled rows of the step, with their outputs so far and where their logits rows start."""
+        draws, first = [], 0
+        for row, (state, _) in zip(rows, batch, strict=True):
             s = row.sample
-            rows_of = slice(first[i], first[i] + 1 + row.num_drafts)
-            row_allowed = None if allowed is None else allowed[mask_first[j]: mask_first[j + 1]]
-            out[row.seq_id] = verify(logits[rows_of], row_allowed, s, outputs[j], drafts[j], self.eos_token_ids,
-                                     None if picks is None else picks[rows_of])
-            if row.num_drafts:
-                num_kept = row.start + len(out[row.seq_id][0])
-                self.compiled.rollback(batch[i][0], num_kept, self.drafter.config.num_speculative_tokens)
-            if self.drafter is not None:
-                drafting.append((batch[i][0], s, outputs[j] + out[row.seq_id][0]))
-                length = self.drafter.config.next_length(self.draft_lengths.get(row.seq_id), row.num_drafts,
-                                                         len(out[row.seq_id][0]) - 1)
-                self.draft_lengths[row.seq_id] = length
-                lengths.append(length)
-        if self.constraint is not None and sampled:
-            ended.update(self.constraint.accept(samples, [out[row.seq_id][0] for _, row in sampled]) or {})
-        if drafting:
-            fill_next = self.constraint.fill_next if self.constraint is not None else None
-            made = self.drafter.propose(drafting, fill_next, lengths)
-            proposals.update({s.seq_id: p for (_, s, _), p in zip(drafting, made, strict=True)})
-        return out
+            if s is not None:
+                outputs = s.output_token_ids + [self.last_sampled[row.seq_id]] if s.num_pending else s.output_token_ids
+                draws.append(Draw(s, outputs, row.token_ids[len(row.token_ids) - row.num_drafts:], first, state))
+            first += 1 + row.num_drafts
+        return draws
+
+    def _masks(self, draws: list[Draw]) -> Callable[[], torch.Tensor | None]:
+        """The constraint's masks of the draws' positions, to call for after the forward: on the filler thread they
+        are filled meanwhile, otherwise when called."""
+        if self.constraint is None or not draws:
+            return lambda: None
+        rows, drafts = [d.row for d in draws], [d.drafts for d in draws]
+        if self._filler is None:
+            return lambda: self.constraint.fill(rows, drafts)
+        return self._filler.submit(self.constraint.fill, rows, drafts).result
+
+    def _forward(self, batch: list[tuple[SequenceState, list[int]]], rows: list[RowInput]) -> torch.Tensor:
+        """The step's logits: after each row's last token and each of its drafts."""
+        num_logits = [1 + row.num_drafts for row in rows] if self.speculator is not None else None
+        return self.compiled.step(batch, batch_invariant=self.batch_invariant, num_logits=num_logits)
 
     def _state(self, row: RowInput) -> SequenceState:
         """The sequence's state: fresh when it starts (or restarts after preemption) at position 0."""

@@ -7,9 +7,9 @@ head of the queue to recompute its prompt and outputs, so no request is lost. Th
 in arrival order while the budget, `max_num_seqs` and the cache allow; one that is not `ready` yet (its grammar
 still compiling) keeps its place in the queue while those behind it go.
 
-With speculative decoding a decoding sequence also feeds drafts after its last token: the step's verification
-budget (deepinfer/engine/speculative.py) gives each decoding sequence one token and shares the rest among their
-drafts, by confidence or by a static length (deepinfer/dspark.py). A draft counts as computed once accepted.
+With a speculator (deepinfer/engine/speculator.py) a decoding sequence also feeds drafts after its last token: the
+speculator's `plan` says which, within the step's budget, before the chunks are taken. A draft counts as computed
+once accepted.
 """
 
 from __future__ import annotations
@@ -18,12 +18,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
-from deepinfer.dspark import allocate_by_confidence, allocate_static
 from deepinfer.engine.block_manager import BlockManager
 from deepinfer.engine.sequence import Sequence, SequenceStatus
-from deepinfer.engine.speculative import SpeculativeConfig
+from deepinfer.engine.speculator import Speculator
 
 
 @dataclass
@@ -40,11 +37,11 @@ class ScheduledChunk:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 speculative: SpeculativeConfig | None = None, ready: Callable[[Sequence], bool] | None = None) -> None:
+                 speculator: Speculator | None = None, ready: Callable[[Sequence], bool] | None = None) -> None:
         self.block_manager = block_manager
         self.ready = ready  # whether a waiting sequence may start (None: all may)
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
-        self.speculative = speculative
+        self.speculator = speculator
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.freed: list[int] = []  # ids of sequences whose caches were released since the last step
@@ -60,7 +57,7 @@ class Scheduler:
     def schedule(self) -> list[ScheduledChunk]:
         """The chunks of the next step (possibly none, while every sequence waits for tokens in flight)."""
         budget, chunks = self.max_num_batched_tokens, []
-        drafts = self._drafts() if self.speculative is not None else {}
+        drafts = self._drafts()
         for seq in list(self.running):
             length = min(seq.num_to_compute, budget)
             if seq.status is not SequenceStatus.RUNNING or length == 0:
@@ -89,25 +86,11 @@ class Scheduler:
         return chunks
 
     def _drafts(self) -> dict[int, list[int]]:
-        """The drafts each decoding sequence verifies this step, by seq_id."""
-        spec = self.speculative
-        decoding = [s for s in self.running if s.status is SequenceStatus.RUNNING and s.num_to_compute == 1]
-        if not decoding:
+        """The drafts each decoding sequence verifies this step, by seq_id (none without a speculator)."""
+        if self.speculator is None:
             return {}
-        k = spec.num_speculative_tokens
-        confidences = torch.zeros(len(decoding), k)
-        available = torch.zeros(len(decoding), dtype=torch.int64)
-        for i, seq in enumerate(decoding):
-            if seq.proposal is not None:
-                # Never past max_tokens: the step's tokens are the verified drafts and one more.
-                available[i] = max(0, min(len(seq.proposal.tokens), seq.max_tokens - seq.num_outputs - 1, k))
-                confidences[i, : len(seq.proposal.confidences)] = torch.tensor(seq.proposal.confidences[:k])
-        budget = min(spec.verify_budget or self.max_num_batched_tokens, self.max_num_batched_tokens)
-        if spec.schedule == "static":
-            counts = allocate_static(k, available, budget)
-        else:
-            counts = allocate_by_confidence(confidences, available, budget)
-        return {seq.seq_id: seq.proposal.tokens[:n] for seq, n in zip(decoding, counts.tolist(), strict=True) if n}
+        decoding = [s for s in self.running if s.status is SequenceStatus.RUNNING and s.num_to_compute == 1]
+        return self.speculator.plan(decoding, self.max_num_batched_tokens) if decoding else {}
 
     def _make_room(self, seq: Sequence, length: int) -> bool:
         """Preempt the newest running sequences until `seq` can have its blocks; False if `seq` itself went."""

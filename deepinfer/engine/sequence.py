@@ -15,7 +15,7 @@ from deepinfer.outputs import Logprob
 from deepinfer.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from deepinfer.engine.speculative import Proposal
+    from deepinfer.engine.speculator import Proposal
 
 PLACEHOLDER = -1  # an input token still being sampled by the step in flight
 

@@ -1,4 +1,4 @@
-"""The structured-outputs side of the model runner's `TokenConstraint` hook (deepinfer/engine/model_runner.py).
+"""The structured-outputs side of the engine's `TokenConstraint` hook (deepinfer/engine/token_constraint.py).
 
 The runner calls `fill(rows, drafts)` once per step, `accept(rows, tokens)` after sampling, `fill_next(rows, drafts)`
 while proposing DSpark drafts and `finish(seq_ids)` at the end; a row carries its `seq_id` and `params`
