@@ -17,14 +17,16 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from itertools import count
 
-from deepinfer.engine.block_manager import BlockManager, CacheLayout
+from deepinfer.engine.block_manager import BlockManager
 from deepinfer.engine.engine_args import EngineArgs
+from deepinfer.engine.memory import plan_caches
 from deepinfer.engine.model_runner import ModelRunner, RowInput, SampleRow, StepInput, StepOutput, TokenConstraint
 from deepinfer.engine.output_processor import OutputProcessor
-from deepinfer.engine.request import PromptType, Request, RequestError, check_prompt, tokenize_prompt
+from deepinfer.engine.request import Request, RequestError, check_prompt
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
 from deepinfer.engine.sequence import SequenceStatus
 from deepinfer.engine.speculative import Drafter, SpeculativeConfig
+from deepinfer.inputs import PromptType, parse_prompt
 from deepinfer.outputs import RequestMetrics, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from dsl.cache import CacheSpec, PagedCache
@@ -38,7 +40,6 @@ class LLMEngine:
     def __init__(self, compiled, tokenizer, args: EngineArgs, eos_token_ids: tuple[int, ...],
                  constraint: TokenConstraint | None = None, speculative: SpeculativeConfig | None = None) -> None:
         self.args, self.config = args, compiled.config
-        self.max_model_len = args.max_model_len or self.config.max_position_embeddings
         drafter = None
         if speculative is not None:
             drafter = Drafter(compiled, speculative, eos_token_ids, args.batch_invariant)
@@ -48,9 +49,8 @@ class LLMEngine:
         self.speculative = speculative
         # Rejected drafts are taken back: every ring keeps that many more positions.
         spec = CacheSpec.from_graph(compiled.graph, spare=speculative.num_speculative_tokens if speculative else 0)
-        self.layout = CacheLayout.plan(spec, args.cache_bytes, args.max_num_seqs, self.max_model_len, args.block_size)
-        logger.info("caches: %s", self.layout.describe())
         device = getattr(compiled, "device", "cpu") if compiled.target == "cpu" else "cuda"
+        self.layout, self.max_model_len = plan_caches(spec, args, self.config.max_position_embeddings, device)
         cache = PagedCache(spec, self.layout.num_slots, self.layout.num_blocks, self.layout.block_size, device)
         is_ready = getattr(constraint, "is_ready", None)  # structured outputs: a grammar compiling holds its request
         self.scheduler = Scheduler(BlockManager(self.layout), args.max_num_seqs, args.max_num_batched_tokens,
@@ -69,26 +69,32 @@ class LLMEngine:
         self.num_steps = 0
 
     def add_request(self, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None) -> str:
-        """Queue a request; returns its id. A request that cannot run finishes at once with its error."""
+        """Queue a request; returns its id. A request that cannot run (a malformed prompt, parameters that are not
+        a SamplingParams, ...) finishes at once with its error; nothing of it is queued."""
         request_id = str(next(self._ids))
+        metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
+        if not isinstance(params, SamplingParams):
+            params, error = SamplingParams(), f"sampling params must be a SamplingParams, got {type(params).__name__}"
+        else:
+            error = None
         # Seeds are drawn at submission, in order, so they do not depend on how requests are batched or fail.
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
-        request = Request(request_id, None, [], params, seed, metrics)
+        request = Request(request_id, prompt if isinstance(prompt, str) else None, [], params, seed, metrics)
         self.requests[request_id] = request
         try:
-            request.prompt, request.prompt_token_ids = tokenize_prompt(self.tokenizer, prompt)
+            if error is not None:
+                raise RequestError(error)
+            request.prompt, request.prompt_token_ids = parse_prompt(self.tokenizer, prompt)
             check_prompt(request.prompt_token_ids, self.config.vocab_size, self.max_model_len)
+            seqs = request.make_sequences(self.max_model_len)
         except RequestError as e:
             logger.warning("request %s failed: %s", request_id, e)
             self._fail(request, str(e))
-            if isinstance(prompt, str):
-                request.prompt = prompt
             return request_id
         # A constraint that can start early (structured outputs compile their grammar) does so now, while the
         # steps before this request's first sample run, rather than on the first fill.
         submit = getattr(self.runner.constraint, "submit", None)
-        for seq in request.make_sequences(self.max_model_len):
+        for seq in seqs:
             self.scheduler.add(seq)
             if submit is not None and params.structured_outputs is not None:
                 submit(seq.seq_id, params)
