@@ -57,7 +57,8 @@ def _default_max_model_len(spec: CacheSpec, args: EngineArgs, budget: int, free:
         return max_position_embeddings
     if holds < 2:
         raise ValueError(f"{budget_text[0].upper()}{budget_text[1:-1]} holds no sequence beside the slots of "
-                         f"max_num_seqs={args.max_num_seqs} sequences: raise kv_cache_memory_bytes or lower max_num_seqs")
+                         f"max_num_seqs={args.max_num_seqs} sequences: raise kv_cache_memory_bytes or lower "
+                         "max_num_seqs")
     if holds >= max_position_embeddings:
         logger.info("max_model_len %d: the config's max_position_embeddings; %s holds %d tokens beside %d "
                     "sequence slots", max_position_embeddings, budget_text, holds, args.max_num_seqs)
