@@ -210,11 +210,22 @@ class LLM:
             with tqdm(total=len(prompts), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar:
                 for out in self.engine.run():
                     bar.update(1)
-                    yield index[out.request_id], out
+                    i = index[out.request_id]
+                    self._add_prompt_logprobs(out, params_list[i])
+                    yield i, out
             finished = True
         finally:
             if not finished:  # stopped early (or failed): drop what is left rather than run it with the next call
                 self.engine.abort_all()
+
+    def _add_prompt_logprobs(self, out: RequestOutput, params: Any) -> None:
+        """Fill `out.prompt_logprobs` when its request asked for them (deepinfer/prompt_logprobs.py)."""
+        if out.error is None and isinstance(params, SamplingParams) and params.prompt_logprobs is not None:
+            from deepinfer.prompt_logprobs import prompt_logprobs
+
+            out.prompt_logprobs = prompt_logprobs(self.compiled, out.prompt_token_ids, params.prompt_logprobs,
+                                                  self.tokenizer, self.engine_args.max_num_batched_tokens,
+                                                  self.engine_args.batch_invariant)
 
     def _params_per_prompt(self, sampling_params: SamplingParams | Sequence[SamplingParams] | None,
                            num_prompts: int) -> list[SamplingParams]:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from deepinfer import logits_processors
 from deepinfer.outputs import Logprob
 from deepinfer.sampling_params import SamplingParams
 
@@ -122,10 +123,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: in
 
     `position` is the index in the whole sequence (prompt included) of the token being sampled; together with
     `seed` it keys the noise. `output_token_ids` are the tokens generated so far (penalties, min_tokens),
-    `prompt_token_ids` the prompt (repetition penalty). Until `min_tokens` tokens exist, eos (unless ignore_eos)
+    `prompt_token_ids` the prompt (repetition penalty). The request's own processors (allowed_token_ids, bad_words,
+    logit_bias: deepinfer/logits_processors.py) act first. Until `min_tokens` tokens exist, eos (unless ignore_eos)
     and the stop token ids are banned. Greedy (temperature 0) picks the argmax, ties to the lowest id.
     """
-    logits = apply_penalties(logits.to(torch.float64), params, output_token_ids, prompt_token_ids)
+    logits = logits_processors.apply(logits.to(torch.float64), params, output_token_ids)
+    logits = apply_penalties(logits, params, output_token_ids, prompt_token_ids)
     if len(output_token_ids) < params.min_tokens:
         banned = [*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]
         banned = [t for t in banned if t < logits.shape[-1]]
@@ -144,11 +147,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: in
 def plain_sampled(params: SamplingParams, num_outputs: int, vocab_size: int) -> bool:
     """Whether `sample` draws a row's next tokens from its temperature-scaled logits alone (`sample_plain` then
     draws them for many rows at once): not greedy, no penalty, no min_p / top_k / top_p cut, min_tokens reached
-    (`num_outputs` tokens so far), no log-probabilities asked for."""
+    (`num_outputs` tokens so far), no log-probabilities asked for, no processor of the request's own."""
     p = params
     return (not p.is_greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
             and p.frequency_penalty == 0.0 and p.min_p == 0.0 and not 0 < p.top_k < vocab_size and p.top_p >= 1.0
-            and num_outputs >= p.min_tokens and p.logprobs is None)
+            and num_outputs >= p.min_tokens and p.logprobs is None and not logits_processors.acts(p))
 
 
 def sample_plain(logits: torch.Tensor, temperatures: Sequence[float], seeds: Sequence[int],
@@ -207,20 +210,20 @@ def sample_plain_torch(logits: torch.Tensor, temperatures: Sequence[float], seed
 
 
 def top_logprobs(logits: torch.Tensor, token_id: int, num_logprobs: int) -> dict[int, Logprob]:
-    """The `num_logprobs` most likely tokens and `token_id` with their log-probabilities and ranks (1 = best).
+    """`token_id` and then the `num_logprobs` most likely tokens (-1: every token), with their log-probabilities and
+    ranks (1 = best), in vLLM's order: the sampled token first, then the others by rank.
 
     As vLLM by default, these are of the model's raw distribution (log_softmax of the logits), before penalties,
     temperature and truncation.
     """
     logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [V]
-    out: dict[int, Logprob] = {}
-    if num_logprobs > 0:
-        values, ids = torch.topk(logprobs, min(num_logprobs, logprobs.shape[-1]))
+    value = logprobs[token_id]
+    out = {token_id: Logprob(logprob=float(value), rank=int((logprobs > value).sum()) + 1)}
+    count = logprobs.shape[-1] if num_logprobs == -1 else min(num_logprobs, logprobs.shape[-1])
+    if count > 0:
+        values, ids = torch.topk(logprobs, count)
         for rank, (value, tid) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
-            out[tid] = Logprob(logprob=value, rank=rank)
-    if token_id not in out:
-        value = logprobs[token_id]
-        out[token_id] = Logprob(logprob=float(value), rank=int((logprobs > value).sum()) + 1)
+            out.setdefault(tid, Logprob(logprob=value, rank=rank))
     return out
 
 

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from itertools import count
 
+from deepinfer import logits_processors
 from deepinfer.engine.block_manager import BlockManager
 from deepinfer.engine.engine_args import EngineArgs
 from deepinfer.engine.memory import plan_caches
@@ -86,8 +87,9 @@ class LLMEngine:
                 raise RequestError(error)
             request.prompt, request.prompt_token_ids = parse_prompt(self.tokenizer, prompt)
             check_prompt(request.prompt_token_ids, self.config.vocab_size, self.max_model_len)
+            logits_processors.resolve(params, self.tokenizer, self.config.vocab_size)
             seqs = request.make_sequences(self.max_model_len)
-        except RequestError as e:
+        except ValueError as e:  # RequestError and the params' own checks against this model
             logger.warning("request %s failed: %s", request_id, e)
             self._fail(request, str(e))
             return request_id

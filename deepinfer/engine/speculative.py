@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from deepinfer import logits_processors
 from deepinfer.dspark import DraftHead, block_tokens, draft_probability
 from deepinfer.outputs import Logprob
 from deepinfer.sampler import as_allowed, plain_sampled, sample, sample_plain, top_logprobs
@@ -305,10 +306,10 @@ def step_picks(logits: torch.Tensor, rows: list[tuple[object, list[int], range]]
 
 def plain_greedy(sample_row, outputs: list[int]) -> bool:
     """Whether `sample` picks a row's every next token as the plain argmax of its logits: greedy, no penalty, no
-    token banned by min_tokens any more, no log-probabilities asked for."""
+    token banned by min_tokens any more, no log-probabilities asked for, no processor of the request's own."""
     p = sample_row.params
     return (p.is_greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and len(outputs) >= p.min_tokens and p.logprobs is None)
+            and len(outputs) >= p.min_tokens and p.logprobs is None and not logits_processors.acts(p))
 
 
 def verify(logits: torch.Tensor, allowed: torch.Tensor | None, sample_row, outputs: list[int], drafts: list[int],
