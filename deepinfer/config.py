@@ -319,12 +319,15 @@ class DeepseekV41Config:
             if f.name in kwargs and f.type in ("int", "float") and not _is_number(kwargs[f.name], f.type):
                 raise ConfigError(f"config field `{f.name}` must be {'an integer' if f.type == 'int' else 'a number'}"
                                   f", got {kwargs[f.name]!r}")
-        config = cls(**kwargs)
         missing = [name for name in SHAPE_FIELDS if name not in kwargs]
+        nor = f" (nor {', '.join(missing[1:])})" if missing[1:] else ""
+        absent = f"config has no `{missing[0]}`{nor}: the weights' shapes depend on it" if missing else ""
+        try:
+            config = cls(**kwargs)
+        except ConfigError as e:  # perhaps because the released model's value stood in for a missing field
+            raise ConfigError(f"{e}; {absent}" if missing else str(e)) from None
         if missing:
-            nor = f" (nor {', '.join(missing[1:])})" if missing[1:] else ""
-            raise ConfigError(f"config has no `{missing[0]}`{nor}: the weights' shapes depend on it, so a config.json "
-                              "must give it")
+            raise ConfigError(f"{absent}, so a config.json must give it")
         return config
 
     @classmethod
