@@ -89,3 +89,15 @@ def test_a_checkpoint_of_a_million_positions_opens_with_the_defaults(tmp_path: P
     assert 0 < llm.max_model_len == holds < 1 << 20  # what the budget holds, not the config's million
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)[0]
     assert out.error is None and len(out.outputs[0].token_ids) == 16
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_the_budget_is_a_share_of_the_memory_left_after_the_weights(caplog: pytest.LogCaptureFixture) -> None:
+    from tests.conftest import fixture_dir
+
+    with caplog.at_level(logging.INFO, logger="deepinfer.engine.memory"):
+        roomy = LLM(str(fixture_dir("v41-tiny")), target="sm90", max_num_seqs=4)
+        tight = LLM(str(fixture_dir("v41-tiny")), target="sm90", max_num_seqs=4, gpu_memory_utilization=1e-5)
+    assert "gpu_memory_utilization=0.9 of" in caplog.text and "gpu_memory_utilization=1e-05 of" in caplog.text
+    assert roomy.max_model_len == 1 << 20 and tight.max_model_len < 1 << 20  # 1e-5 of an H200: a MiB or so
+    assert tight.generate({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)[0].error is None
