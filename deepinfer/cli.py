@@ -210,8 +210,9 @@ def _check_paths(args: argparse.Namespace) -> None:
                          "results go to a file of their own")
 
 
-def _run(args: argparse.Namespace, todo: list, results: ResultsFile | None) -> dict[int, RequestOutput]:
-    """Build the LLM and run every request, writing each result to `results` as it finishes."""
+def _run(args: argparse.Namespace, todo: list, results: ResultsFile | None) -> tuple[dict[int, RequestOutput], float]:
+    """Build the LLM and run every request, writing each result to `results` as it finishes; the outputs by index,
+    and the seconds the requests took (loading not counted)."""
     from deepinfer.llm import LLM  # after argument checks: loading the model takes seconds
 
     try:
@@ -220,13 +221,13 @@ def _run(args: argparse.Namespace, todo: list, results: ResultsFile | None) -> d
         if results is not None:
             results.abandon()  # a failed start leaves no empty file behind
         raise
-    outputs = {}
+    start, outputs = time.perf_counter(), {}
     for index, out in llm.iter_generate([line.prompt for line, _ in todo], [p for _, p in todo],
                                         use_tqdm=not args.no_progress):
         outputs[index] = out
         if results is not None:
             results.write({"id": todo[index][0].id, **to_json(out)})
-    return outputs
+    return outputs, time.perf_counter() - start
 
 
 def generate(args: argparse.Namespace) -> int:
@@ -239,10 +240,7 @@ def generate(args: argparse.Namespace) -> int:
         failed = [record for record in failed if record["id"] not in results.done]
         for record in failed:
             results.write(record)
-    start, outputs = time.perf_counter(), {}
-    if todo:
-        outputs = _run(args, todo, results)
-    elapsed = time.perf_counter() - start
+    outputs, elapsed = _run(args, todo, results) if todo else ({}, 0.0)
     if results is None:
         for record in failed:
             print(f"Prompt: {record['prompt']!r}\nError: {record['error']}\n")

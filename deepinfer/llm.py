@@ -10,6 +10,7 @@ template (deepinfer/chat.py), `beam_search` runs vLLM's beam search over the eng
 from __future__ import annotations
 
 import gc
+import inspect
 import json
 import logging
 import os
@@ -40,7 +41,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["LLM", "DeviceUnavailableError", "PromptType", "RequestError"]
 
-_PARAMETERS = ("model", "target", "tokenizer", "constraint", "speculative_config", "device", "fp8_activations")
 _GPU_ARCH = {"sm90": (9, "Hopper"), "sm100": (10, "Blackwell")}  # target -> compute capability major, family
 # generation_config.json keys a checkpoint may set, and the SamplingParams field each is
 _GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
@@ -101,7 +101,8 @@ class LLM:
                  tokenizer: str | None = None, constraint: TokenConstraint | None = None,
                  speculative_config: dict | None = None, device: str = "cpu", fp8_activations: bool = False,
                  **kwargs: Any) -> None:
-        self.engine_args = EngineArgs.from_kwargs(kwargs, "LLM()", _PARAMETERS)
+        own = [name for name in inspect.signature(LLM.__init__).parameters if name not in ("self", "kwargs")]
+        self.engine_args = EngineArgs.from_kwargs(kwargs, "LLM()", own)
         speculative = SpeculativeConfig.from_dict(speculative_config)
         check_target(target, device)
         network = self._load(model, tokenizer)

@@ -51,19 +51,18 @@ def _default_max_model_len(spec: CacheSpec, args: EngineArgs, budget: int, free:
     else:
         where = "the cpu target's default"
     holds = CacheLayout.longest_sequence(spec, budget, args.max_num_seqs, args.block_size)
-    budget_text = f"the cache budget, {budget / 2**20:.0f} MiB ({where}),"
+    budget_text = f"{budget / 2**20:.0f} MiB ({where})"
     if holds is None:  # no compressed caches: a sequence needs its slot only
         logger.info("max_model_len %d: the config's max_position_embeddings", max_position_embeddings)
         return max_position_embeddings
     if holds < 2:
-        raise ValueError(f"{budget_text[0].upper()}{budget_text[1:-1]} holds no sequence beside the slots of "
-                         f"max_num_seqs={args.max_num_seqs} sequences: raise kv_cache_memory_bytes or lower "
-                         "max_num_seqs")
+        raise ValueError(f"a cache budget of {budget_text} holds no sequence beside the slots of max_num_seqs="
+                         f"{args.max_num_seqs} sequences: raise kv_cache_memory_bytes or lower max_num_seqs")
     if holds >= max_position_embeddings:
-        logger.info("max_model_len %d: the config's max_position_embeddings; %s holds %d tokens beside %d "
-                    "sequence slots", max_position_embeddings, budget_text, holds, args.max_num_seqs)
+        logger.info("max_model_len %d: the config's max_position_embeddings; the cache budget of %s holds %d tokens "
+                    "beside %d sequence slots", max_position_embeddings, budget_text, holds, args.max_num_seqs)
         return max_position_embeddings
-    logger.warning("max_model_len %d: the longest sequence %s holds beside %d sequence slots; the config allows %d "
-                   "(raise kv_cache_memory_bytes or lower max_num_seqs for more)", holds, budget_text,
-                   args.max_num_seqs, max_position_embeddings)
+    logger.warning("max_model_len %d: the longest sequence the cache budget of %s holds beside %d sequence slots; "
+                   "the config allows %d (raise kv_cache_memory_bytes or lower max_num_seqs for more)", holds,
+                   budget_text, args.max_num_seqs, max_position_embeddings)
     return holds
