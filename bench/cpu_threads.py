@@ -2,8 +2,8 @@
 
     python bench/cpu_threads.py --threads 1 2 --repeat 3
 
-Each thread count runs in a process of its own (torch's thread pool is set once, before the model loads): the
-embedded model, 4 prompts of 16 greedy tokens, after one warm-up batch.
+Each thread count runs in a process of its own with OMP_NUM_THREADS set to it (which the cpu target then keeps):
+the embedded model, 4 prompts of 16 greedy tokens, after one warm-up batch.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ import subprocess
 import sys
 
 RUN = """
-import sys, time, torch
-torch.set_num_threads(int(sys.argv[1]))
+import sys, time
 from deepinfer import LLM, SamplingParams
 llm = LLM()
-torch.set_num_threads(int(sys.argv[1]))  # LLM() chose its own; this run measures the given count
 params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 llm.generate(["def fib(n):"] * 4, params, use_tqdm=False)
 for _ in range(int(sys.argv[2])):
@@ -36,7 +34,7 @@ def main() -> None:
     for threads in args.threads:
         load = os.getloadavg()[0]
         run = subprocess.run([sys.executable, "-c", RUN, str(threads), str(args.repeat)], capture_output=True,
-                             text=True, check=True)
+                             text=True, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
         print(f"threads {threads}: load {load:.1f} before, seconds per batch {' '.join(run.stdout.split())}")
 
 

@@ -4,12 +4,15 @@ torch's default is one thread per core, which is right on an idle machine and ru
 threads spin waiting for one another, and a thread that shares its core with another process holds up every op of
 the forward (bench/RESULTS.md has the figures). So the cpu target uses the cores this process may run on less the
 ones other processes keep busy (the one-minute load average, less this process's own running thread), at least one.
-`OMP_NUM_THREADS`, when set, decides instead.
+`OMP_NUM_THREADS`, when set, decides instead. The count holds while the model compiles and while a `generate` runs
+(`cpu_threads`), and torch's own count comes back after, so the rest of the process is left as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -27,12 +30,26 @@ def choose_threads(cores: int, load: float) -> int:
     return max(1, min(cores, round(cores - busy)))
 
 
-def set_cpu_threads() -> str:
-    """Set torch's thread count for the cpu target; returns what was chosen and why, for the model's log line."""
+def choose_cpu_threads() -> tuple[int | None, str]:
+    """(threads, what was chosen and why) for the cpu target; None threads: leave torch's count (OMP_NUM_THREADS)."""
     if os.environ.get("OMP_NUM_THREADS"):
-        return f"{torch.get_num_threads()} threads (OMP_NUM_THREADS)"
+        return None, f"{torch.get_num_threads()} threads (OMP_NUM_THREADS)"
     cores = usable_cores()
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
     threads = choose_threads(cores, load)
+    plural = "s" if threads > 1 else ""
+    return threads, f"{threads} thread{plural} ({cores} cores, load {load:.1f}; OMP_NUM_THREADS sets it)"
+
+
+@contextlib.contextmanager
+def cpu_threads(threads: int | None) -> Iterator[None]:
+    """torch runs on `threads` threads inside the block (None: as it is), and on its own count again after it."""
+    if threads is None:
+        yield
+        return
+    before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    return f"{threads} thread{'s' if threads > 1 else ''} ({cores} cores, load {load:.1f}; OMP_NUM_THREADS sets it)"
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from deepinfer.compile import compile as compile_model
-from deepinfer.cpu_threads import set_cpu_threads
+from deepinfer.cpu_threads import choose_cpu_threads, cpu_threads
 from deepinfer.engine import EngineArgs, LLMEngine, TokenConstraint
 from deepinfer.engine.request import RequestError
 from deepinfer.engine.speculative import SpeculativeConfig
@@ -94,7 +94,8 @@ class LLM:
     mode). `device` runs the cpu target's torch code elsewhere ("cuda": eagerly on a GPU). `fp8_activations` (GPU
     targets) rounds the inputs of the fp8-weight linears to e4m3 for the fp8 tensor cores (`deepinfer.compile`):
     faster prefill, not the reference's exact products. On the cpu target the thread count is chosen from the
-    cores left idle (deepinfer/cpu_threads.py); the model, its size and the threads are logged in one line.
+    cores left idle (deepinfer/cpu_threads.py), for compiling and generating; the model, its size and the threads
+    are logged in one line.
     """
 
     def __init__(self, model: str | os.PathLike | DeepseekV41Flash | None = None, target: str = "cpu",
@@ -115,10 +116,11 @@ class LLM:
                 raise ValueError(f"device={device!r} runs the cpu target's torch code on that device; target "
                                  f"{target!r} chooses its own")
             options["device"] = device
-        threads = set_cpu_threads() if target == "cpu" and device == "cpu" else None
+        self._threads, threads = choose_cpu_threads() if target == "cpu" and device == "cpu" else (None, "")
         logger.info("model: %s; target %s%s", describe_model(network, embedded=model is None), target,
                     f", {threads}" if threads else "")
-        self.compiled = compile_model(network, target=target, **options)
+        with cpu_threads(self._threads):
+            self.compiled = compile_model(network, target=target, **options)
         eos = self.config.eos_token_ids or (self.tokenizer.eos_token_id,)
         self.eos_token_ids = tuple(t for t in eos if t is not None and 0 <= t < self.config.vocab_size)
         if constraint is None:
@@ -208,7 +210,8 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 index[self.engine.add_request(prompt, params, arrival)] = i
-            with tqdm(total=len(prompts), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar:
+            with cpu_threads(self._threads), tqdm(total=len(prompts), desc="Processed prompts", unit="req",
+                                                  disable=not use_tqdm) as bar:
                 for out in self.engine.run():
                     bar.update(1)
                     i = index[out.request_id]

@@ -82,7 +82,7 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < -1):
+            if value is not None and (not _is_int(value) or value < -1):  # -1: the whole vocabulary
                 raise ValueError(f"{name} must be an integer >= 0, -1 (the whole vocabulary) or None, got {value!r}")
         self._check_processors()
         for name in ("presence_penalty", "frequency_penalty"):
@@ -100,9 +100,9 @@ class SamplingParams:
                              f"got {type(self.structured_outputs).__name__}")
         if self.structured_outputs is not None and (self.stop or self.stop_token_ids):
             # A stop inside the constrained text would end it short of its grammar, reported as "stop".
-            raise ValueError("stop and stop_token_ids do not combine with structured_outputs: the grammar decides where "
-                             "a constrained completion ends, and a stop string or token inside it would cut the output "
-                             "short of its schema, regex or grammar")
+            raise ValueError("stop and stop_token_ids do not combine with structured_outputs: the grammar decides "
+                             "where a constrained completion ends, and a stop string or token inside it would cut the "
+                             "output short of its schema, regex or grammar")
 
     def _check_processors(self) -> None:
         """logit_bias, allowed_token_ids and bad_words; ids are checked against the vocabulary at submission."""
@@ -113,7 +113,7 @@ class SamplingParams:
             for key, value in self.logit_bias.items():
                 token = int(key) if isinstance(key, str) and key.isdigit() else key  # JSON keys are strings
                 if not _is_int(token) or token < 0 or not _is_real(value):
-                    raise ValueError(f"logit_bias maps token ids (integers >= 0) to finite numbers, got "
+                    raise ValueError(f"logit_bias must be a dict of token ids (integers >= 0) to finite numbers, got "
                                      f"{key!r}: {value!r}")
                 bias[token] = float(value)
             self.logit_bias = bias

@@ -34,7 +34,8 @@ def test_bad_requests_of_any_kind_fail_alone_with_a_message_naming_them(llm: LLM
     params = [GREEDY] * 7 + [GREEDY, {"temperature": 0}]  # the last good prompt: params that are not SamplingParams
     outs = llm.generate(requests, params, use_tqdm=False)
     expected = [None, "prompt_token_ids must be a list of token ids, got int",
-                "not valid Unicode text: a lone surrogate U+D800 at character 1", "the prompt must be a string, got int",
+                "not valid Unicode text: a lone surrogate U+D800 at character 1",
+                "the prompt must be a string, got int",
                 "prompt keys ['images'] are not supported", None, "prompt token id 1.5 is outside the vocabulary",
                 "a prompt is a string", "sampling params must be a SamplingParams, got dict"]
     for out, needle in zip(outs, expected, strict=True):
@@ -101,15 +102,25 @@ def test_a_missing_model_folder_is_named(tmp_path) -> None:
 
 def test_one_line_names_the_model_its_size_and_the_threads(caplog: pytest.LogCaptureFixture) -> None:
     threads = torch.get_num_threads()
-    try:
-        with caplog.at_level(logging.INFO, logger="deepinfer.llm"):
-            LLM(max_num_seqs=2)
-    finally:
-        torch.set_num_threads(threads)
+    with caplog.at_level(logging.INFO, logger="deepinfer.llm"):
+        llm = LLM(max_num_seqs=2)
+    assert torch.get_num_threads() == threads  # the chosen count holds while the model compiles and generates only
+    seen = []
+    llm.engine.runner.compiled.step = _recording(llm.engine.runner.compiled.step, seen)
+    llm.generate("def f():", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert set(seen) == {llm._threads or threads} and torch.get_num_threads() == threads
     (line,) = [r.getMessage() for r in caplog.records if r.name == "deepinfer.llm"]
     assert "the embedded default, a tiny DeepSeek-V4.1-Flash of 11.2M parameters" in line
     assert "trained on the Python standard library's sources" in line and "target cpu, " in line
     assert " thread" in line and "cores, load" in line
+
+
+def _recording(step, seen: list[int]):
+    def recorded(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return step(*args, **kwargs)
+
+    return recorded
 
 
 def test_threads_are_the_cores_other_processes_leave_idle() -> None:

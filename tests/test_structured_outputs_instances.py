@@ -83,8 +83,9 @@ def test_the_finite_check_reads_recursion_that_ends() -> None:
     for text in ['root ::= "(" root ")" | "x"', 'root ::= ("a" root)?', 'root ::= [a-z]+ ("," root)*']:
         known, names = productive_rules(str(xgr.Grammar.from_ebnf(text)))
         assert "root" in known and known == names, text
-    json_grammar = str(xgr.Grammar.from_json_schema(json.dumps(
-        {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}, "required": ["next"]})))
+    linked = {"type": "object", "properties": {"next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+              "required": ["next"]}
+    json_grammar = str(xgr.Grammar.from_json_schema(json.dumps(linked)))
     assert "root" in productive_rules(json_grammar)[0]
 
 

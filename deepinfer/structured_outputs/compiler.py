@@ -1,4 +1,4 @@
-"""Compiling constraints into xgrammar grammars: off the engine's loop, at most `max_workers` at once, cached by content.
+"""Compiling constraints into xgrammar grammars: off the engine's loop, `max_workers` at once, cached by content.
 
 `submit` returns at once with a future; requests with the same constraint share one compilation (the cache holds
 futures, so a second request arriving mid-compilation waits for the first's). Each compilation runs on a daemon
