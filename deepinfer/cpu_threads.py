@@ -4,7 +4,7 @@ torch's default is one thread per core, which is right on an idle machine and ru
 threads spin waiting for one another, and a thread that shares its core with another process holds up every op of
 the forward (bench/RESULTS.md has the figures). So the cpu target uses the cores this process may run on less the
 ones other processes keep busy (the one-minute load average, less this process's own running thread), at least one.
-`OMP_NUM_THREADS`, when set, decides instead. The count holds while the model compiles and while a `generate` runs
+`OMP_NUM_THREADS`, when set, decides instead. The count holds while the model compiles and while the engine runs
 (`cpu_threads`), and torch's own count comes back after, so the rest of the process is left as it was.
 """
 

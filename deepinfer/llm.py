@@ -127,6 +127,7 @@ class LLM:
             constraint = StructuredOutputConstraint(self._structured_output_manager)
         self.engine = LLMEngine(self.compiled, self.tokenizer, self.engine_args, self.eos_token_ids, constraint,
                                 speculative)
+        self.engine.threads = self._threads
         self.max_model_len = self.engine.max_model_len
         # The model's many long-lived objects leave the collector's view, as vLLM does: a full collection over them
         # mid-step cost up to 10 ms a step here. Garbage goes first, so nothing dead is frozen.
@@ -210,8 +211,7 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 index[self.engine.add_request(prompt, params, arrival)] = i
-            with cpu_threads(self._threads), tqdm(total=len(prompts), desc="Processed prompts", unit="req",
-                                                  disable=not use_tqdm) as bar:
+            with tqdm(total=len(prompts), desc="Processed prompts", unit="req", disable=not use_tqdm) as bar:
                 for out in self.engine.run():
                     bar.update(1)
                     i = index[out.request_id]

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from itertools import count
 
 from deepinfer import logits_processors
+from deepinfer.cpu_threads import cpu_threads
 from deepinfer.engine.block_manager import BlockManager
 from deepinfer.engine.engine_args import EngineArgs
 from deepinfer.engine.memory import plan_caches
@@ -68,6 +69,7 @@ class LLMEngine:
         self._seeds = random.Random(args.seed)
         self._ids = count()
         self.num_steps = 0
+        self.threads: int | None = None  # torch's thread count while running (the cpu target's choice), else as is
 
     def add_request(self, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None) -> str:
         """Queue a request; returns its id. A request that cannot run (a malformed prompt, parameters that are not
@@ -104,7 +106,7 @@ class LLMEngine:
 
     def run(self) -> Iterator[RequestOutput]:
         """Run until every queued request is finished, yielding each one's output when it finishes."""
-        with ThreadPoolExecutor(1, thread_name_prefix="deepinfer-scheduler") as helper:
+        with cpu_threads(self.threads), ThreadPoolExecutor(1, thread_name_prefix="deepinfer-scheduler") as helper:
             last: tuple[list[ScheduledChunk], StepOutput] | None = None  # a step whose tokens are not taken yet
             chunks = self._schedule()
             while True:
