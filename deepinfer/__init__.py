@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+import importlib
+
 from deepinfer import models
 from deepinfer.compile import compile, load  # `compile`: the public name, as torch.compile
+from deepinfer.default_model import default_checkpoint
+from deepinfer.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured_outputs import StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "compile", "load", "models"]
+__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "EngineArgs", "Logprob", "RequestOutput", "SamplingParams",
+           "StructuredOutputsParams", "TextPrompt", "TokensPrompt", "compile", "default_checkpoint", "load", "models"]
+
+# Resolved on first use: they bring in the engine, the tokenizer and the progress bar, which compiling does not need.
+_LAZY = {"LLM": "deepinfer.llm", "BeamSearchParams": "deepinfer.beam_search", "EngineArgs": "deepinfer.engine",
+         "TextPrompt": "deepinfer.inputs", "TokensPrompt": "deepinfer.inputs"}
 
 
 def __getattr__(name: str):
-    # `LLM` is resolved on first use: it brings in the tokenizer and the progress bar, which compiling does not need.
-    if name == "LLM":
-        from deepinfer.llm import LLM
-
-        return LLM
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'deepinfer' has no attribute {name!r}")

@@ -57,10 +57,10 @@ def run_once(llm, args: EngineArgs, batch: int, input_len: int, output_len: int,
 def bench(args: argparse.Namespace) -> int:
     """Run the grid and print one row per configuration. Runs go round the grid `--repeat` times, so a load that
     comes and goes (a shared machine) weighs on every configuration alike."""
-    from deepinfer.cli import engine_kwargs
+    from deepinfer.cli import llm_kwargs
     from deepinfer.llm import LLM
 
-    llm = LLM(args.model, target=args.target, fp8_activations=args.fp8_activations, **engine_kwargs(args))
+    llm = LLM(**llm_kwargs(args))
     base = llm.engine_args
     asyncs = [_ON_OFF[a] for a in args.async_grid] if args.async_grid else [base.async_scheduling]
     invariants = [_ON_OFF[b] for b in args.invariant_grid] if args.invariant_grid else [base.batch_invariant]

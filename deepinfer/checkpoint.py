@@ -220,11 +220,38 @@ def check_weights(tensors: dict[str, torch.Tensor], specs: dict[str, WeightSpec]
         raise CheckpointError(f"{where} does not match the config: " + "; ".join(parts))
 
 
+def _num_not_finite(t: torch.Tensor, chunk: int = 1 << 24) -> int:
+    """How many values of a stored tensor are NaN or inf, counted a chunk at a time (the checkpoint is memory-mapped:
+    no second copy of a large tensor is made). fp8 e4m3 and e8m0 have a NaN code and no inf; packed fp4 has
+    neither, nor have integer tensors."""
+    if t.dtype == torch.float8_e4m3fn:
+        def bad(x: torch.Tensor) -> torch.Tensor:
+            return (x.view(torch.uint8) & 0x7F) == 0x7F
+    elif t.dtype == torch.float8_e8m0fnu:
+        def bad(x: torch.Tensor) -> torch.Tensor:
+            return x.view(torch.uint8) == 0xFF
+    elif t.is_floating_point():
+        def bad(x: torch.Tensor) -> torch.Tensor:
+            return ~torch.isfinite(x)
+    else:
+        return 0
+    flat = t.reshape(-1)
+    return sum(int(bad(flat[i:i + chunk]).sum()) for i in range(0, flat.numel(), chunk))
+
+
+def check_finite(tensors: dict[str, torch.Tensor], where: str = "checkpoint") -> None:
+    """Raise `CheckpointError` naming every tensor holding NaN or inf (they would make every logit NaN)."""
+    bad = [f"{name} ({n} of {t.numel()} values)" for name, t in tensors.items() if (n := _num_not_finite(t))]
+    if bad:
+        raise CheckpointError(f"{where} has NaN or inf values in {len(bad)} tensor(s): {_listing(bad)}")
+
+
 # --- public API -----------------------------------------------------------------------------------------------
 
 
 def load_checkpoint(path: str | os.PathLike, config: DeepseekV41Config | None = None) -> dict[str, torch.Tensor]:
-    """Read every tensor of a V4.1 checkpoint under its canonical name and check it against `config`.
+    """Read every tensor of a V4.1 checkpoint under its canonical name, check it against `config` and check that
+    every value is finite.
 
     `path` is a model directory, an index file or a single `.safetensors` file; `config` defaults to the
     directory's `config.json`. Raises `CheckpointError` naming the file or tensors at fault.
@@ -235,6 +262,7 @@ def load_checkpoint(path: str | os.PathLike, config: DeepseekV41Config | None = 
     tensors = _read_tensors(_weight_map(path))
     specs = expected_weights(config)
     check_weights(tensors, specs, where=f"checkpoint {path}")
+    check_finite(tensors, where=f"checkpoint {path}")
     for name, t in tensors.items():
         if t.dtype in (torch.int8, torch.float4_e2m1fn_x2) and name in specs:
             tensors[name] = t.view(torch.uint8)  # one dtype for packed fp4 codes, whatever the writer used

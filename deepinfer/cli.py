@@ -4,6 +4,8 @@
 one line per finished request and resumes where a killed run stopped (deepinfer/results_file.py).
 `deepinfer bench` measures throughput on synthetic prompts and prints a table (deepinfer/benchmark.py).
 `deepinfer autotune` tunes the kernels of a config on this GPU (deepinfer/autotune_cli.py).
+An ordinary mistake (a missing file or model folder, a target without its GPU, a bad flag value) ends the command
+with one line naming it and exit status 1, never a traceback.
 """
 
 from __future__ import annotations
@@ -12,11 +14,13 @@ import argparse
 import hashlib
 import json
 import logging
+import os
 import sys
 import time
 from typing import Any
 
-from deepinfer.outputs import RequestOutput
+from deepinfer.config import ConfigError
+from deepinfer.outputs import Logprob, RequestOutput
 from deepinfer.results_file import InputLine, ResultsFile, read_inputs
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured_outputs.params import StructuredOutputsParams
@@ -42,14 +46,36 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once")
     engine.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens per forward")
     engine.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="cache budget in bytes")
+    engine.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="GPU targets: share of the memory left after the weights that the caches take (0.9)")
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     engine.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None)
+    drafting = engine.add_mutually_exclusive_group()
+    drafting.add_argument("--dspark", type=int, default=None, metavar="K",
+                          help="DSpark drafting with the model's draft layers, K drafts per step (off by default)")
+    drafting.add_argument("--speculative-config", default=None, metavar="JSON",
+                          help='DSpark settings as LLM(speculative_config=...), e.g. \'{"method": "dspark", '
+                               '"num_speculative_tokens": 3, "schedule": "static"}\'')
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes", "async_scheduling",
-             "batch_invariant")
+    names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
+             "gpu_memory_utilization", "async_scheduling", "batch_invariant")
     return {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+
+
+def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """LLM's keyword arguments from the engine flags (`add_engine_flags`)."""
+    kwargs = {"model": args.model, "target": args.target, "fp8_activations": args.fp8_activations,
+              **engine_kwargs(args)}
+    if args.dspark is not None:
+        kwargs["speculative_config"] = {"method": "dspark", "num_speculative_tokens": args.dspark}
+    elif args.speculative_config is not None:
+        try:
+            kwargs["speculative_config"] = json.loads(args.speculative_config)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"deepinfer: --speculative-config is not JSON: {e}") from None
+    return kwargs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--n", type=int, default=None, help="completions per prompt")
     sampling.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     sampling.add_argument("--ignore-eos", action="store_true", default=None)
-    sampling.add_argument("--logprobs", type=int, default=None, help="top log-probabilities per token")
+    sampling.add_argument("--logprobs", type=int, default=None,
+                          help="top log-probabilities per generated token, written into each --output record "
+                               "(-1: the whole vocabulary)")
     constrain = gen.add_argument_group("structured outputs (one at most; a JSONL line's own constraint wins)")
     constrain.add_argument("--json-schema", default=None, help="a JSON schema, inline or @file")
     constrain.add_argument("--regex", default=None, help="a regular expression the completion must match")
@@ -94,13 +122,28 @@ def id_seed(line_id: Any) -> int:
     return int.from_bytes(hashlib.blake2b(json.dumps(line_id).encode(), digest_size=8).digest(), "little") >> 1
 
 
+def _logprobs_json(steps: list[dict[int, Logprob] | None] | None) -> list | None:
+    """Per token, its candidates in order (the sampled or prompt token first, as vLLM), as JSON objects."""
+    if steps is None:
+        return None
+    return [None if step is None else [{"token_id": t, "logprob": lp.logprob, "rank": lp.rank,
+                                        "decoded_token": lp.decoded_token} for t, lp in step.items()]
+            for step in steps]
+
+
 def to_json(out: RequestOutput) -> dict[str, Any]:
-    """One result as a JSON-ready dict."""
-    return {"request_id": out.request_id, "prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
-            "seed": out.seed, "error": out.error,
-            "outputs": [{"index": c.index, "text": c.text, "token_ids": c.token_ids,
-                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                         "cumulative_logprob": c.cumulative_logprob} for c in out.outputs]}
+    """One result as a JSON-ready dict; log-probabilities only when they were asked for."""
+    record = {"request_id": out.request_id, "prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
+              "seed": out.seed, "error": out.error, "outputs": []}
+    if getattr(out, "prompt_logprobs", None) is not None:
+        record["prompt_logprobs"] = _logprobs_json(out.prompt_logprobs)
+    for c in out.outputs:
+        completion = {"index": c.index, "text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                      "stop_reason": c.stop_reason, "cumulative_logprob": c.cumulative_logprob}
+        if c.logprobs is not None:
+            completion["logprobs"] = _logprobs_json(c.logprobs)
+        record["outputs"].append(completion)
+    return record
 
 
 def print_result(out: RequestOutput) -> None:
@@ -133,8 +176,8 @@ def _constraint_flags(args: argparse.Namespace) -> dict[str, Any] | None:
     return given or None
 
 
-def _requests(args: argparse.Namespace, results: ResultsFile | None) -> tuple[list, list[dict[str, Any]]]:
-    """(line, SamplingParams) of every request still to run, and error records for lines whose fields are bad."""
+def _requests(args: argparse.Namespace) -> tuple[list, list[dict[str, Any]]]:
+    """(line, SamplingParams) of every request still to run, and error records for lines that cannot run."""
     lines = [InputLine(f"arg{i}", prompt, {}) for i, prompt in enumerate(args.prompts, start=1)]
     if args.input:
         lines += read_inputs(args.input)
@@ -149,33 +192,58 @@ def _requests(args: argparse.Namespace, results: ResultsFile | None) -> tuple[li
         raise SystemExit(f"deepinfer generate: {e}") from None
     todo, failed = [], []
     for line in lines:
-        if results is not None and line.id in results.done:
-            continue  # finished by an earlier run
         try:
+            if line.error is not None:
+                raise ValueError(line.error)
             todo.append((line, _params(line, flags)))
         except (ValueError, TypeError) as e:  # a bad line fails alone
-            failed.append({"id": line.id, "prompt": line.prompt, "error": f"bad sampling fields: {e}", "outputs": []})
+            error = str(e) if line.error is not None else f"bad sampling fields: {e}"
+            failed.append({"id": line.id, "prompt": line.prompt or None, "error": error, "outputs": []})
     return todo, failed
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """The input must exist and differ from the output (a run would read the results it writes)."""
+    if args.input is None:
+        return
+    if not os.path.isfile(args.input):
+        raise SystemExit(f"deepinfer generate: --input {args.input}: no such file")
+    if args.output is not None and os.path.exists(args.output) and os.path.samefile(args.input, args.output):
+        raise SystemExit(f"deepinfer generate: --input and --output are the same file ({args.output}); the "
+                         "results go to a file of their own")
+
+
+def _run(args: argparse.Namespace, todo: list, results: ResultsFile | None) -> tuple[dict[int, RequestOutput], float]:
+    """Build the LLM and run every request, writing each result to `results` as it finishes; the outputs by index,
+    and the seconds the requests took (loading not counted)."""
+    from deepinfer.llm import LLM  # after argument checks: loading the model takes seconds
+
+    try:
+        llm = LLM(**llm_kwargs(args))
+    except BaseException:
+        if results is not None:
+            results.abandon()  # a failed start leaves no empty file behind
+        raise
+    start, outputs = time.perf_counter(), {}
+    for index, out in llm.iter_generate([line.prompt for line, _ in todo], [p for _, p in todo],
+                                        use_tqdm=not args.no_progress):
+        outputs[index] = out
+        if results is not None:
+            results.write({"id": todo[index][0].id, **to_json(out)})
+    return outputs, time.perf_counter() - start
 
 
 def generate(args: argparse.Namespace) -> int:
     """`deepinfer generate`: print the completions, or append them to --output as they finish."""
+    _check_paths(args)
+    todo, failed = _requests(args)
     results = ResultsFile(args.output) if args.output else None
-    todo, failed = _requests(args, results)
-    for record in failed if results is not None else []:
-        results.write(record)
-    start, outputs = time.perf_counter(), {}
-    if todo:
-        from deepinfer.llm import LLM  # after argument checks: loading the model takes seconds
-
-        llm = LLM(args.model, target=args.target, fp8_activations=args.fp8_activations, **engine_kwargs(args))
-        start = time.perf_counter()
-        for index, out in llm.iter_generate([line.prompt for line, _ in todo], [p for _, p in todo],
-                                            use_tqdm=not args.no_progress):
-            outputs[index] = out
-            if results is not None:
-                results.write({"id": todo[index][0].id, **to_json(out)})
-    elapsed = time.perf_counter() - start
+    if results is not None:  # the ids an earlier run finished are skipped
+        todo = [(line, p) for line, p in todo if line.id not in results.done]
+        failed = [record for record in failed if record["id"] not in results.done]
+        for record in failed:
+            results.write(record)
+    outputs, elapsed = _run(args, todo, results) if todo else ({}, 0.0)
     if results is None:
         for record in failed:
             print(f"Prompt: {record['prompt']!r}\nError: {record['error']}\n")
@@ -190,16 +258,25 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line; returns the exit status (1 when a request failed)."""
+    """Run the command line; returns the exit status (1 when a request failed or the command could not start)."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="deepinfer: %(levelname)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("deepinfer.engine").setLevel(logging.INFO)  # the cache layout the budget bought
-    if args.command == "bench":
-        from deepinfer.benchmark import bench
+    logging.getLogger("deepinfer.llm").setLevel(logging.INFO)  # the model line: which model, its size, the target
+    try:
+        if args.command == "bench":
+            from deepinfer.benchmark import bench
 
-        return bench(args)
-    if args.command == "autotune":
-        from deepinfer.autotune_cli import autotune
+            return bench(args)
+        if args.command == "autotune":
+            from deepinfer.autotune_cli import autotune
 
-        return autotune(args)
-    return generate(args)
+            return autotune(args)
+        return generate(args)
+    except (ConfigError, ValueError, NotImplementedError, OSError) as e:
+        raise SystemExit(f"deepinfer: error: {e}") from None
+    except RuntimeError as e:
+        from deepinfer.llm import DeviceUnavailableError
+
+        if isinstance(e, DeviceUnavailableError):
+            raise SystemExit(f"deepinfer: error: {e}") from None
+        raise

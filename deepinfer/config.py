@@ -23,6 +23,15 @@ _SCHEDULE_FIELDS = ("compress_ratios", "kv_source_layer_ids", "index_source_laye
                     "dspark_target_layer_ids")
 
 
+# Fields that must be finite and > 0: a rope theta of 0 or a negative epsilon gives NaN or garbage, silently.
+_POSITIVE_NUMBERS = ("rope_theta", "compress_rope_theta", "rms_norm_eps", "hc_eps", "gate_temp",
+                     "routed_scaling_factor", "swiglu_limit")
+# Fields every weight's shape depends on: a config.json without one would load the released model's value and
+# report hundreds of misshapen tensors instead of the missing field.
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "head_dim", "q_lora_rank",
+                "o_groups", "o_lora_rank", "moe_intermediate_size", "n_routed_experts")
+
+
 class ConfigError(ValueError):
     """A config.json that is missing a field, has a wrong type, or is inconsistent."""
 
@@ -101,6 +110,7 @@ class DeepseekV41Config:
         if isinstance(self.eos_token_id, list):
             set_(self, "eos_token_id", tuple(self.eos_token_id))
         self._check_sizes()
+        self._check_values()
         n, n_nextn = self.num_hidden_layers, self.num_nextn_predict_layers
 
         ratios = self.compress_ratios
@@ -181,6 +191,40 @@ class DeepseekV41Config:
         if self.hidden_act != "silu":
             raise ConfigError(f"`hidden_act` {self.hidden_act!r} is not supported (only 'silu')")
 
+    def _check_values(self) -> None:
+        """Numbers that must be positive and finite, and token ids that must be ids."""
+        for name in _POSITIVE_NUMBERS:
+            value = getattr(self, name)
+            if not _is_number(value, "float") or value <= 0:
+                raise ConfigError(f"config field `{name}` must be a finite number > 0, got {value!r}")
+        for name in ("max_position_embeddings", "dspark_block_size", "engram_n_heads", "engram_head_dim",
+                     "engram_vocab_size", "dspark_markov_rank", "dspark_n_routed_experts",
+                     "dspark_num_experts_per_tok"):
+            value = getattr(self, name)
+            if not _is_number(value, "int") or value < 1:
+                raise ConfigError(f"config field `{name}` must be a positive integer, got {value!r}")
+        if not _is_number(self.n_shared_experts, "int") or self.n_shared_experts < 0:
+            raise ConfigError(f"config field `n_shared_experts` must be an integer >= 0, got {self.n_shared_experts!r}")
+        if self.engram_layer_ids and (not _is_number(self.engram_max_ngram_size, "int")
+                                      or self.engram_max_ngram_size < 2):
+            raise ConfigError(f"config field `engram_max_ngram_size` must be an integer >= 2 (n-grams of 2 or more "
+                              f"tokens), got {self.engram_max_ngram_size!r}")
+        for name in ("bos_token_id", "pad_token_id", "engram_pad_id"):
+            value = getattr(self, name)
+            if value is not None and (not _is_number(value, "int") or value < 0):
+                raise ConfigError(f"config field `{name}` must be a token id (an integer >= 0), got {value!r}")
+        eos = self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+        if self.eos_token_id is not None and not all(_is_number(t, "int") and t >= 0 for t in eos):
+            raise ConfigError(f"config field `eos_token_id` must be a token id or a list of token ids, "
+                              f"got {self.eos_token_id!r}")
+        noise = self.dspark_noise_token_id
+        if self.num_nextn_predict_layers and (not _is_number(noise, "int") or not 0 <= noise < self.vocab_size):
+            raise ConfigError(f"config field `dspark_noise_token_id` must be an id in [0, vocab_size="
+                              f"{self.vocab_size}), got {noise!r}")
+        if self.dspark_num_experts_per_tok > self.dspark_n_routed_experts:
+            raise ConfigError(f"`dspark_num_experts_per_tok` ({self.dspark_num_experts_per_tok}) exceeds "
+                              f"`dspark_n_routed_experts` ({self.dspark_n_routed_experts})")
+
     def _check_schedule(self, backbone: tuple[int, ...]) -> None:
         n = self.num_hidden_layers
         kv, index = self.kv_source_layer_ids, self.index_source_layer_ids
@@ -218,6 +262,12 @@ class DeepseekV41Config:
                 raise ConfigError(f"rope `{name}`: rope_type {kind!r} is not supported (default or yarn)")
             if kind == "yarn" and ("factor" not in params or "original_max_position_embeddings" not in params):
                 raise ConfigError(f"rope `{name}`: yarn needs `factor` and `original_max_position_embeddings`")
+            for key in ("rope_theta", "factor", "original_max_position_embeddings", "partial_rotary_factor"):
+                if key in params and (not _is_number(params[key], "float") or params[key] <= 0):
+                    raise ConfigError(f"rope `{name}`: `{key}` must be a finite number > 0, got {params[key]!r}")
+            for key in ("beta_fast", "beta_slow", "attention_factor"):
+                if key in params and not _is_number(params[key], "float"):
+                    raise ConfigError(f"rope `{name}`: `{key}` must be a finite number, got {params[key]!r}")
             if int(self.head_dim * params.get("partial_rotary_factor", 1.0)) != self.qk_rope_head_dim:
                 raise ConfigError(f"rope `{name}`: partial_rotary_factor gives "
                                   f"{int(self.head_dim * params.get('partial_rotary_factor', 1.0))} rotated dims, "
@@ -269,7 +319,16 @@ class DeepseekV41Config:
             if f.name in kwargs and f.type in ("int", "float") and not _is_number(kwargs[f.name], f.type):
                 raise ConfigError(f"config field `{f.name}` must be {'an integer' if f.type == 'int' else 'a number'}"
                                   f", got {kwargs[f.name]!r}")
-        return cls(**kwargs)
+        missing = [name for name in SHAPE_FIELDS if name not in kwargs]
+        nor = f" (nor {', '.join(missing[1:])})" if missing[1:] else ""
+        absent = f"config has no `{missing[0]}`{nor}: the weights' shapes depend on it" if missing else ""
+        try:
+            config = cls(**kwargs)
+        except ConfigError as e:  # perhaps because the released model's value stood in for a missing field
+            raise ConfigError(f"{e}; {absent}" if missing else str(e)) from None
+        if missing:
+            raise ConfigError(f"{absent}, so a config.json must give it")
+        return config
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> DeepseekV41Config:

@@ -24,6 +24,14 @@ from deepinfer.models.engram_layout import engram_layers
 from deepinfer.models.weights import expected_weights
 
 TRAINED_CHECKPOINT = Path(__file__).parent / "checkpoints" / "v41-tiny-stdlib"
+TRAINED_DESCRIPTION = ("trained on the Python standard library's sources (it writes plausible-looking Python, not "
+                       "correct programs; LLM(model) or --model loads a checkpoint)")
+
+
+def default_checkpoint() -> Path:
+    """The directory of the embedded trained checkpoint (config.json, model.safetensors, tokenizer.json), the model
+    `LLM()` runs; `LLM(default_checkpoint())` and `DeepseekV41Flash.from_pretrained(default_checkpoint())` load it."""
+    return TRAINED_CHECKPOINT
 
 
 def default_config() -> DeepseekV41Config:

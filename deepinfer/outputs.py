@@ -100,6 +100,8 @@ class RequestOutput:
 
     `error` holds why the request could not run (then every completion's finish_reason is "error"); `seed` is the
     seed it was sampled with, drawn by the engine when the request gave none, so any run can be reproduced.
+    `prompt_logprobs`, when asked for (`SamplingParams.prompt_logprobs`), holds one entry per prompt token: None for
+    the first, then the token's own log-probability followed by the most likely ones at its position.
     """
 
     request_id: str
@@ -110,3 +112,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     seed: int | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

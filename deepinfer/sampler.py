@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
+from deepinfer import logits_processors
 from deepinfer.outputs import Logprob
 from deepinfer.sampling_params import SamplingParams
 
@@ -117,11 +118,13 @@ def allowed_mask(scaled_logits: torch.Tensor, params: SamplingParams) -> torch.T
 
 def adjust_logits(logits: torch.Tensor, params: SamplingParams, output_token_ids: Sequence[int] = (),
                   prompt_token_ids: Sequence[int] = (), eos_token_ids: Sequence[int] = ()) -> torch.Tensor:
-    """The logits processors on one row of logits [V], in order: vLLM's penalties, then, until `min_tokens` outputs
-    exist, eos (unless ignore_eos) and the stop token ids banned. float64 [V]. A processor added here also says in
+    """The logits processors on one row of logits [V], in order: the request's own (allowed_token_ids, bad_words,
+    logit_bias: deepinfer/logits_processors.py), vLLM's penalties, then, until `min_tokens` outputs exist, eos
+    (unless ignore_eos) and the stop token ids banned. float64 [V]. A processor added here also says in
     `adjusts_logits` when it acts, so that the rows it changes leave the batched draws (`plain_greedy`,
     `plain_sampled`)."""
-    logits = apply_penalties(logits.to(torch.float64), params, output_token_ids, prompt_token_ids)
+    logits = logits_processors.apply(logits.to(torch.float64), params, output_token_ids)
+    logits = apply_penalties(logits, params, output_token_ids, prompt_token_ids)
     if len(output_token_ids) < params.min_tokens:
         banned = [*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]
         banned = [t for t in banned if t < logits.shape[-1]]
@@ -131,10 +134,10 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, output_token_ids
 
 
 def adjusts_logits(params: SamplingParams, num_outputs: int) -> bool:
-    """Whether `adjust_logits` may change a row's logits after `num_outputs` outputs: a penalty, or a min_tokens ban
-    still in force."""
+    """Whether `adjust_logits` may change a row's logits after `num_outputs` outputs: a processor of the request's
+    own, a penalty, or a min_tokens ban still in force."""
     return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-            or num_outputs < params.min_tokens)
+            or num_outputs < params.min_tokens or logits_processors.acts(params))
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: int,
@@ -144,8 +147,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, seed: int, position: in
 
     `position` is the index in the whole sequence (prompt included) of the token being sampled; together with
     `seed` it keys the noise. `output_token_ids` are the tokens generated so far (penalties, min_tokens),
-    `prompt_token_ids` the prompt (repetition penalty); `adjust_logits` applies them. Greedy (temperature 0) picks
-    the argmax, ties to the lowest id.
+    `prompt_token_ids` the prompt (repetition penalty); `adjust_logits` applies them, after the request's own
+    processors. Greedy (temperature 0) picks the argmax, ties to the lowest id.
     """
     logits = adjust_logits(logits, params, output_token_ids, prompt_token_ids, eos_token_ids)
     if params.is_greedy:
@@ -229,20 +232,20 @@ def sample_plain_torch(logits: torch.Tensor, temperatures: Sequence[float], seed
 
 
 def top_logprobs(logits: torch.Tensor, token_id: int, num_logprobs: int) -> dict[int, Logprob]:
-    """The `num_logprobs` most likely tokens and `token_id` with their log-probabilities and ranks (1 = best).
+    """`token_id` and then the `num_logprobs` most likely tokens (-1: every token), with their log-probabilities and
+    ranks (1 = best), in vLLM's order: the sampled token first, then the others by rank.
 
     As vLLM by default, these are of the model's raw distribution (log_softmax of the logits), before penalties,
     temperature and truncation.
     """
     logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1)  # [V]
-    out: dict[int, Logprob] = {}
-    if num_logprobs > 0:
-        values, ids = torch.topk(logprobs, min(num_logprobs, logprobs.shape[-1]))
+    value = logprobs[token_id]
+    out = {token_id: Logprob(logprob=float(value), rank=int((logprobs > value).sum()) + 1)}
+    count = logprobs.shape[-1] if num_logprobs == -1 else min(num_logprobs, logprobs.shape[-1])
+    if count > 0:
+        values, ids = torch.topk(logprobs, count)
         for rank, (value, tid) in enumerate(zip(values.tolist(), ids.tolist()), start=1):
-            out[tid] = Logprob(logprob=value, rank=rank)
-    if token_id not in out:
-        value = logprobs[token_id]
-        out[token_id] = Logprob(logprob=float(value), rank=int((logprobs > value).sum()) + 1)
+            out.setdefault(tid, Logprob(logprob=value, rank=rank))
     return out
 
 

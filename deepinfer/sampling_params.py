@@ -27,8 +27,12 @@ class SamplingParams:
     `min_p` restrict the support; `seed` makes sampling reproducible (None: the engine draws one and reports it);
     `stop` strings and `stop_token_ids` end a completion, as does the model's eos unless `ignore_eos`;
     `max_tokens` (None = up to the model length) and `min_tokens` bound its length; `logprobs` asks for that many
-    top log-probabilities per generated token; `presence_penalty`, `frequency_penalty` (in [-2, 2], over the
-    generated tokens) and `repetition_penalty` (> 0, over prompt and generated tokens; 1 = off) reshape the logits.
+    top log-probabilities per generated token, after the sampled token's own (-1: the whole vocabulary), and
+    `prompt_logprobs` as many per prompt token (the first has none); `presence_penalty`, `frequency_penalty` (in
+    [-2, 2], over the generated tokens) and `repetition_penalty` (> 0, over prompt and generated tokens; 1 = off)
+    reshape the logits, as do `logit_bias` ({token id: bias added to its logit}), `allowed_token_ids` (only these
+    may be sampled) and `bad_words` (words whose last token is banned wherever the output so far ends with the
+    rest of the word, the word spelled with and without a leading space; deepinfer/logits_processors.py).
     `structured_outputs` constrains the completion to a JSON schema, regex, grammar or choice.
     """
 
@@ -49,6 +53,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
@@ -72,8 +80,11 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(f"logprobs must be an integer >= 0 or None, got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < -1):  # -1: the whole vocabulary
+                raise ValueError(f"{name} must be an integer >= 0, -1 (the whole vocabulary) or None, got {value!r}")
+        self._check_processors()
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -2 <= value <= 2:
@@ -87,6 +98,35 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, "
                              f"got {type(self.structured_outputs).__name__}")
+        if self.structured_outputs is not None and (self.stop or self.stop_token_ids):
+            # A stop inside the constrained text would end it short of its grammar, reported as "stop".
+            raise ValueError("stop and stop_token_ids do not combine with structured_outputs: the grammar decides "
+                             "where a constrained completion ends, and a stop string or token inside it would cut the "
+                             "output short of its schema, regex or grammar")
+
+    def _check_processors(self) -> None:
+        """logit_bias, allowed_token_ids and bad_words; ids are checked against the vocabulary at submission."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r:.80}")
+            bias = {}
+            for key, value in self.logit_bias.items():
+                token = int(key) if isinstance(key, str) and key.isdigit() else key  # JSON keys are strings
+                if not _is_int(token) or token < 0 or not _is_real(value):
+                    raise ValueError(f"logit_bias must be a dict of token ids (integers >= 0) to finite numbers, got "
+                                     f"{key!r}: {value!r}")
+                bias[token] = float(value)
+            self.logit_bias = bias
+        ids = self.allowed_token_ids
+        if ids is not None:
+            if not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(i) and i >= 0 for i in ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got {ids!r:.80}")
+            self.allowed_token_ids = list(ids)
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in words):
+                raise ValueError(f"bad_words must be a list of non-empty strings, got {words!r:.80}")
+            self.bad_words = list(words)
 
     @staticmethod
     def _check_stop(stop: str | list[str] | None) -> list[str]:

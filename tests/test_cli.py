@@ -52,6 +52,9 @@ def test_default_model_from_the_command_line() -> None:
     run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, cwd=root)
     assert run.returncode == 0, run.stderr
     assert "random" not in run.stderr.lower() and "3 tokens generated" in run.stderr
+    # The first run says which model it is, and no cache layout at the default log level.
+    assert "model: the embedded default, a tiny DeepSeek-V4.1-Flash of 11.2M parameters" in run.stderr
+    assert "trained on the Python standard library's sources" in run.stderr and "caches:" not in run.stderr
     assert "Prompt: 'def fib(n):'" in run.stdout and "(3 tokens, length)" in run.stdout
     # The embedded model is trained on Python: greedy, it continues a def as its training record says.
     record = json.loads((root / "deepinfer/checkpoints/v41-tiny-stdlib/train_record.json").read_text())

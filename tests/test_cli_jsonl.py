@@ -103,3 +103,20 @@ def test_bench_prints_one_row_per_configuration(capsys: pytest.CaptureFixture) -
     rows = [line.split() for line in lines[2:]]
     assert [(r[0], r[1]) for r in rows] == [("1", "on"), ("1", "off"), ("3", "on"), ("3", "off")]
     assert all(float(r[5]) > 0 and r[7] == "3" for r in rows)  # tokens/s, and 3 steps for 3 tokens
+
+
+def test_logprobs_are_written_per_token_and_dspark_has_a_flag(tmp_path: Path) -> None:
+    source, plain, drafted = tmp_path / "in.jsonl", tmp_path / "plain.jsonl", tmp_path / "drafted.jsonl"
+    source.write_text(json.dumps({"id": "a", "prompt": "def fib(n):", "max_tokens": 6, "temperature": 0}) + "\n")
+    args = ["generate", "--input", str(source), "--no-progress", "--logprobs", "2"]
+    assert main([*args, "--output", str(plain)]) == 0
+    assert main([*args, "--output", str(drafted), "--dspark", "3"]) == 0
+    (record,) = records(plain)
+    completion = record["outputs"][0]
+    assert len(completion["logprobs"]) == len(completion["token_ids"]) == 6
+    for token, step in zip(completion["token_ids"], completion["logprobs"]):
+        assert step[0]["token_id"] == token and step[0]["rank"] == 1  # greedy: the sampled token, first
+        assert len(step) == 2 and all(c["logprob"] <= 0 and isinstance(c["decoded_token"], str) for c in step)
+    assert records(drafted)[0]["outputs"][0]["token_ids"] == completion["token_ids"]  # drafting keeps the tokens
+    with pytest.raises(SystemExit, match="num_speculative_tokens must be an integer >= 1"):
+        main(["generate", "x", "--dspark", "0"])

@@ -54,7 +54,27 @@ def test_replace_rederives_the_schedule() -> None:
     ({"hidden_size": "big"}, "hidden_size"),
     ({"rope_scaling": {"rope_type": "yarn"}}, "yarn needs"),
     ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers"),
+    ({"rope_theta": 0}, "`rope_theta` must be a finite number > 0"),
+    ({"compress_rope_theta": -5.0}, "compress_rope_theta"),
+    ({"rms_norm_eps": -1e-6}, "`rms_norm_eps` must be a finite number > 0"),
+    ({"hc_eps": 0}, "hc_eps"),
+    ({"eos_token_id": "1"}, "`eos_token_id` must be a token id"),
+    ({"eos_token_id": [1, -2]}, "`eos_token_id` must be a token id"),
+    ({"bos_token_id": "<s>"}, "bos_token_id"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings"),
+    ({"dspark_noise_token_id": 129280}, "dspark_noise_token_id"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 0, "original_max_position_embeddings": 4096}}, "`factor`"),
+    ({"swiglu_limit": float("inf")}, "swiglu_limit"),
 ])
 def test_inconsistent_configs_name_the_field(fields: dict, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         DeepseekV41Config.from_dict(fields)
+
+
+@pytest.mark.parametrize("name", ["hidden_size", "vocab_size", "num_hidden_layers", "head_dim", "n_routed_experts"])
+def test_a_config_without_a_field_the_weights_depend_on_names_it(name: str) -> None:
+    raw = json.loads((fixture_dir("v41-tiny") / "config.json").read_text())
+    DeepseekV41Config.from_dict(raw)
+    del raw[name]
+    with pytest.raises(ConfigError, match=f"config has no `{name}`: the weights' shapes depend on it"):
+        DeepseekV41Config.from_dict(raw)

@@ -21,7 +21,11 @@ BAD_VALUES = [
     ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", 3),
     ("max_tokens", 0), ("max_tokens", -1), ("max_tokens", 2.5),
     ("min_tokens", -1), ("min_tokens", 17),  # 17 > the default max_tokens of 16
-    ("logprobs", -1), ("logprobs", 1.5),
+    ("logprobs", -2), ("logprobs", 1.5),  # -1: the whole vocabulary, as vLLM
+    ("prompt_logprobs", -2), ("prompt_logprobs", "3"),
+    ("logit_bias", [1, 2]), ("logit_bias", {-1: 1.0}), ("logit_bias", {3: math.inf}), ("logit_bias", {"x": 1.0}),
+    ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", 5),
+    ("bad_words", "word"), ("bad_words", [""]), ("bad_words", [3]),
     ("presence_penalty", 2.5), ("presence_penalty", -2.01),
     ("frequency_penalty", 3.0), ("frequency_penalty", -2.5),
     ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("repetition_penalty", math.inf),
@@ -50,6 +54,10 @@ def test_defaults_are_vllms() -> None:
     assert not p.is_greedy and SamplingParams(temperature=0).is_greedy
 
 
+def test_logit_bias_keys_may_be_json_strings() -> None:
+    assert SamplingParams(logit_bias={"12": 5, 3: -1.5}).logit_bias == {12: 5.0, 3: -1.5}
+
+
 def test_stop_string_becomes_a_list() -> None:
     assert SamplingParams(stop="\n\n").stop == ["\n\n"]
     assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
@@ -73,7 +81,11 @@ valid_params = st.fixed_dictionaries({
     "max_tokens": st.none() | st.integers(16, 4096),
     "min_tokens": st.integers(0, 16),
     "ignore_eos": st.booleans(),
-    "logprobs": st.none() | st.integers(0, 20),
+    "logprobs": st.none() | st.integers(-1, 20),
+    "prompt_logprobs": st.none() | st.integers(-1, 20),
+    "logit_bias": st.none() | st.dictionaries(st.integers(0, 200000), st.floats(-100, 100), max_size=4),
+    "allowed_token_ids": st.none() | st.lists(st.integers(0, 200000), min_size=1, max_size=4),
+    "bad_words": st.none() | st.lists(st.text(min_size=1).filter(str.strip), max_size=3),
     "presence_penalty": st.floats(-2, 2),
     "frequency_penalty": st.floats(-2, 2),
     "repetition_penalty": st.floats(0, 10, exclude_min=True),

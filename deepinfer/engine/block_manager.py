@@ -34,10 +34,7 @@ class CacheLayout:
     def plan(cls, spec: CacheSpec, budget: int, max_num_seqs: int, max_model_len: int,
              block_size: int | None = None) -> CacheLayout:
         """Split `budget` bytes: a slot per sequence, then blocks; at least one sequence of max_model_len must fit."""
-        multiple = spec.block_multiple
-        block_size = block_size or math.ceil(16 / multiple) * multiple
-        if block_size % multiple:
-            raise ValueError(f"block_size {block_size} must be a multiple of every compress ratio, here {multiple}")
+        block_size = cls.check_block_size(spec, block_size)
         slot_bytes, block_bytes = spec.slot_bytes(), spec.block_bytes(block_size)
         if max_num_seqs * slot_bytes > budget:
             raise ValueError(f"a cache budget of {budget} bytes cannot hold the windows of max_num_seqs={max_num_seqs} "
@@ -53,6 +50,26 @@ class CacheLayout:
                                  f"{max_model_len} tokens beside the slots: it needs {need} bytes; raise "
                                  f"kv_cache_memory_bytes or lower max_model_len or max_num_seqs")
         return cls(max_num_seqs, num_blocks, block_size, slot_bytes, block_bytes)
+
+    @staticmethod
+    def check_block_size(spec: CacheSpec, block_size: int | None) -> int:
+        """`block_size`, or by default the smallest multiple of every compress ratio >= 16, checked."""
+        multiple = spec.block_multiple
+        block_size = block_size or math.ceil(16 / multiple) * multiple
+        if block_size % multiple:
+            raise ValueError(f"block_size {block_size} must be a multiple of every compress ratio, here {multiple}")
+        return block_size
+
+    @classmethod
+    def longest_sequence(cls, spec: CacheSpec, budget: int, max_num_seqs: int, block_size: int | None = None
+                         ) -> int | None:
+        """Token positions of the longest sequence `budget` holds beside `max_num_seqs` slots; None when a sequence
+        needs no blocks (a model without compressed caches) and any length fits."""
+        block_size = cls.check_block_size(spec, block_size)
+        block_bytes = spec.block_bytes(block_size)
+        if not block_bytes:
+            return None
+        return max(0, budget - max_num_seqs * spec.slot_bytes()) // block_bytes * block_size
 
     @property
     def nbytes(self) -> int:

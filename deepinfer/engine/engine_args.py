@@ -1,9 +1,16 @@
-"""The engine's arguments: one frozen dataclass, vLLM's names where vLLM has one."""
+"""The engine's arguments: one frozen dataclass, vLLM's names where vLLM has one.
+
+`EngineArgs.from_kwargs` is how `LLM(**kwargs)` reads them: an unknown name is a `TypeError` that names the closest
+valid one; the few vLLM options that have no meaning here (`VLLM_OPTIONS_WITHOUT_EFFECT`) are accepted with a log
+line, so a ported script runs; several devices are asked for through `expert_parallel_size`, not tensor parallelism.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +20,20 @@ logger = logging.getLogger(__name__)
 # sequence plus 80 bytes per token, so this holds 64 sequences of 100k tokens.
 DEFAULT_CPU_CACHE_BYTES = 512 << 20
 
+# vLLM engine options a ported script may pass that change nothing here, and why.
+VLLM_OPTIONS_WITHOUT_EFFECT = {
+    "dtype": "the target fixes the arithmetic (fp32 on the cpu; bf16 operands with fp32 sums on GPU targets)",
+    "quantization": "the checkpoint's own quantization_config is read",
+    "kv_cache_dtype": "every cache has the model's own format (fp8 windows, fp4 compressed KV)",
+    "trust_remote_code": "no code is run from a checkpoint",
+    "tokenizer_mode": "the checkpoint's tokenizer.json is used through the `tokenizers` library",
+    "revision": "checkpoints are local directories",
+    "download_dir": "checkpoints are local directories",
+    "swap_space": "preempted sequences are recomputed, never swapped to host memory",
+    "enable_chunked_prefill": "prompts are always prefilled in chunks under max_num_batched_tokens",
+    "disable_log_stats": "no periodic statistics are logged",
+}
+
 
 @dataclass(frozen=True)
 class EngineArgs:
@@ -20,8 +41,11 @@ class EngineArgs:
 
     - `max_num_seqs`: sequences (samples) running at once; each holds a cache slot (its windows).
     - `max_num_batched_tokens`: tokens in one forward; prompts longer than what is left are prefilled in chunks.
-    - `max_model_len`: prompt plus completion, at most; None: the model's `max_position_embeddings`.
-    - `kv_cache_memory_bytes`: the budget for every cache (slots first, then blocks); None: 512 MiB on the cpu.
+    - `max_model_len`: prompt plus completion, at most; None: the model's `max_position_embeddings`, or the longest
+      sequence the cache budget holds beside the `max_num_seqs` slots when that is less.
+    - `kv_cache_memory_bytes`: the budget for every cache (slots first, then blocks); None: on a GPU
+      `gpu_memory_utilization` of the device memory left free after the weights, on the cpu 512 MiB.
+    - `gpu_memory_utilization`: that share, in (0, 1] (vLLM's name and default).
     - `block_size`: token positions per cache block; None: the smallest multiple of the compress ratios >= 16.
     - `async_scheduling`: schedule step n + 1 while step n runs; the tokens are the same either way when
       `batch_invariant` is on (off, a wasted step for a request that just stopped can change its neighbours'
@@ -37,6 +61,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
     block_size: int | None = None
     async_scheduling: bool = True
     batch_invariant: bool = True
@@ -55,6 +80,9 @@ class EngineArgs:
                                                        or self.kv_cache_memory_bytes < 1):
             raise ValueError(f"kv_cache_memory_bytes must be an integer > 0 or None, "
                              f"got {self.kv_cache_memory_bytes!r}")
+        u = self.gpu_memory_utilization
+        if not isinstance(u, (int, float)) or isinstance(u, bool) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be a number in (0, 1], got {u!r}")
         if self.block_size is not None and (not _is_int(self.block_size) or self.block_size < 1):
             raise ValueError(f"block_size must be an integer >= 1 or None, got {self.block_size!r}")
         for name in ("async_scheduling", "batch_invariant", "overlap_structured_outputs"):
@@ -65,18 +93,39 @@ class EngineArgs:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 
     @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
-        """EngineArgs from keyword arguments; those it lacks (vLLM's GPU options, say) are logged and ignored."""
+    def from_kwargs(cls, kwargs: dict[str, Any], caller: str = "LLM()", other_names: Iterable[str] = ()) -> EngineArgs:
+        """EngineArgs from `caller`'s keyword arguments.
+
+        A name that is neither a field, one of `other_names` (the caller's own parameters, for the suggestion) nor
+        in `VLLM_OPTIONS_WITHOUT_EFFECT` raises TypeError naming the closest valid one; those without effect are
+        logged and dropped; `tensor_parallel_size` and `pipeline_parallel_size` above 1 raise ValueError.
+        """
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - names)
-        if unknown:
-            logger.warning("ignoring engine arguments that DeepInfer does not have: %s", ", ".join(unknown))
+        for name, value in kwargs.items():
+            if name in names or name in VLLM_OPTIONS_WITHOUT_EFFECT:
+                continue
+            if name in ("tensor_parallel_size", "pipeline_parallel_size"):
+                if value not in (None, 1):
+                    raise ValueError(f"{name}={value!r}: DeepInfer does not split layers across devices; "
+                                     "expert_parallel_size is the way to use several devices (experts split across "
+                                     "them, attention data-parallel), planned and not built yet")
+                continue
+            valid = sorted(names | set(other_names) | set(VLLM_OPTIONS_WITHOUT_EFFECT))
+            close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; valid names: {', '.join(valid)}"
+            raise TypeError(f"{caller} got an unexpected keyword argument {name!r}{hint}")
+        for name in sorted(set(kwargs) & set(VLLM_OPTIONS_WITHOUT_EFFECT)):
+            logger.info("%s=%r has no effect here: %s", name, kwargs[name], VLLM_OPTIONS_WITHOUT_EFFECT[name])
         return cls(**{k: v for k, v in kwargs.items() if k in names})
 
-    @property
-    def cache_bytes(self) -> int:
-        """The cache budget in bytes."""
-        return DEFAULT_CPU_CACHE_BYTES if self.kv_cache_memory_bytes is None else self.kv_cache_memory_bytes
+    def cache_bytes(self, free_device_bytes: int | None = None) -> int:
+        """The cache budget in bytes: `kv_cache_memory_bytes` when given, else `gpu_memory_utilization` of
+        `free_device_bytes` (the memory a GPU has left after the weights), else 512 MiB (the cpu)."""
+        if self.kv_cache_memory_bytes is not None:
+            return self.kv_cache_memory_bytes
+        if free_device_bytes is not None:
+            return int(self.gpu_memory_utilization * free_device_bytes)
+        return DEFAULT_CPU_CACHE_BYTES
 
 
 def _is_int(value: object) -> bool:

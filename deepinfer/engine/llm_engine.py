@@ -17,17 +17,21 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from itertools import count
 
+from deepinfer import logits_processors
 from deepinfer.config import DeepseekV41Config
-from deepinfer.engine.block_manager import BlockManager, CacheLayout
+from deepinfer.cpu_threads import cpu_threads
+from deepinfer.engine.block_manager import BlockManager
 from deepinfer.engine.engine_args import EngineArgs
+from deepinfer.engine.memory import plan_caches
 from deepinfer.engine.model_runner import ModelRunner, RowInput, StepInput, StepOutput
 from deepinfer.engine.output_processor import OutputProcessor
-from deepinfer.engine.request import PromptType, Request, RequestError, check_prompt, tokenize_prompt
+from deepinfer.engine.request import Request, RequestError, check_prompt
 from deepinfer.engine.sampler import SampleRow
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
 from deepinfer.engine.sequence import SequenceStatus
 from deepinfer.engine.speculator import Speculator
 from deepinfer.engine.token_constraint import TokenConstraint
+from deepinfer.inputs import PromptType, parse_prompt
 from deepinfer.outputs import RequestMetrics, RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from dsl.cache import CacheSpec, PagedCache
@@ -40,10 +44,9 @@ class LLMEngine:
     """Runs requests on a compiled model. `add_request` queues one; `run()` yields outputs as requests finish.
     `constraint`: the token constraint (None: none); `speculator`: speculative decoding (None: off)."""
 
-    def __init__(self, compiled: RunnableModel[DeepseekV41Config], tokenizer, args: EngineArgs, eos_token_ids: tuple[int, ...],
-                 constraint: TokenConstraint | None = None, speculator: Speculator | None = None) -> None:
+    def __init__(self, compiled: RunnableModel[DeepseekV41Config], tokenizer, args: EngineArgs,
+                 eos_token_ids: tuple[int, ...], constraint: TokenConstraint | None = None, speculator: Speculator | None = None) -> None:
         self.args, self.config = args, compiled.config
-        self.max_model_len = args.max_model_len or self.config.max_position_embeddings
         self.constraint, self.speculator = constraint, speculator
         if speculator is not None and args.async_scheduling:
             logger.info("speculative decoding schedules each step after the last one's tokens are seen: "
@@ -51,8 +54,8 @@ class LLMEngine:
         num_drafts = speculator.num_speculative_tokens if speculator is not None else 0
         # Rejected drafts are taken back: every ring keeps that many more positions.
         spec = CacheSpec.from_graph(compiled.graph, spare=num_drafts)
-        self.layout = CacheLayout.plan(spec, args.cache_bytes, args.max_num_seqs, self.max_model_len, args.block_size)
-        logger.info("caches: %s", self.layout.describe())
+        self.layout, self.max_model_len = plan_caches(spec, args, self.config.max_position_embeddings,
+                                                      compiled.device)
         cache = PagedCache(spec, self.layout.num_slots, self.layout.num_blocks, self.layout.block_size,
                            compiled.device)
         # a sequence whose constraint is still being prepared waits, and holds back no other
@@ -71,27 +74,35 @@ class LLMEngine:
         self._seeds = random.Random(args.seed)
         self._ids = count()
         self.num_steps = 0
+        self.threads: int | None = None  # torch's thread count while running (the cpu target's choice), else as is
 
     def add_request(self, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None) -> str:
-        """Queue a request; returns its id. A request that cannot run finishes at once with its error."""
+        """Queue a request; returns its id. A request that cannot run (a malformed prompt, parameters that are not
+        a SamplingParams, ...) finishes at once with its error; nothing of it is queued."""
         request_id = str(next(self._ids))
+        metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
+        if not isinstance(params, SamplingParams):
+            params, error = SamplingParams(), f"sampling params must be a SamplingParams, got {type(params).__name__}"
+        else:
+            error = None
         # Seeds are drawn at submission, in order, so they do not depend on how requests are batched or fail.
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
-        request = Request(request_id, None, [], params, seed, metrics)
+        request = Request(request_id, prompt if isinstance(prompt, str) else None, [], params, seed, metrics)
         self.requests[request_id] = request
         try:
-            request.prompt, request.prompt_token_ids = tokenize_prompt(self.tokenizer, prompt)
+            if error is not None:
+                raise RequestError(error)
+            request.prompt, request.prompt_token_ids = parse_prompt(self.tokenizer, prompt)
             check_prompt(request.prompt_token_ids, self.config.vocab_size, self.max_model_len)
-        except RequestError as e:
+            logits_processors.resolve(params, self.tokenizer, self.config.vocab_size)
+            seqs = request.make_sequences(self.max_model_len)
+        except ValueError as e:  # RequestError and the params' own checks against this model
             logger.warning("request %s failed: %s", request_id, e)
             self._fail(request, str(e))
-            if isinstance(prompt, str):
-                request.prompt = prompt
             return request_id
         # The constraint starts now (structured outputs compile their grammar), while the steps before this
         # request's first sample run, rather than on its first fill.
-        for seq in request.make_sequences(self.max_model_len):
+        for seq in seqs:
             self.scheduler.add(seq)
             if self.constraint is not None:
                 self.constraint.submit(seq.seq_id, params)
@@ -99,7 +110,7 @@ class LLMEngine:
 
     def run(self) -> Iterator[RequestOutput]:
         """Run until every queued request is finished, yielding each one's output when it finishes."""
-        with ThreadPoolExecutor(1, thread_name_prefix="deepinfer-scheduler") as helper:
+        with cpu_threads(self.threads), ThreadPoolExecutor(1, thread_name_prefix="deepinfer-scheduler") as helper:
             last: tuple[list[ScheduledChunk], StepOutput] | None = None  # a step whose tokens are not taken yet
             chunks = self._schedule()
             while True:

@@ -14,6 +14,13 @@ from deepinfer.outputs import Logprob
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]) -> None:
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
+        self._texts: dict[int, str] = {}  # id -> its text (special tokens spelled out), for log-probabilities
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def append(self, seq: Sequence, token: int, logprobs: dict[int, Logprob] | None) -> bool:
         """Record `token` (sampled with `logprobs`) as the next output of `seq`; True when `seq` is now done."""
@@ -21,7 +28,7 @@ class OutputProcessor:
         seq.output_token_ids.append(token)
         if logprobs is not None:
             for tid, lp in logprobs.items():
-                lp.decoded_token = self.tokenizer.decode([tid], skip_special_tokens=False)
+                lp.decoded_token = self._token_text(tid)
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token].logprob
         search_from = max(0, len(seq.text) - max((len(x) for x in params.stop), default=0) + 1)

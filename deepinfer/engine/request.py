@@ -7,30 +7,16 @@ Prompts are checked at submission; one that cannot run (empty, a token outside t
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from deepinfer.engine.sequence import Sequence
 from deepinfer.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from deepinfer.sampler import derive_seed
 from deepinfer.sampling_params import SamplingParams
 
-PromptType = str | dict[str, Any]
-
 
 class RequestError(ValueError):
-    """A request that cannot run (empty, a token outside the vocabulary, too long): it fails alone."""
-
-
-def tokenize_prompt(tokenizer, prompt: PromptType) -> tuple[str | None, list[int]]:
-    """(text, token ids) of a string, `{"prompt": str}` or `{"prompt_token_ids": [...]}`."""
-    if isinstance(prompt, str):
-        return prompt, list(tokenizer.encode(prompt))
-    if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-        return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
-        return prompt["prompt"], list(tokenizer.encode(prompt["prompt"]))
-    raise RequestError(f"a prompt is a string, {{'prompt': str}} or {{'prompt_token_ids': [...]}}; "
-                       f"got {type(prompt).__name__}")
+    """A request that cannot run (a malformed prompt, a token outside the vocabulary, too long, parameters that are
+    not a SamplingParams): it fails alone."""
 
 
 def check_prompt(ids: list[int], vocab_size: int, max_model_len: int) -> None:

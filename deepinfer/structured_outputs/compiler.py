@@ -1,9 +1,13 @@
-"""Compiling constraints into xgrammar grammars: in a thread pool, off the engine's loop, cached by content.
+"""Compiling constraints into xgrammar grammars: off the engine's loop, `max_workers` at once, cached by content.
 
 `submit` returns at once with a future; requests with the same constraint share one compilation (the cache holds
-futures, so a second request arriving mid-compilation waits for the first's). The time limit is measured from
-submission: a compilation past it fails the requests waiting on it, though xgrammar's native code cannot be stopped,
-so it finishes in the background and fills the cache for later requests.
+futures, so a second request arriving mid-compilation waits for the first's). Each compilation runs on a daemon
+thread of its own once one of the `max_workers` slots is free. The time limit counts from when it starts compiling,
+not from submission, so time spent queued behind other grammars does not count. A compilation past its limit fails
+the requests waiting on it and gives its slot up; xgrammar's native code cannot be stopped, so it finishes in the
+background and fills the cache for later requests, and, its thread being a daemon, never keeps the process from
+exiting. Before compiling, a grammar that no finite text matches is refused (deepinfer/structured_outputs/finite.py),
+as is a schema with no instance or one xgrammar would not enforce (schema_support.py).
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ import re
 import threading
 import time
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import xgrammar as xgr
 
+from deepinfer.structured_outputs.finite import check_finite
 from deepinfer.structured_outputs.params import StructuredOutputError, StructuredOutputsParams
 from deepinfer.structured_outputs.schema_support import check_schema_supported, rewrite_for_xgrammar
 
@@ -31,6 +36,15 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+class CompileFuture(Future):
+    """A compilation's future, with the monotonic time it started compiling (None while queued for a slot)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started_at: float | None = None
+        self._slot_held = False
+
+
 class GrammarCompiler:
     """Compiles StructuredOutputsParams for one tokenizer info; results are kept in an LRU of `cache_size` entries."""
 
@@ -41,13 +55,14 @@ class GrammarCompiler:
                              f"{max_workers}, {timeout_s}")
         # xgrammar's own cache is off: this LRU is the one cache, bounded, and it also de-duplicates in-flight work.
         self._compiler = xgr.GrammarCompiler(tokenizer_info, max_threads=max_workers, cache_enabled=False)
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grammar-compile")
-        self._cache: OrderedDict[tuple[str, str, bool], Future] = OrderedDict()
+        self._slots = threading.Semaphore(max_workers)
+        self._cache: OrderedDict[tuple[str, str, bool], CompileFuture] = OrderedDict()
         self._lock = threading.Lock()
+        self._closed = False
         self.cache_size = cache_size
         self.timeout_s = timeout_s
 
-    def submit(self, params: StructuredOutputsParams) -> Future:
+    def submit(self, params: StructuredOutputsParams) -> CompileFuture:
         """A future of the compiled grammar (xgr.CompiledGrammar); it raises StructuredOutputError if invalid."""
         key = params.key
         with self._lock:
@@ -55,15 +70,57 @@ class GrammarCompiler:
             if future is not None:
                 self._cache.move_to_end(key)
                 return future
-            future = self._pool.submit(self._compile, params)
+            future = CompileFuture()
+            if self._closed:
+                future.cancel()
+            else:
+                threading.Thread(target=self._run, args=(future, params), name="grammar-compile", daemon=True).start()
             self._cache[key] = future
             if len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
             return future
 
-    def result(self, future: Future, submitted_at: float, what: str = "the constraint") -> xgr.CompiledGrammar:
-        """The compiled grammar of `future`, waiting at most until `submitted_at` + the time limit."""
-        remaining = submitted_at + self.timeout_s - time.monotonic()
+    def _run(self, future: CompileFuture, params: StructuredOutputsParams) -> None:
+        """Wait for a slot, then compile; the slot is given up at the end or once the time limit passes."""
+        self._slots.acquire()
+        if not future.set_running_or_notify_cancel():
+            self._slots.release()
+            return
+        future.started_at, future._slot_held = time.monotonic(), True
+        limit = threading.Timer(self.timeout_s, self._release, (future,))
+        limit.daemon = True
+        limit.start()
+        try:
+            future.set_result(self._compile(params))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits on the future
+            future.set_exception(e)
+        finally:
+            limit.cancel()
+            self._release(future)
+
+    def _release(self, future: CompileFuture) -> None:
+        with self._lock:
+            held, future._slot_held = future._slot_held, False
+        if held:
+            self._slots.release()
+
+    def deadline(self, future: CompileFuture) -> float | None:
+        """When `future` passes its time limit (monotonic), None while it waits for a slot."""
+        return None if future.started_at is None else future.started_at + self.timeout_s
+
+    def is_late(self, future: CompileFuture) -> bool:
+        """Whether `future` is still compiling past its time limit."""
+        deadline = self.deadline(future)
+        return not future.done() and deadline is not None and time.monotonic() >= deadline
+
+    def result(self, future: CompileFuture, what: str = "the constraint") -> xgr.CompiledGrammar:
+        """The compiled grammar of `future`, waiting while it is queued and then at most until its time limit."""
+        while future.started_at is None and not future.done():
+            try:
+                return future.result(timeout=0.05)
+            except FutureTimeout:
+                continue
+        remaining = (self.deadline(future) or time.monotonic()) - time.monotonic()
         try:
             return future.result(timeout=max(remaining, 0.0))
         except FutureTimeout:
@@ -71,7 +128,7 @@ class GrammarCompiler:
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """Compile (or fetch from the cache), blocking up to the time limit."""
-        return self.result(self.submit(params), time.monotonic(), f"the {_WHAT[params.kind]}")
+        return self.result(self.submit(params), f"the {_WHAT[params.kind]}")
 
     def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         kind, text, compact = params.key
@@ -79,10 +136,13 @@ class GrammarCompiler:
             if kind == "json":
                 check_schema_supported(params.schema)
                 schema = json.dumps(rewrite_for_xgrammar(params.schema), ensure_ascii=False)
-                return self._compiler.compile_json_schema(schema, any_whitespace=not compact)
-            if kind == "regex":
-                return self._compiler.compile_regex(text)
-            return self._compiler.compile_grammar(choice_grammar(params.choice) if kind == "choice" else text)
+                grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=not compact)
+            elif kind == "regex":
+                grammar = xgr.Grammar.from_regex(text)
+            else:
+                grammar = xgr.Grammar.from_ebnf(choice_grammar(params.choice) if kind == "choice" else text)
+            check_finite(grammar, _WHAT[kind])
+            return self._compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError) as e:
             if isinstance(e, StructuredOutputError):
                 raise
@@ -90,5 +150,9 @@ class GrammarCompiler:
             raise StructuredOutputError(f"invalid {_WHAT[kind]}: {message}") from None
 
     def shutdown(self) -> None:
-        """Stop taking work; compilations already running finish in the background."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop taking work: compilations still queued are cancelled; those compiling finish in the background."""
+        with self._lock:
+            self._closed = True
+            futures = list(self._cache.values())
+        for future in futures:
+            future.cancel()

@@ -101,18 +101,25 @@ class StructuredOutputConstraint:
             seq_id = row.seq_id
             live = self._manager is not None and seq_id not in self._errors and self.manager.has_request(seq_id)
             # A row scheduled ahead of a sequence that has just completed is dropped by the engine: skip it here.
-            for token in row_tokens if live else ():
+            for j, token in enumerate(row_tokens if live else ()):
                 if self.manager.is_terminated(seq_id):
                     break
                 if not self.manager.accept(seq_id, token):
-                    self._fail(seq_id, f"token {token} breaks the {row.params.structured_outputs.kind} constraint "
-                                       "(a sampler that ignored the mask, or min_tokens banning the stop token)")
+                    self._fail(seq_id, self._refusal(row, token, j))
                     break
                 if self.manager.is_terminated(seq_id):
                     ended[seq_id] = None
             if self._errors.get(seq_id):
                 ended[seq_id], self._errors[seq_id] = self._errors[seq_id], ""  # reported once
         return ended
+
+    def _refusal(self, row: Any, token: int, j: int) -> str:
+        """Why the j-th token of `row` this step was refused (diagnose.py): the constraint cannot be met, or not."""
+        from deepinfer.structured_outputs.diagnose import refusal_message
+
+        num_outputs = len(getattr(row, "output_token_ids", ())) + getattr(row, "num_pending", 0) + j
+        return refusal_message(self.manager.matcher(row.seq_id), token, row.params, num_outputs,
+                               self.manager.vocab_size, self.manager.eos_token_ids)
 
     def finish(self, seq_ids: Sequence[Hashable]) -> None:
         """Forget sequences that will not be sampled again."""

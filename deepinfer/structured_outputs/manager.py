@@ -22,7 +22,7 @@ import torch
 import xgrammar as xgr
 
 from deepinfer.structured_outputs.bitmask import allocate_bitmask, allow_all, apply_bitmask
-from deepinfer.structured_outputs.compiler import GrammarCompiler
+from deepinfer.structured_outputs.compiler import CompileFuture, GrammarCompiler
 from deepinfer.structured_outputs.matcher import RequestMatcher
 from deepinfer.structured_outputs.params import StructuredOutputError, StructuredOutputsParams
 from deepinfer.structured_outputs.tokenizer_info import build_tokenizer_info
@@ -43,11 +43,11 @@ class StructuredOutputManager:
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: Sequence[int], *, max_num_rows: int = 256,
                  compile_timeout_s: float = 30.0, max_workers: int = 2, cache_size: int = 128) -> None:
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eos_token_ids = vocab_size, tuple(eos_token_ids)
         info = build_tokenizer_info(tokenizer, vocab_size, eos_token_ids)
         self.compiler = GrammarCompiler(info, max_workers=max_workers, cache_size=cache_size,
                                         timeout_s=compile_timeout_s)
-        self._pending: dict[Hashable, tuple[Future, float, str]] = {}  # request id -> (compile future, submitted, what)
+        self._pending: dict[Hashable, tuple[CompileFuture, str]] = {}  # request id -> (compile future, what)
         self._matchers: dict[Hashable, RequestMatcher] = {}
         self._bitmask = allocate_bitmask(max_num_rows, vocab_size)
         self._batch_matcher = xgr.BatchGrammarMatcher(max_threads=max_workers)
@@ -55,7 +55,7 @@ class StructuredOutputManager:
 
     def add_request(self, request_id: Hashable, params: StructuredOutputsParams) -> None:
         """Start compiling a request's constraint in the background; returns at once."""
-        self._pending[request_id] = (self.compiler.submit(params), time.monotonic(), f"the {params.kind} constraint")
+        self._pending[request_id] = (self.compiler.submit(params), f"the {params.kind} constraint")
 
     def has_request(self, request_id: Hashable) -> bool:
         """Whether the request was added (and not removed), compiled or not."""
@@ -69,11 +69,11 @@ class StructuredOutputManager:
         """
         if request_id in self._matchers:
             return True
-        future, submitted_at, what = self._pending[request_id]
-        if not wait and not future.done() and time.monotonic() - submitted_at < self.compiler.timeout_s:
+        future, what = self._pending[request_id]
+        if not wait and not future.done() and not self.compiler.is_late(future):
             return False
         try:
-            compiled = self.compiler.result(future, submitted_at, what)
+            compiled = self.compiler.result(future, what)
         except StructuredOutputError:
             self._pending.pop(request_id, None)
             raise
@@ -91,9 +91,10 @@ class StructuredOutputManager:
         entries = list(self._pending.values())
         if not entries:
             return False
-        deadline = min(submitted_at for _, submitted_at, _ in entries) + self.compiler.timeout_s
-        timeout = max(0.0, min(timeout, deadline - time.monotonic()))
-        concurrent.futures.wait([f for f, _, _ in entries], timeout, return_when=concurrent.futures.FIRST_COMPLETED)
+        deadlines = [d for f, _ in entries if (d := self.compiler.deadline(f)) is not None]
+        if deadlines:
+            timeout = max(0.0, min(timeout, min(deadlines) - time.monotonic()))
+        concurrent.futures.wait([f for f, _ in entries], timeout, return_when=concurrent.futures.FIRST_COMPLETED)
         return True
 
     def fill_bitmask(self, request_ids: Sequence[Hashable | None],

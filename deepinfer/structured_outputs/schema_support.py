@@ -8,7 +8,8 @@ does not define (a typo such as "maxItem") assert nothing, for xgrammar as for a
 
 It also compiles a string's minLength/maxLength into a character class that lets raw control characters (a tab)
 into the string, which is not JSON (xgrammar issue #800). Its `pattern` path handles JSON strings correctly, so
-length bounds are rewritten into a pattern of the same lengths before compiling.
+length bounds are rewritten into a pattern of the same lengths before compiling. What it gets wrong about enum,
+const and required, and malformed keyword values, are in schema_instances.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from deepinfer.structured_outputs.params import StructuredOutputError
+from deepinfer.structured_outputs.schema_instances import check_values, list_required, restrict_values, sibling_problems
 
 # Keywords that assert something xgrammar does not compile at all.
 IGNORED_KEYWORDS = {
@@ -45,7 +47,10 @@ _SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions")
 
 
 def check_schema_supported(schema: Any) -> None:
-    """Raise StructuredOutputError naming every keyword (and where) that xgrammar would not enforce."""
+    """Raise StructuredOutputError naming a malformed keyword value, or every keyword (and where) that xgrammar would
+    not enforce."""
+    for path, node in _nodes(schema, ""):
+        check_values(path, node)
     problems = unsupported_keywords(schema)
     if problems:
         listed = "; ".join(f"'{keyword}' at {path or '/'} ({why})" for path, keyword, why in problems)
@@ -60,9 +65,13 @@ def unsupported_keywords(schema: Any) -> list[tuple[str, str, str]]:
 def rewrite_for_xgrammar(schema: Any) -> Any:
     """A copy of `schema` where each string's minLength/maxLength (without a pattern or format) became the pattern
     `^.{min,max}$`: xgrammar's JSON-string-aware regex path compiles it to strings of those lengths (spelled without
-    escapes, a subset of the valid ones) and never lets a raw control character in."""
+    escapes, a subset of the valid ones) and never lets a raw control character in; enum/const values kept only where
+    the keywords beside them admit them, and required names listed under properties (schema_instances.py). Raises
+    StructuredOutputError when that leaves the schema no value."""
     schema = copy.deepcopy(schema)
-    for _, node in _nodes(schema, ""):
+    for path, node in _nodes(schema, ""):
+        restrict_values(path, node)
+        list_required(path, node)
         low, high = node.get("minLength", 0), node.get("maxLength", "")
         if ("minLength" in node or "maxLength" in node) and "pattern" not in node and "format" not in node \
                 and _is_count(low) and (high == "" or _is_count(high) and low <= high):  # else xgrammar names them
@@ -92,6 +101,7 @@ def _nodes(schema: Any, path: str) -> Iterator[tuple[str, dict[str, Any]]]:
 def _node_problems(node: dict[str, Any]) -> list[tuple[str, str]]:
     """(keyword, why) for this schema object alone."""
     problems = [(keyword, why) for keyword, why in IGNORED_KEYWORDS.items() if keyword in node]
+    problems += sibling_problems(node)
     if node.get("uniqueItems") is True:
         problems.append(("uniqueItems", "uniqueness is not compiled"))
     if "format" in node and node["format"] not in SUPPORTED_FORMATS:
