@@ -1,7 +1,12 @@
 """Batch invariance of the kernels under a fixed config (what a plan's batch-invariant config is, graphs/plan.py):
 a row's output is bitwise the same alone and among other rows, wherever it sits and however many there are, and
 still matches the reference. Sparse attention also needs a token's entries in one part: split, the parts follow the
-batch's widest entry list."""
+batch's widest entry list.
+
+What is checked is the part the kernel controls: the reduction order its config fixes (tiles over K, split-K counts
+and ranges, the combine of parts) does not follow the batch. Under Triton's interpreter a `tl.dot` is the host
+BLAS's matmul, whose row results can follow the block's other rows, so these tests take the row-at-a-time dot of
+tests/kernels/conftest.py (`row_independent_dot`); on a GPU (`pytest -m gpu`) they run the real `tl.dot`."""
 
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ from kernels.triton.rms_norm import rms_norm
 from tests.kernels.cases import gen, rel_l2
 from tests.kernels.test_linear import reference as linear_reference
 from tests.kernels.test_moe import make_experts, routing
+
+pytestmark = pytest.mark.usefixtures("row_independent_dot")
 
 BATCHES = [(1, 0), (5, 3), (37, 36), (70, 17)]  # (rows, where the row sits): one M tile, several, a partial last one
 

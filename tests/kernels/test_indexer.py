@@ -78,6 +78,7 @@ def invariant_config(heads: int, dim: int) -> dict:
     return lowering.invariant(lowering.default_config({"h": heads, "d": dim}, INVARIANT_TOKENS))
 
 
+@pytest.mark.usefixtures("row_independent_dot")  # the kernel's order, not the host BLAS's (conftest.py)
 @pytest.mark.parametrize("config", [SMALL, None], ids=["small", "invariant"])
 @pytest.mark.parametrize("dot_fp32", [False, True])
 def test_a_token_scores_the_same_in_any_batch(config, dot_fp32, device) -> None:

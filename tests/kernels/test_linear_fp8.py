@@ -141,6 +141,7 @@ def test_linear_rowwise_matches_fp32_products(m, n, k, config, device) -> None:
     assert out.dtype == torch.bfloat16 and ((out.float() - want).abs() <= 2**-8 * want.abs() + 1e-6).all()
 
 
+@pytest.mark.usefixtures("row_independent_dot")  # the kernel's order, not the host BLAS's (conftest.py)
 @pytest.mark.parametrize("config", [SMALL, None])
 def test_linear_rowwise_batch_invariant(config, device) -> None:
     xq, sx, wq, sw = operands(37, 72, 160, device, seed=3)

@@ -82,6 +82,7 @@ def check_batch_invariant(m: int, n: int, k: int, device: str, config: dict) -> 
         assert torch.equal(alone[0], full[r]) and torch.equal(alone[0], some[r]), f"row {r}"
 
 
+@pytest.mark.usefixtures("row_independent_dot")  # the kernel's order, not the host BLAS's (conftest.py)
 def test_linear_prefill_batch_invariant(device) -> None:
     check_batch_invariant(50, 72, 160, device, SMALL)
 

@@ -96,6 +96,7 @@ def test_moe_tokens_on_the_same_experts(splits, device) -> None:
     check(21, 6, 64, 96, "fp4", device, split(*splits), 5e-3, k=2, same=True)
 
 
+@pytest.mark.usefixtures("row_independent_dot")  # the kernel's order, not the host BLAS's (conftest.py)
 @pytest.mark.parametrize("splits", [(2, 2), (3, 1)])
 def test_moe_token_is_bitwise_the_same_alone_and_in_a_batch(splits, device) -> None:
     """Under one split config a token's pairs land in other blocks and slots as the batch changes, and its row of
