@@ -18,11 +18,11 @@ from collections.abc import Callable
 
 import torch
 
-import kernels.triton.attention as attention
-import kernels.triton.hyper as hyper
-import kernels.triton.linear as linear
-import kernels.triton.linear_prefill as linear_prefill
-import kernels.triton.moe as moe
+import kernels.attention.sparse_attention as attention
+import kernels.hyper.hyper as hyper
+import kernels.linear.linear as linear
+import kernels.linear.prefill as linear_prefill
+import kernels.moe.experts as moe
 from autotune.cache import TuningCache, cache_key, default_cache, source_hash
 from autotune.space import get_configs
 from autotune.tune import tune

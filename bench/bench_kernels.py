@@ -22,18 +22,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_prefill import bench_prefill_gemm, bench_prefill_switch  # noqa: E402
-from bench_replaced import (bench_engram_lookup, bench_gate_route, bench_norm_e4m3,  # noqa: E402
-                            bench_sampling, bench_swiglu, bench_topk, bench_topk_tiles)
+from bench_replaced import (  # noqa: E402
+    bench_engram_lookup,
+    bench_gate_route,
+    bench_norm_e4m3,
+    bench_sampling,
+    bench_swiglu,
+    bench_topk,
+    bench_topk_tiles,
+)
 from bench_rows import FP8_TFLOPS, LINEARS, ROWS, cycler, record  # noqa: E402
 
-import kernels.triton.attention as attention  # noqa: E402
-import kernels.triton.engram as engram  # noqa: E402
-import kernels.triton.hyper as hyper  # noqa: E402
-import kernels.triton.indexer as indexer  # noqa: E402
-import kernels.triton.linear as linear  # noqa: E402
-import kernels.triton.moe as moe  # noqa: E402
-import kernels.triton.rms_norm as rms_norm  # noqa: E402
-import kernels.triton.rope as rope  # noqa: E402
+import kernels.attention.sparse_attention as attention  # noqa: E402
+import kernels.engram.gate as engram  # noqa: E402
+import kernels.hyper.hyper as hyper  # noqa: E402
+import kernels.indexer.index_scores as indexer  # noqa: E402
+import kernels.linear.linear as linear  # noqa: E402
+import kernels.moe.experts as moe  # noqa: E402
+import kernels.norm.rms_norm as rms_norm  # noqa: E402
+import kernels.rope.rope as rope  # noqa: E402
 from autotune.cache import TuningCache, cache_key, source_hash  # noqa: E402
 from autotune.run import rotation  # noqa: E402
 from autotune.tune import time_us  # noqa: E402
@@ -150,9 +157,9 @@ def bench_norms(tokens: list[int]) -> None:
 def bench_tilelang_norms(tokens: list[int]) -> None:
     """The TileLang RMSNorm's and collapse + RMSNorm's cubins through the CUDA driver at V4.1's widths, against the
     Triton kernels (baseline) and torch eager. Shapes that fit the L2 (50 MB) can pass the HBM ceiling."""
+    from kernels.hyper.collapse_tilelang import hc_collapse_rms_norm as collapse_tilelang
     from kernels.launch import use_launcher
-    from kernels.tilelang.hyper import hc_collapse_rms_norm as collapse_tilelang
-    from kernels.tilelang.rms_norm import rms_norm as rms_norm_tilelang
+    from kernels.norm.rms_norm_tilelang import rms_norm as rms_norm_tilelang
     from tests.kernels.tilelang_cubins import cubin_launcher
 
     launcher = cubin_launcher()
@@ -270,13 +277,13 @@ def bench_indexer(tokens: list[int], entries: int = 2048) -> None:
 
 
 def bench_cache(rows: list[int], blocks: int = 4096, per: int = 64, width: int = 16) -> None:
-    """Cache entries stored (encode + scatter) and loaded (gather + decode) by kernels/triton/cache.py against the
+    """Cache entries stored (encode + scatter) and loaded (gather + decode) by kernels/cache/rows.py against the
     torch path of dsl/cache.py, µs per call issued eagerly as a step issues them (host time included): the window
     (fp8, by slot), the compressed KV (fp4, e4m3 scales) and the indexer keys (fp4, power-of-two scales), by table."""
     from dsl import cache as torch_cache
     from dsl.cache_format import EntryFormat
+    import kernels.cache.rows as cache
     from dsl.ops.rounding import fp4_round, fp8_round
-    from kernels.triton import cache
 
     for name, fmt, d, paged in [("window fp8", EntryFormat("fp8", 32), 512, False),
                                 ("kv fp4 e4m3", EntryFormat("fp4", 16, True), 512, True),

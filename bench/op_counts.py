@@ -8,7 +8,7 @@ The step runs node by node as `graphs.executor.Executor` runs it on the GPU, wit
 - the attention, indexer-score, compressor-pooling and entries' rope kernels: their lowering's host code runs
   (gathering the keys, building the index tensors, the partial rows' reads and writes), the Triton launch is
   replaced by its torch equivalent, counted as one op;
-- the pools' entry encoders and decoders: the cache kernels the GPU installs (kernels/triton/cache.py) are one launch
+- the pools' entry encoders and decoders: the cache kernels the GPU installs (kernels/cache/rows.py) are one launch
   each, so the torch code they replace is counted as one op.
 Each aten op dispatched counts (views too: a proxy for launches plus Python), `_local_scalar_dense` as a host sync.
 Nodes inside the graph's segments are replayed as CUDA graphs on the GPU: their ops are summed on one line.
@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_slice import slice_config, slice_weights
 from slice_caches import Caches
 
-import kernels.triton.attention as attention_kernels
-import kernels.triton.compressor as compressor_kernels
-import kernels.triton.indexer as indexer_kernels
-import kernels.triton.rope as rope_kernels
+import kernels.attention.sparse_attention as attention_kernels
+import kernels.compressor.pool as compressor_kernels
+import kernels.indexer.index_scores as indexer_kernels
+import kernels.rope.rope as rope_kernels
 from deepinfer.models import DeepseekV41Flash
 from dsl.cache import PagedCache, load_rows, store_rows
 from dsl.context import ForwardContext

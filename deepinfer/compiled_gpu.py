@@ -22,8 +22,8 @@ from collections.abc import Iterator
 
 import torch
 
-import kernels.triton.cache as cache_kernels
-import kernels.triton.sampling as sampling_kernels
+import kernels.cache.rows as cache_kernels
+import kernels.sampling.gumbel_argmax as sampling_kernels
 from deepinfer import batch_invariant as invariant
 from deepinfer.compiled import CompiledModel
 from deepinfer.config import DeepseekV41Config

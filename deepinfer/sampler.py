@@ -164,9 +164,9 @@ def sample_plain(logits: torch.Tensor, temperatures: Sequence[float], seeds: Seq
     if not logits.is_cuda:
         return sample_plain_torch(logits, temperatures, seeds, positions, max_elements)
     from dsl.transfer import host_to
+    from kernels.lang import HAS_TRITON
     from kernels.launch import is_jit
-    from kernels.triton.lang import HAS_TRITON
-    from kernels.triton.sampling import gumbel_argmax
+    from kernels.sampling.gumbel_argmax import gumbel_argmax
 
     if logits.dtype not in (torch.float32, torch.bfloat16) or (is_jit() and not HAS_TRITON):
         return sample_plain_torch(logits, temperatures, seeds, positions, max_elements)

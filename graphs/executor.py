@@ -22,8 +22,8 @@ from dsl.ragged import Ragged
 from graphs.capture import CudaGraphs
 from graphs.lowering import LOWERINGS
 from graphs.plan import Plan
-from kernels.triton.linear_fp8 import rowwise_weight
-from kernels.triton.moe import prescaled
+from kernels.linear.fp8 import rowwise_weight
+from kernels.moe.experts import prescaled
 
 
 class Executor:
@@ -61,7 +61,7 @@ class Executor:
                 t = t.to(torch.bfloat16)
             elif fmt == "fp32":
                 t = t.float()
-            elif fmt == "prescaled":  # fp4 experts' scales as the kernel's bf16 factor (kernels/triton/moe.py)
+            elif fmt == "prescaled":  # fp4 experts' scales as the kernel's bf16 factor (kernels/moe/experts.py)
                 t = prescaled(t)
             self.formatted[key] = t.contiguous()
         return self.formatted[key]

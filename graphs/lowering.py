@@ -10,7 +10,7 @@ Nodes without a lowering, or not flat over N (or E, for those), run their DSL re
 kernel, and the hyper-connections' collapse + RMSNorm's, are TileLang's (kernels/tilelang/) where TileLang kernels
 can be built (tilelang and nvcc installed: the static shapes say `"kernel": "tilelang"`), else Triton's; the GPU
 machine runs either from cubins. Where a plan with fp8 activations has only fp8-activation linears read a norm, the
-norm is the variant that writes e4m3 rows for them (kernels/triton/norm_e4m3.py; `e4m3_out`, graphs/plan.py). The
+norm is the variant that writes e4m3 rows for them (kernels/norm/e4m3.py; `e4m3_out`, graphs/plan.py). The
 linear family's lowerings are in graphs/lowering_linear.py (a plan with fp8 activations gives fp8-weight linears their
 e4m3-input variant there), the attention's and the indexer's in graphs/lowering_attention.py, the record and shared
 helpers in graphs/lowering_base.py.
@@ -20,25 +20,25 @@ from __future__ import annotations
 
 import torch
 
-import kernels.tilelang.hyper as hyper_tilelang
-import kernels.tilelang.rms_norm as rms_norm_tilelang
-import kernels.triton.compressor as compressor
-import kernels.triton.engram as engram
-import kernels.triton.engram_rows as engram_rows
-import kernels.triton.hyper as hyper
-import kernels.triton.moe as moe
-import kernels.triton.norm_e4m3 as norm_e4m3
-import kernels.triton.rms_norm as rms_norm
-import kernels.triton.rope as rope
-import kernels.triton.rounding as rounding
+import kernels.compressor.pool as compressor
+import kernels.engram.gate as engram
+import kernels.engram.hash_rows as engram_rows
+import kernels.hyper.collapse_tilelang as hyper_tilelang
+import kernels.hyper.hyper as hyper
+import kernels.moe.experts as moe
+import kernels.norm.e4m3 as norm_e4m3
+import kernels.norm.rms_norm as rms_norm
+import kernels.norm.rms_norm_tilelang as rms_norm_tilelang
+import kernels.rope.rope as rope
+import kernels.rounding.rounding as rounding
 from dsl.graph import Node
 from dsl.ops.compressor import pool_entries
 from dsl.ops.rope import _freqs_on, inv_freq
 from dsl.tensor import num_tokens
-from graphs.lowering_base import Lowering, Params, meta, over_rows, over_tokens, param, weight_dtype
 from graphs.lowering_attention import CANDIDATE_BLOCKS, INDEX_SCORES, SPARSE_ATTENTION, TOPK_SELECT
+from graphs.lowering_base import Lowering, Params, meta, over_rows, over_tokens, param, weight_dtype
 from graphs.lowering_linear import LINEAR, MOE_GATE, SWIGLU
-from kernels.tilelang.build import available as tilelang_available
+from kernels.tilelang_build import available as tilelang_available
 
 # ---- rms_norm ----------------------------------------------------------------------------------------------------
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
-import kernels.triton.attention as attention
-import kernels.triton.indexer as indexer
-import kernels.triton.topk as topk
+import kernels.attention.sparse_attention as attention
+import kernels.indexer.index_scores as indexer
+import kernels.indexer.topk as topk
 from dsl.graph import Node
 from dsl.tensor import num_tokens
 from graphs.lowering_base import Lowering, Params, meta, over_tokens, param

@@ -28,7 +28,7 @@ class Lowering:
     invariant: Callable[[dict], dict] = dict
     fp8_activations: Callable[[dict], dict | None] = lambda static: None  # the static of an e4m3-input variant
     # Plans with fp8 activations, where a node's output is read only by fp8-activation linears (graphs/plan.py): the
-    # static of the producer's variant that writes it as e4m3 rows (kernels/triton/linear_fp8.py), and that of the
+    # static of the producer's variant that writes it as e4m3 rows (kernels/linear/fp8.py), and that of the
     # reader's variant that takes them as they are. None: no such variant.
     e4m3_out: Callable[[dict], dict | None] = lambda static: None
     e4m3_in: Callable[[dict], dict | None] = lambda static: None

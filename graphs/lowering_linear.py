@@ -1,21 +1,21 @@
 """The lowerings of the linear family: `linear` and `grouped_linear`, the shared expert (`swiglu`: its projections,
-its clamped SwiGLU in one kernel, kernels/triton/swiglu.py) and the MoE gate's projection. Decode buckets run
-kernels/triton/linear.py; prefill buckets with enough output tiles (`linear_prefill.serves`) the prefill GEMM,
-kernels/triton/linear_prefill.py (bf16 products like linear.py's, summed in another order), whose config keeps
+its clamped SwiGLU in one kernel, kernels/linear/swiglu.py) and the MoE gate's projection. Decode buckets run
+kernels/linear/linear.py; prefill buckets with enough output tiles (`linear_prefill.serves`) the prefill GEMM,
+kernels/linear/prefill.py (bf16 products like linear.py's, summed in another order), whose config keeps
 linear.py's beside it for plans that multiply in fp32; fp8 weights with e4m3 activations run
-kernels/triton/linear_fp8.py, on rows a norm rounded already where the plan says so (`e4m3_in`, graphs/plan.py). The
+kernels/linear/fp8.py, on rows a norm rounded already where the plan says so (`e4m3_in`, graphs/plan.py). The
 gate's projection always multiplies in fp32 (routing is discrete): linear.py; its scores and top-k then run
-kernels/triton/moe_gate.py."""
+kernels/moe/gate.py."""
 
 from __future__ import annotations
 
 import torch
 
-import kernels.triton.linear as linear
-import kernels.triton.linear_fp8 as linear_fp8
-import kernels.triton.linear_prefill as linear_prefill
-import kernels.triton.moe_gate as moe_gate
-import kernels.triton.swiglu as swiglu
+import kernels.linear.fp8 as linear_fp8
+import kernels.linear.linear as linear
+import kernels.linear.prefill as linear_prefill
+import kernels.linear.swiglu as swiglu
+import kernels.moe.gate as moe_gate
 from dsl.graph import Node
 from graphs.lowering_base import Lowering, Params, meta, over_tokens, param, weight_dtype
 

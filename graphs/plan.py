@@ -29,8 +29,8 @@ from graphs.lowering import LOWERINGS
 
 BUCKETS = (16, 64, 512, 8192)  # token-count buckets: a bucket's config serves every count up to it (and beyond
 # the last); decode batches fall in the first two
-# templates with a TileLang kernel too: template -> its kernels.tilelang module
-TILELANG_TEMPLATES = {"rms_norm": "rms_norm", "hc_collapse_rms_norm": "hyper"}
+# templates with a TileLang kernel too: template -> its TileLang module
+TILELANG_TEMPLATES = {"rms_norm": "norm.rms_norm_tilelang", "hc_collapse_rms_norm": "hyper.collapse_tilelang"}
 INVARIANT_TOKENS = 64  # the token count whose config, made invariant, serves every count in batch-invariant runs
 
 
@@ -106,14 +106,16 @@ class Plan:
 @functools.lru_cache(maxsize=None)
 def _template_hash(template: str) -> str:
     """The hash of the kernel sources that serve `template` (read once per process: every node of a plan asks)."""
-    module = {"linear": "linear", "rms_norm": "rms_norm", "hc_mixes": "hyper", "hc_collapse_rms_norm": "hyper",
-              "hc_expand": "hyper", "engram_gate": "engram", "rope": "rope", "moe_experts": "moe",
-              "sparse_attention": "attention", "swiglu": "linear", "moe_gate": "linear", "index_scores": "indexer",
-              "fp8_round": "rounding", "fp4_round": "rounding", "compress_pool": "compressor",
-              "engram_hash_rows": "engram_rows", "topk_select": "topk", "candidate_blocks": "topk"}[template]
-    src = source_hash(importlib.import_module(f"kernels.triton.{module}"))
+    module = {"linear": "linear.linear", "rms_norm": "norm.rms_norm", "hc_mixes": "hyper.hyper",
+              "hc_collapse_rms_norm": "hyper.hyper", "hc_expand": "hyper.hyper", "engram_gate": "engram.gate",
+              "rope": "rope.rope", "moe_experts": "moe.experts", "sparse_attention": "attention.sparse_attention",
+              "swiglu": "linear.linear", "moe_gate": "linear.linear", "index_scores": "indexer.index_scores",
+              "fp8_round": "rounding.rounding", "fp4_round": "rounding.rounding", "compress_pool": "compressor.pool",
+              "engram_hash_rows": "engram.hash_rows", "topk_select": "indexer.topk",
+              "candidate_blocks": "indexer.topk"}[template]
+    src = source_hash(importlib.import_module(f"kernels.{module}"))
     if template in TILELANG_TEMPLATES:  # served by either kernel (graphs/lowering.py): an edit to one invalidates
-        src += source_hash(importlib.import_module(f"kernels.tilelang.{TILELANG_TEMPLATES[template]}"))
+        src += source_hash(importlib.import_module(f"kernels.{TILELANG_TEMPLATES[template]}"))
     return src
 
 

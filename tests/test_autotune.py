@@ -16,8 +16,8 @@ from kernels.targets import get_target
 
 SMEM_LIMIT = get_target("sm90").smem_per_block
 
-MODULES = {"linear": "linear", "moe_gate": "linear", "moe_experts": "moe", "sparse_attention": "attention",
-           "hc_mixes": "hyper"}
+MODULES = {"linear": "linear.linear", "moe_gate": "linear.linear", "moe_experts": "moe.experts",
+           "sparse_attention": "attention.sparse_attention", "hc_mixes": "hyper.hyper"}
 LINEAR = {"n": 5120, "k": 8192, "groups": 1, "fmt": "fp8"}
 
 
@@ -45,7 +45,7 @@ def test_gate_space_holds_fp32_tiles(bucket) -> None:
 
 def test_cache_round_trip_and_fallback(tmp_path) -> None:
     cache = TuningCache(tmp_path / "t.json")
-    src = source_hash(importlib.import_module("kernels.triton.linear"))
+    src = source_hash(importlib.import_module("kernels.linear.linear"))
     key = cache_key("linear", LINEAR, 16, "sm90", "NVIDIA H200", src)
     assert choose("linear", LINEAR, 16, "sm90", src, lambda: {"h": 1}, cache) == ({"h": 1}, "heuristic")
     cache.put(key, {"block_N": 64}, 12.5)
@@ -82,7 +82,7 @@ def test_committed_h200_tuning_matches_the_kernels() -> None:
     assert len(entries) >= 20
     for key in entries:
         template, _, _, target, device, src = key.split("|")
-        module = importlib.import_module(f"kernels.triton.{MODULES[template]}")
+        module = importlib.import_module(f"kernels.{MODULES[template]}")
         assert (target, device) == ("sm90", "NVIDIA H200")
         assert src == source_hash(module), f"{key}: the {template} kernels changed since they were tuned"
 

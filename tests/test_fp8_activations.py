@@ -1,5 +1,5 @@
 """`compile(..., fp8_activations=True)`: the linears over fp8 32x32-block weights take the e4m3-activation kernel
-(kernels/triton/linear_fp8.py) and their weights one scale per row; the plan says so and keeps saying so when saved.
+(kernels/linear/fp8.py) and their weights one scale per row; the plan says so and keeps saying so when saved.
 Norms read only by those linears round their rows to e4m3 for them in the same pass. On a checkpoint written in the
 real formats, under Triton's interpreter, the executor is what the cpu target gives with those linears emulated in
 torch (per-token e4m3 rounding, rowwise weights, fp32 products), and near the exact cpu target: within the error
@@ -23,7 +23,7 @@ from dsl.ops.dense import linear as reference_linear
 from dsl.passes import run_passes
 from graphs.executor import Executor
 from graphs.plan import Plan, make_plan
-from kernels.triton.linear_fp8 import linear_rowwise_ref, quantize_rows_ref, rowwise_weight
+from kernels.linear.fp8 import linear_rowwise_ref, quantize_rows_ref, rowwise_weight
 from tests.conftest import fixture_dir, oracle, rel_l2
 from tests.test_checkpoint import _quantize, _tensors, _write
 

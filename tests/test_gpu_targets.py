@@ -124,7 +124,7 @@ from graphs.artifact import save
 from graphs.plan import make_plan
 from deepinfer.models import DeepseekV41Flash
 from kernels.launch import use_launcher
-from kernels.triton.engram import engram_gate
+from kernels.engram.gate import engram_gate
 meta = lambda *s: torch.empty(*s, device="meta")
 found = {}
 with use_launcher(lambda call: found.setdefault(call.key(), call)):

@@ -18,7 +18,7 @@ from deepinfer.models import DeepseekV41Flash
 from dsl.passes import run_passes
 from graphs.aot import record_launches
 from graphs.plan import make_plan
-from kernels.tilelang.build import available as tilelang_builds
+from kernels.tilelang_build import available as tilelang_builds
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = json.loads((ROOT / "tests" / "golden" / "plans.json").read_text())

@@ -23,7 +23,7 @@ def _gate_type(x: TensorType, w: TensorType, bias: TensorType, *, topk: int, **a
 
 def gate_topk(logits: torch.Tensor, bias: torch.Tensor, *, topk: int, func: str, temp: float, normalize: bool,
               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate after its projection (kernels/triton/moe_gate.py's reference): logits fp32 [N, E] and bias [E] ->
+    """The gate after its projection (kernels/moe/gate.py's reference): logits fp32 [N, E] and bias [E] ->
     weights fp32 [N, k], experts int64 [N, k] (descending score + bias)."""
     scores = score(logits / temp, func)  # [N, E]
     experts = (scores + bias.float()).topk(topk, dim=-1)[1]

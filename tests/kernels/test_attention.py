@@ -8,7 +8,7 @@ import torch
 from dsl.context import ForwardContext, SequenceState
 from dsl.ops.attention import CacheView
 from dsl.ops.attention import sparse_attention as ref_sparse_attention
-from kernels.triton.attention import sparse_attention_op
+from kernels.attention.sparse_attention import sparse_attention_op
 from tests.kernels.cases import HEAD_DIM, HEADS, INDEX_TOPK, WINDOW, gen, rel_l2
 
 

@@ -17,11 +17,11 @@ from dsl.ops import hyper as hyper_ref
 from dsl.quant import quantize_fp8_block
 from graphs.lowering import LOWERINGS
 from graphs.plan import INVARIANT_TOKENS
-from kernels.triton.attention import sparse_attention
-from kernels.triton.hyper import hc_mixes
-from kernels.triton.linear import linear
-from kernels.triton.moe import moe_experts
-from kernels.triton.rms_norm import rms_norm
+from kernels.attention.sparse_attention import sparse_attention
+from kernels.hyper.hyper import hc_mixes
+from kernels.linear.linear import linear
+from kernels.moe.experts import moe_experts
+from kernels.norm.rms_norm import rms_norm
 from tests.kernels.cases import gen, rel_l2
 from tests.kernels.test_linear import reference as linear_reference
 from tests.kernels.test_moe import make_experts, routing

@@ -9,7 +9,7 @@ import torch
 import dsl.cache
 from dsl.cache_format import EntryFormat
 from dsl.ops.rounding import fp4_round, fp8_round
-from kernels.triton import cache as kernel
+from kernels.cache import rows as kernel
 from tests.kernels.cases import HEAD_DIM, gen
 
 FP8, KV_FP4, KEY_FP4, FP32 = EntryFormat("fp8", 32), EntryFormat("fp4", 16, True), EntryFormat("fp4", 32), EntryFormat()

@@ -9,7 +9,7 @@ import torch
 
 from dsl.context import ForwardContext
 from dsl.ops.compressor import pool_entries, pool_rows
-from kernels.triton.compressor import pool_groups
+from kernels.compressor.pool import pool_groups
 from tests.kernels.cases import gen, rel_l2
 
 

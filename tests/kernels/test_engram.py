@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsl.ops import engram as ref
-from kernels.triton.engram import engram_gate
+from kernels.engram.gate import engram_gate
 from tests.kernels.cases import HIDDEN, gen, rel_l2
 
 HC, EPS = 4, 1e-20

@@ -1,4 +1,4 @@
-"""Engram's fused hash and table gather (kernels/triton/engram_rows.py) bitwise against `dsl.ops.engram`'s engram_hash
+"""Engram's fused hash and table gather (kernels/engram/hash_rows.py) bitwise against `dsl.ops.engram`'s engram_hash
 then engram_rows: float and fp8 tables, n-grams of 2 to 4 ids, several heads, any int64 ids; a token's rows alone and
 among others; the fusion pass and the plan that serve it; V4.1-Flash's hashing constants and sizes on the GPU."""
 
@@ -18,7 +18,7 @@ from dsl.quant import quantize_fp8_group
 from dsl.tensor import num_tokens
 from graphs.executor import Executor
 from graphs.plan import make_plan
-from kernels.triton.engram_rows import engram_hash_rows
+from kernels.engram.hash_rows import engram_hash_rows
 from tests.kernels.cases import gen
 
 V41 = DeepseekV41Config()  # V4.1-Flash's Engram: 2- to 4-grams, 8 heads of 256, compressed vocabulary of 99092

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsl.ops import hyper as ref
-from kernels.triton.hyper import hc_collapse_rms_norm, hc_expand, hc_mixes
+from kernels.hyper.hyper import hc_collapse_rms_norm, hc_expand, hc_mixes
 from tests.kernels.cases import HIDDEN, gen, rel_l2
 
 HC, ITERS, EPS, NORM_EPS = 4, 20, 1e-6, 1e-20

@@ -10,7 +10,7 @@ from dsl.ops.attention import CacheView
 from dsl.ops.indexer import index_scores as ref_index_scores
 from graphs.lowering import LOWERINGS
 from graphs.plan import INVARIANT_TOKENS
-from kernels.triton.indexer import index_scores_op
+from kernels.indexer.index_scores import index_scores_op
 from tests.kernels.cases import gen, rel_l2
 
 INDEX_HEADS, INDEX_DIM = 64, 128  # V4.1-Flash's index_n_heads, index_head_dim
@@ -63,7 +63,7 @@ def test_index_scores_of_no_tokens(device) -> None:
 
 
 def test_index_scores_reject_mismatched_shapes(device) -> None:
-    from kernels.triton.indexer import index_scores
+    from kernels.indexer.index_scores import index_scores
 
     q, ints = gen(3, 4, 32, device=device), torch.zeros(3, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="do not match"):

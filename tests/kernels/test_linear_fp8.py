@@ -1,4 +1,4 @@
-"""The fp8-activation path (kernels/triton/linear_fp8.py): per-token e4m3 rounding bit for bit its torch reference,
+"""The fp8-activation path (kernels/linear/fp8.py): per-token e4m3 rounding bit for bit its torch reference,
 the load-time rowwise weight exact or within its bound, the fp8 GEMM against fp32 products of the same operands, its
 batch invariance, and the end-to-end error against the fp32 linear of the original weight (dsl.ops.dense)."""
 
@@ -9,7 +9,7 @@ import torch
 
 from dsl.ops.dense import linear as ref_linear
 from dsl.quant import dequantize_fp8_block, quantize_fp8_block
-from kernels.triton.linear_fp8 import (
+from kernels.linear.fp8 import (
     SMEM_BUDGET,
     default_config,
     linear_rowwise,

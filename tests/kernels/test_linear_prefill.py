@@ -1,4 +1,4 @@
-"""The prefill GEMM (kernels/triton/linear_prefill.py): bf16 and fp8 32x32 weights against the fp32 linear of the same
+"""The prefill GEMM (kernels/linear/prefill.py): bf16 and fp8 32x32 weights against the fp32 linear of the same
 bf16-rounded operands (dsl.ops.dense; the products are exact in fp32, so only the summation order differs), the fp8
 expansion bit for bit `dequantize_fp8_block`, batch invariance at a fixed config, and the wrapper's checks."""
 
@@ -9,7 +9,7 @@ import torch
 
 from dsl.ops.dense import linear as ref_linear
 from dsl.quant import dequantize_fp8_block, quantize_fp8_block
-from kernels.triton.linear_prefill import SMEM_BUDGET, default_config, dequantize_weight, linear_prefill, smem_bytes
+from kernels.linear.prefill import SMEM_BUDGET, default_config, dequantize_weight, linear_prefill, smem_bytes
 from tests.kernels.cases import V41_LINEARS, gen, rel_l2
 
 FP8 = torch.float8_e4m3fn

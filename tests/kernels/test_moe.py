@@ -11,7 +11,7 @@ from autotune.space import get_configs
 from dsl.ops.moe import moe_experts as ref_moe_experts
 from graphs.lowering import LOWERINGS
 from kernels.launch import use_launcher
-from kernels.triton.moe import default_config, moe_experts, prescaled
+from kernels.moe.experts import default_config, moe_experts, prescaled
 from tests.kernels.cases import EXPERTS, HIDDEN, MOE_INTER, TOPK, gen, rel_l2
 
 LIMIT = 10.0

@@ -11,7 +11,7 @@ from dsl.ops.moe import gate_topk as ref_gate_topk
 from dsl.ops.moe import moe_gate, score
 from graphs.lowering import LOWERINGS
 from kernels.launch import use_launcher
-from kernels.triton.moe_gate import FUNCS, gate_topk
+from kernels.moe.gate import FUNCS, gate_topk
 from tests.kernels.cases import EXPERTS, HIDDEN, TOPK, gen
 
 RTOL = 1e-6  # weights: a few fp32 ulps (other exp/log1p under the interpreter, other orders of the sums)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.triton.moe_route import route, route_ref
+from kernels.moe.route import route, route_ref
 from tests.kernels.cases import EXPERTS, TOPK
 
 SMALL = {"block_P": 16, "num_warps": 4}  # 16 pairs a scan step: most cases take several

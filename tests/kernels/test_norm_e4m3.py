@@ -9,8 +9,8 @@ import torch
 
 from dsl.ops.dense import rms_norm as ref_rms_norm
 from dsl.quant import quantize_fp8_block
-from kernels.triton.hyper import hc_collapse_rms_norm
-from kernels.triton.linear_fp8 import (
+from kernels.hyper.hyper import hc_collapse_rms_norm
+from kernels.linear.fp8 import (
     e4m3_rows,
     linear_rowwise,
     quantize_rows,
@@ -18,8 +18,8 @@ from kernels.triton.linear_fp8 import (
     rowwise_weight,
     unpack_rows,
 )
-from kernels.triton.norm_e4m3 import hc_collapse_rms_norm_e4m3, rms_norm_e4m3
-from kernels.triton.rms_norm import rms_norm
+from kernels.norm.e4m3 import hc_collapse_rms_norm_e4m3, rms_norm_e4m3
+from kernels.norm.rms_norm import rms_norm
 from tests.kernels.cases import HIDDEN, Q_LORA, V41_LINEARS, gen
 from tests.kernels.test_linear_fp8 import SMALL, assert_same_codes
 

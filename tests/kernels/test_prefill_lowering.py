@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.triton.linear as linear
+import kernels.linear.linear as linear
 from deepinfer.models import DeepseekV41Flash
 from dsl.passes import run_passes
 from dsl.quant import quantize_fp8_block

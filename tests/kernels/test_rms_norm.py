@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsl.ops.dense import rms_norm as ref_rms_norm
-from kernels.triton.rms_norm import rms_norm
+from kernels.norm.rms_norm import rms_norm
 from tests.kernels.cases import HIDDEN, Q_LORA, gen, rel_l2
 
 EPS = 1e-20

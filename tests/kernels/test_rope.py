@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsl.ops.rope import _freqs_on, inv_freq, rope_params, rotate
-from kernels.triton.rope import rope
+from kernels.rope.rope import rope
 from tests.kernels.cases import HEAD_DIM, HEADS, gen, rel_l2
 
 PLAIN = rope_params({"rope_theta": 10000.0})

@@ -1,4 +1,4 @@
-"""The rounding kernels (kernels/triton/rounding.py) against `dsl.ops.rounding`, bit for bit: every output's bits
+"""The rounding kernels (kernels/rounding/rounding.py) against `dsl.ops.rounding`, bit for bit: every output's bits
 (-0.0 apart from 0.0), NaN positions equal. Inputs: random rows at scales 1e-6 .. 1e4, every grid value and every
 midpoint (tie) at several scales with its neighbours one ulp away, blocks whose amax sits on or one ulp off a scale
 boundary (powers of two, e4m3 values and the midpoints between them, the clamps), zeros and -0.0, subnormals, NaN and
@@ -12,7 +12,7 @@ import torch
 from dsl.ops.rounding import FP4_GRID, FP4_MAX, FP8_MAX
 from dsl.ops.rounding import fp4_round as ref_fp4_round
 from dsl.ops.rounding import fp8_round as ref_fp8_round
-from kernels.triton.rounding import fp4_round, fp8_round
+from kernels.rounding.rounding import fp4_round, fp8_round
 from tests.conftest import fixture_dir
 from tests.kernels.cases import HEAD_DIM, gen
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from deepinfer.sampler import _int64, gumbel_noise, hash_uniform, mix64, sample_plain, sample_plain_torch
+from kernels.lang import tl, triton
 from kernels.launch import is_jit, use_launcher
-from kernels.triton.lang import tl, triton
-from kernels.triton.sampling import KERNEL_NAMES, _gumbel, _mix64, gumbel_argmax
+from kernels.sampling.gumbel_argmax import KERNEL_NAMES, _gumbel, _mix64, gumbel_argmax
 
 VOCAB = 129280  # V4.1-Flash's vocab_size
 

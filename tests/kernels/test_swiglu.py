@@ -11,7 +11,7 @@ from dsl.ops.moe import swiglu as ref_swiglu
 from dsl.quant import quantize_fp8_block
 from graphs.lowering_linear import SWIGLU, _project
 from kernels.launch import use_launcher
-from kernels.triton.swiglu import swiglu
+from kernels.linear.swiglu import swiglu
 from tests.kernels.cases import DECODE_TOKENS, HIDDEN, MOE_INTER, gen, rel_l2
 
 LIMIT = 10.0

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from graphs.aot import build, record_launches
+from kernels.hyper.collapse_tilelang import hc_collapse_rms_norm
 from kernels.launch import Launch
-from kernels.tilelang.build import available, launch_shape, lower
-from kernels.tilelang.hyper import hc_collapse_rms_norm
-from kernels.tilelang.kernel import TileLangKernel
-from kernels.tilelang.rms_norm import rms_norm
+from kernels.norm.rms_norm_tilelang import rms_norm
+from kernels.tilelang_build import available, launch_shape, lower
+from kernels.tilelang_kernel import TileLangKernel
 from tests.kernels.tilelang_cubins import record
 from tests.test_gpu_targets import cubin_arch, planned
 

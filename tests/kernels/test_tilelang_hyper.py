@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dsl.ops.hyper import hc_collapse_rms_norm as reference
+from kernels.hyper.collapse_tilelang import hc_collapse_rms_norm
 from kernels.launch import use_launcher
-from kernels.tilelang.hyper import hc_collapse_rms_norm
-from kernels.tilelang.kernel import TileLangKernel
+from kernels.tilelang_kernel import TileLangKernel
 from tests.kernels.cases import gen, rel_l2
 from tests.kernels.tilelang_cubins import HC_CASES, record
 

@@ -9,8 +9,8 @@ import torch
 
 from dsl.ops.dense import rms_norm as ref_rms_norm
 from kernels.launch import Launch, use_launcher
-from kernels.tilelang.kernel import TileLangKernel
-from kernels.tilelang.rms_norm import default_config, rms_norm
+from kernels.norm.rms_norm_tilelang import default_config, rms_norm
+from kernels.tilelang_kernel import TileLangKernel
 from tests.kernels.cases import gen, rel_l2
 from tests.kernels.tilelang_cubins import NORM_CASES, record
 

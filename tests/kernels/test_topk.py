@@ -13,8 +13,8 @@ from dsl.context import ForwardContext, SequenceState
 from dsl.ops.indexer import candidate_blocks as ref_candidate_blocks
 from dsl.ops.indexer import topk_select as ref_topk_select
 from graphs.lowering import LOWERINGS
+from kernels.indexer.topk import candidate_blocks_op, topk_select
 from kernels.launch import use_launcher
-from kernels.triton.topk import candidate_blocks_op, topk_select
 from tests.kernels.cases import INDEX_TOPK, gen
 
 SMALL = {"block_N": 16, "num_warps": 4}  # several tiles a row, a partial last one
@@ -168,7 +168,7 @@ def test_a_row_selects_the_same_alone_and_among_others(device) -> None:
 def test_the_attention_reads_the_picks_alike_at_any_width(dot_fp32, device) -> None:
     """The attention kernel in its one-part (invariant) form over the picks [N, min(topk, C)], and over the same
     padded with -1 to `topk` (the invariant reference's width): the same bits."""
-    from kernels.triton.attention import sparse_attention_op
+    from kernels.attention.sparse_attention import sparse_attention_op
     from tests.kernels.test_attention import SMALL as ONE_PART
     from tests.kernels.test_attention import make_inputs
 
