@@ -41,8 +41,7 @@ import kernels.linear.linear as linear  # noqa: E402
 import kernels.moe.experts as moe  # noqa: E402
 import kernels.norm.rms_norm as rms_norm  # noqa: E402
 import kernels.rope.rope as rope  # noqa: E402
-from autotune.cache import TuningCache, cache_key, source_hash  # noqa: E402
-from autotune.run import rotation  # noqa: E402
+from autotune.cache import TuningCache, cache_key, template_hash  # noqa: E402
 from autotune.tune import time_us  # noqa: E402
 from dsl.ops import dense as dense_ref  # noqa: E402
 from dsl.ops import engram as engram_ref  # noqa: E402
@@ -51,15 +50,16 @@ from dsl.ops import moe as moe_ref  # noqa: E402
 from dsl.ops import rope as rope_ref  # noqa: E402
 from dsl.quant import quantize_fp8_block  # noqa: E402
 from graphs.plan import bucket_of  # noqa: E402
+from kernels.tuning import rotation  # noqa: E402
 
 TUNED: TuningCache | None = None  # --tuning: configs from a tuning file; else each kernel's heuristic
 
 
-def tuned(template: str, static: dict, m: int, module) -> dict | None:
+def tuned(template: str, static: dict, m: int) -> dict | None:
     """The tuned config of a kernel node for `m` tokens, as a compiled plan would pick it (None: heuristic)."""
     if TUNED is None:
         return None
-    key = cache_key(template, static, bucket_of(m), "sm90", torch.cuda.get_device_name(), source_hash(module))
+    key = cache_key(template, static, bucket_of(m), "sm90", torch.cuda.get_device_name(), template_hash(template))
     return TUNED.get(key)
 
 
@@ -87,7 +87,7 @@ def bench_linear(tokens: list[int]) -> None:
             xb = x.bfloat16()
             shape = f"{name} {g}x{n}x{k} M={m}"
             nb = cycler(wb)
-            cfg = tuned("linear", {"n": n, "k": k, "groups": g, "fmt": "plain"}, m, linear)
+            cfg = tuned("linear", {"n": n, "k": k, "groups": g, "fmt": "plain"}, m)
             ours = time_us(lambda: linear.linear(x, nb(), groups=g, config=cfg))
             if g == 1:
                 base = time_us(lambda: torch.nn.functional.linear(xb, nb()))
@@ -98,7 +98,7 @@ def bench_linear(tokens: list[int]) -> None:
             record("linear bf16", shape, ours, nbytes=wbytes + m * g * k * 4 + m * g * n * 4,
                    flops=2 * m * g * n * k, base="cuBLAS bf16", base_us=base)
             nq = cycler(wq)
-            cfg = tuned("linear", {"n": n, "k": k, "groups": g, "fmt": "fp8"}, m, linear)
+            cfg = tuned("linear", {"n": n, "k": k, "groups": g, "fmt": "fp8"}, m)
             ours = time_us(lambda: linear.linear(x, nq(), s, groups=g, config=cfg))
             fbytes = g * n * k + s.numel() * 4
             row = dict(nbytes=fbytes + m * g * k * 4 + m * g * n * 4, flops=2 * m * g * n * k)
@@ -147,7 +147,7 @@ def bench_norms(tokens: list[int]) -> None:
         fn = torch.randn(24, hc * d, device="cuda") * (hc * d) ** -0.5
         sc, base = torch.rand(3, device="cuda") + 0.5, torch.randn(24, device="cuda")
         kw = dict(iters=20, eps=1e-6, norm_eps=1e-20)
-        cfg = tuned("hc_mixes", {"hc": hc, "d": d}, m, hyper)
+        cfg = tuned("hc_mixes", {"hc": hc, "d": d}, m)
         record("hc_mixes (sinkhorn)", f"{m}x{hc}x{d}",
                time_us(lambda: hyper.hc_mixes(h, fn, sc, base, **kw, config=cfg)),
                nbytes=m * hc * d * 4 + fn.numel() * 4, base="torch eager (dsl ref)",
@@ -208,7 +208,7 @@ def bench_moe(tokens: list[int]) -> None:
         unique = sum(len(torch.unique(r)) for r in routes) / len(routes)
         x, wts = torch.randn(m, d, device="cuda"), torch.rand(m, topk, device="cuda")
         nr = cycler(routes)
-        cfg = tuned("moe_experts", {"e": e, "inter": inter, "d": d, "topk": topk, "fmt": "fp4"}, m, moe) \
+        cfg = tuned("moe_experts", {"e": e, "inter": inter, "d": d, "topk": topk, "fmt": "fp4"}, m) \
             or moe.default_config(bucket_of(m))
         # each form timed twice, in one order then the reverse (a long compute-bound run heats the GPU and slows
         # what comes after it), keeping each one's faster time
@@ -245,7 +245,7 @@ def bench_attention(tokens: list[int]) -> None:
         kv = torch.randn(m * pool, d, device="cuda").bfloat16()
         idx = torch.stack([torch.randperm(pool, device="cuda")[:s] + pool * i for i in range(m)]).int()
         sink = torch.randn(h, device="cuda")
-        cfg = tuned("sparse_attention", {"h": h, "d": d}, m, attention)
+        cfg = tuned("sparse_attention", {"h": h, "d": d}, m)
         ours = time_us(lambda: attention.sparse_attention(q, kv, idx, sink, scale=d**-0.5, config=cfg))
         base = time_us(lambda: torch_sparse_attention(q, kv, idx, sink, d**-0.5))
         record("sparse_attention decode", f"T={m} H={h} D={d} S={s}", ours,
@@ -263,7 +263,7 @@ def bench_indexer(tokens: list[int], entries: int = 2048) -> None:
         start = (torch.arange(m, device="cuda") * entries).int()
         length = torch.full((m,), entries, dtype=torch.int32, device="cuda")
         pos = torch.full((m,), 4 * entries + 3, dtype=torch.int32, device="cuda")
-        cfg = tuned("index_scores", {"h": h, "d": d}, m, indexer)
+        cfg = tuned("index_scores", {"h": h, "d": d}, m)
 
         def torch_scores():
             s = torch.einsum("thd,tld->thl", q.float(), keys.view(m, entries, d).float()).relu_() * d**-0.5
@@ -280,9 +280,9 @@ def bench_cache(rows: list[int], blocks: int = 4096, per: int = 64, width: int =
     """Cache entries stored (encode + scatter) and loaded (gather + decode) by kernels/cache/rows.py against the
     torch path of dsl/cache.py, µs per call issued eagerly as a step issues them (host time included): the window
     (fp8, by slot), the compressed KV (fp4, e4m3 scales) and the indexer keys (fp4, power-of-two scales), by table."""
+    import kernels.cache.rows as cache
     from dsl import cache as torch_cache
     from dsl.cache_format import EntryFormat
-    import kernels.cache.rows as cache
     from dsl.ops.rounding import fp4_round, fp8_round
 
     for name, fmt, d, paged in [("window fp8", EntryFormat("fp8", 32), 512, False),

@@ -12,7 +12,7 @@ import kernels.linear.linear as linear
 import kernels.linear.prefill as linear_prefill
 from autotune.tune import time_us
 from dsl.quant import dequantize_fp8_block, quantize_fp8_block
-from graphs.lowering_linear import _project
+from kernels.linear.lowering import DECODE, PREFILL, project
 
 
 def bench_prefill_gemm(m: int = 4096) -> None:
@@ -37,7 +37,7 @@ def bench_prefill_gemm(m: int = 4096) -> None:
 
 def bench_prefill_switch(tokens: tuple[int, ...] = (128, 256, 512, 1024)) -> None:
     """Where plans should hand linears to the prefill GEMM (`linear_prefill.serves`): at each token count, each V4.1
-    linear run as plans run it (`graphs.lowering_linear._project`: fp32 x in, a grouped weight one GEMM a group),
+    linear run as plans run it (`kernels.linear.lowering.project`: fp32 x in, a grouped weight one GEMM a group),
     with plain and fp8 32x32 weights, on the prefill GEMM (its heuristic tile) against linear.py (its heuristic:
     the tuning file has no entry over 64 tokens for linears)."""
     for name, n, k, g in LINEARS:
@@ -48,10 +48,10 @@ def bench_prefill_switch(tokens: tuple[int, ...] = (128, 256, 512, 1024)) -> Non
             x = torch.randn(m, g * k, device="cuda")
             for fmt, weight, scale in (("bf16", wb, None), ("fp8 32x32", q, s)):
                 lin = linear.default_config(m, n, k, g, scale is not None)
-                both = {"prefill": linear_prefill.default_config(m, n, k), "linear": lin}
+                pre = linear_prefill.default_config(m, n, k)
                 record(f"prefill GEMM {fmt}", f"{name} {g}x{n}x{k} M={m}",
-                       time_us(lambda: _project(x, weight, scale, both, False, g)), flops=2 * m * g * n * k,
-                       base="linear.linear", base_us=time_us(lambda: _project(x, weight, scale, lin, False, g)))
+                       time_us(lambda: project(x, weight, scale, PREFILL, pre, False, g)), flops=2 * m * g * n * k,
+                       base="linear.linear", base_us=time_us(lambda: project(x, weight, scale, DECODE, lin, False, g)))
         del w, q, s, wb
 
 

@@ -51,8 +51,8 @@ from dsl.ops.rope import rotation_at
 from dsl.passes import run_passes
 from dsl.ragged import Ragged
 from graphs.capture import find_segments
-from graphs.lowering import LOWERINGS
-from graphs.plan import make_plan
+from graphs.passes import make_plan
+from kernels.registry import LOWERINGS
 
 CAPTURED = "(CUDA-graph segments)"
 # Kernel nodes whose lowering does host work around the launch (layouts, the caches' reads and writes): run, with
@@ -194,8 +194,8 @@ class Step:
             return opdef.reference(*args, **kwargs)
         if node.op in HOST_CODE:  # their host code, and a stand-in for the launch
             rows = args[0].values if isinstance(args[0], Ragged) else args[0]  # entries' lowerings take the Ragged
-            config = entry.config(rows.shape[0], self.plan.buckets)
-            return LOWERINGS[node.op].run(args, node.attrs, entry.static, config, ctx, True)
+            chosen = entry.at(rows.shape[0], self.plan.buckets)
+            return LOWERINGS[node.op].run(entry.call(chosen, node.attrs, True, args, ctx))
         return one_launch(opdef.reference)(*args, **kwargs)  # another kernel: one launch
 
 

@@ -29,7 +29,7 @@ from dsl.passes import run_passes  # noqa: E402
 from dsl.ragged import Ragged  # noqa: E402
 from graphs.capture import CudaGraphs  # noqa: E402
 from graphs.executor import Executor  # noqa: E402
-from graphs.plan import make_plan  # noqa: E402
+from graphs.passes import make_plan  # noqa: E402
 
 
 class Recorder:

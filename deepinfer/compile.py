@@ -53,7 +53,8 @@ def _compile_gpu(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets: 
     from deepinfer.compiled_gpu import GpuCompiledModel
     from dsl.cache import CacheSpec
     from graphs.aot import build, record_cache_launches, record_launches, record_sampling_launches
-    from graphs.plan import BUCKETS, make_plan
+    from graphs.passes import make_plan
+    from graphs.plan import BUCKETS
 
     graphs = [run_passes(model.graph(dspark=drafting))] + ([run_passes(model.draft_graph())] if drafting else [])
     params = model.params()

@@ -164,9 +164,6 @@ class GpuCompiledModel:
         """One chunk of tokens per sequence; fp32 logits of each chunk's last token, of the last `num_logits[i]`
         tokens of chunk i, or of every token (`all_logits`). With `batch_invariant` each row's logits are bitwise
         independent of the batch and of chunking."""
-        if batch_invariant and not self.plan.has_invariant_configs:
-            raise ValueError("this artifact's plan has no batch-invariant configs (it predates them): compile the "
-                             "model again, or pass batch_invariant=False")
         executor, _ = self._ready()
         lengths = [len(tokens) for _, tokens in batch]
         if any(n == 0 for n in lengths):

@@ -24,9 +24,9 @@ from pathlib import Path
 import kernels.cache.rows as cache_kernels
 import kernels.sampling.gumbel_argmax as sampling_kernels
 from dsl.cache import CacheSpec
-from graphs.lowering import LOWERINGS
 from graphs.plan import Plan
 from kernels.launch import Launch, use_launcher
+from kernels.registry import LOWERINGS
 from kernels.targets import get_target
 from kernels.tilelang_kernel import TileLangKernel
 
@@ -56,11 +56,9 @@ def record_launches(plan: Plan, attrs_of: dict[int, dict]) -> dict[str, Launch]:
     with use_launcher(record):
         for node in plan.kernel_nodes():
             lowering = LOWERINGS[node.op]
-            runs = [(node.configs[b], b) for b in plan.buckets]
-            if node.invariant is not None:
-                runs.append((node.invariant, plan.buckets[0]))
-            for config, m in runs:
-                lowering.trace(node.static, attrs_of[node.index], config, m, plan.dot_fp32)
+            runs = [(node.buckets[b], b) for b in plan.buckets] + [(node.invariant, plan.buckets[0])]
+            for chosen, m in runs:
+                lowering.trace(node.call(chosen, attrs_of[node.index], plan.dot_fp32, tokens=m))
     return found
 
 

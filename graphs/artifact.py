@@ -46,8 +46,8 @@ def save(path: str | Path, plan: Plan, built: dict[str, Built], model_config: di
     (root / "plan.json").write_text(json.dumps(plan.to_json() | {"kernels": index}, indent=1) + "\n")
     if draft_plan is not None:  # its kernels are among plan.json's
         (root / "draft_plan.json").write_text(json.dumps(draft_plan.to_json(), indent=1) + "\n")
-    tuning = {str(n.index): {"template": n.template, "static": n.static, "sources": n.sources}
-              for n in plan.kernel_nodes()}
+    tuning = {str(n.index): {"template": n.template, "static": n.static.fields(),
+                             "sources": {str(b): p.source for b, p in n.buckets.items()}} for n in plan.kernel_nodes()}
     (root / "tuning.json").write_text(json.dumps(tuning, indent=1) + "\n")
     import triton
 

@@ -17,7 +17,8 @@ from deepinfer.default_model import trained_model
 from deepinfer.models import DeepseekV41Flash
 from dsl.passes import run_passes
 from graphs.aot import record_launches
-from graphs.plan import make_plan
+from graphs.passes import make_plan
+from kernels.registry import LOWERINGS
 from kernels.tilelang_build import available as tilelang_builds
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,32 +28,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 import bench_slice  # noqa: E402
 
 
-def _gemm(config: dict, fmt: str, dot_fp32: bool) -> tuple[str, dict]:
-    if "prefill" in config:
-        return ("decode", config["linear"]) if dot_fp32 else ("prefill", config["prefill"])
-    return ("rows" if fmt == "fp8_rows" else "decode"), config
-
-
-def _runs(template: str, static: dict, config: dict, dot_fp32: bool) -> list:
-    """[the GEMM kernels that run, the config they run with] of one bucket."""
-    if template == "linear":
-        gemm, config = _gemm(config, static["fmt"], dot_fp32)
-        return [[gemm], config]
-    if template == "swiglu":
-        (up, cu), (down, cd) = (_gemm(config[part], static["fmt"], dot_fp32) for part in ("up", "down"))
-        return [[up, down], {"up": cu, "down": cd}]
-    return [[], config]
-
-
 def view(plan) -> dict[int, list]:
     """Kernel node index -> its view (an entry of the golden's "views"), through JSON as the golden was."""
     out = {}
     for n in plan.kernel_nodes():
-        buckets = {str(b): [*_runs(n.template, n.static, n.configs[b], plan.dot_fp32), n.sources[b]]
-                   for b in plan.buckets}
-        record = [n.op, n.template, n.static, n.static.get("kernel", "triton"),
-                  {str(k): v for k, v in n.formats.items()}, buckets, _runs(n.template, n.static, n.invariant,
-                                                                            plan.dot_fp32)]
+        buckets = {str(b): [list(p.gemms), p.config, p.source] for b, p in n.buckets.items()}
+        record = [n.op, n.template, LOWERINGS[n.op].key(n.static, n.variant), n.variant.backend,
+                  {str(k): v for k, v in n.formats.items()}, buckets, [list(n.invariant.gemms), n.invariant.config]]
         out[n.index] = json.loads(json.dumps(record))
     return out
 

@@ -134,8 +134,8 @@ def trace(vocab_size: int, device: str = "meta") -> None:
     """Call the wrapper once on fp32 logits of `vocab_size` tokens on `device` (the AOT builder, on meta, records its
     launches: one variant of each kernel whatever the number of rows)."""
     with torch.device(device):
-        gumbel_argmax(torch.zeros(1, vocab_size), torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.int64),
-                      torch.zeros(1, dtype=torch.int64))
+        ints = torch.zeros(1, dtype=torch.int64)
+        gumbel_argmax(torch.zeros(1, vocab_size), torch.zeros(1, dtype=torch.float64), ints, ints)
 
 
 __all__ = ["KERNEL_NAMES", "argmax_partials_kernel", "default_config", "gumbel_argmax", "gumbel_argmax_kernel",

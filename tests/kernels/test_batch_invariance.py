@@ -15,13 +15,14 @@ import torch
 
 from dsl.ops import hyper as hyper_ref
 from dsl.quant import quantize_fp8_block
-from graphs.lowering import LOWERINGS
 from graphs.plan import INVARIANT_TOKENS
 from kernels.attention.sparse_attention import sparse_attention
 from kernels.hyper.hyper import hc_mixes
 from kernels.linear.linear import linear
+from kernels.lowering import PLAIN
 from kernels.moe.experts import moe_experts
 from kernels.norm.rms_norm import rms_norm
+from kernels.registry import LOWERINGS
 from tests.kernels.cases import gen, rel_l2
 from tests.kernels.test_linear import reference as linear_reference
 from tests.kernels.test_moe import make_experts, routing
@@ -31,9 +32,12 @@ pytestmark = pytest.mark.usefixtures("row_independent_dot")
 BATCHES = [(1, 0), (5, 3), (37, 36), (70, 17)]  # (rows, where the row sits): one M tile, several, a partial last one
 
 
-def invariant_config(op: str, static: dict) -> dict:
+def invariant_config(op: str, fields: dict) -> dict:
+    """The config batch-invariant runs take for a node of these static shapes: INVARIANT_TOKENS's, made invariant."""
     lowering = LOWERINGS[op]
-    return lowering.invariant(lowering.default_config(static, INVARIANT_TOKENS))
+    static = lowering.static_type(**fields)
+    gemms = lowering.gemms(static, INVARIANT_TOKENS, False)
+    return lowering.invariant(lowering.default_config(static, INVARIANT_TOKENS, PLAIN, gemms))
 
 
 def among_others(row: torch.Tensor, rows: int, at: int, seed: int) -> torch.Tensor:
@@ -132,5 +136,5 @@ def test_sparse_attention_token_is_the_same_with_wider_neighbours_only_whole(spl
 
 def test_the_invariant_attention_config_is_whole() -> None:
     config = invariant_config("sparse_attention", {"h": 64, "d": 512})
-    assert config["split_kv"] == 1 and LOWERINGS["sparse_attention"].default_config({"h": 64, "d": 512}, 1)[
-        "split_kv"] > 1
+    lowering = LOWERINGS["sparse_attention"]
+    assert config["split_kv"] == 1 and lowering.default_config(lowering.static_type(64, 512), 1)["split_kv"] > 1

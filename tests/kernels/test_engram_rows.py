@@ -17,7 +17,7 @@ from dsl.passes import run_passes
 from dsl.quant import quantize_fp8_group
 from dsl.tensor import num_tokens
 from graphs.executor import Executor
-from graphs.plan import make_plan
+from graphs.passes import make_plan
 from kernels.engram.hash_rows import engram_hash_rows
 from tests.kernels.cases import gen
 
@@ -153,9 +153,9 @@ def test_the_plan_serves_the_lookup_with_the_kernel(scale_dtype) -> None:
     params = {"table": table} | ({"scale": scale.to(scale_dtype)} if scale_dtype else {})
     plan = make_plan(graph, params, "sm90", buckets=(16,))
     node = plan.kernel_nodes()[0]
-    assert node.template == "engram_hash_rows" and node.static == {"n": 3, "rows": rows, "d": d,
-                                                                   "dtype": "float8_e4m3fn",
-                                                                   "scaled": scale_dtype is not None}
+    assert node.template == "engram_hash_rows" and node.static.fields() == {"n": 3, "rows": rows, "d": d,
+                                                                            "dtype": "float8_e4m3fn",
+                                                                            "scaled": scale_dtype is not None}
     inputs = {"ngrams": ngram_ids(11, 3, "cpu")}
     want = interpret(graph, inputs, params, ForwardContext([SequenceState()], [11]))["rows"]
     got = Executor(graph, plan, params, "cpu").run(inputs, ForwardContext([SequenceState()], [11]))["rows"]

@@ -8,9 +8,9 @@ import torch
 from dsl.context import ForwardContext, SequenceState
 from dsl.ops.attention import CacheView
 from dsl.ops.indexer import index_scores as ref_index_scores
-from graphs.lowering import LOWERINGS
 from graphs.plan import INVARIANT_TOKENS
 from kernels.indexer.index_scores import index_scores_op
+from kernels.registry import LOWERINGS
 from tests.kernels.cases import gen, rel_l2
 
 INDEX_HEADS, INDEX_DIM = 64, 128  # V4.1-Flash's index_n_heads, index_head_dim
@@ -75,7 +75,7 @@ def test_index_scores_reject_mismatched_shapes(device) -> None:
 
 def invariant_config(heads: int, dim: int) -> dict:
     lowering = LOWERINGS["index_scores"]
-    return lowering.invariant(lowering.default_config({"h": heads, "d": dim}, INVARIANT_TOKENS))
+    return lowering.invariant(lowering.default_config(lowering.static_type(heads, dim), INVARIANT_TOKENS))
 
 
 @pytest.mark.usefixtures("row_independent_dot")  # the kernel's order, not the host BLAS's (conftest.py)

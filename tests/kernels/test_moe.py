@@ -9,9 +9,10 @@ import torch
 
 from autotune.space import get_configs
 from dsl.ops.moe import moe_experts as ref_moe_experts
-from graphs.lowering import LOWERINGS
 from kernels.launch import use_launcher
+from kernels.lowering import PLAIN, Call
 from kernels.moe.experts import default_config, moe_experts, prescaled
+from kernels.moe.lowering import MOE_EXPERTS, ExpertsStatic
 from tests.kernels.cases import EXPERTS, HIDDEN, MOE_INTER, TOPK, gen, rel_l2
 
 LIMIT = 10.0
@@ -170,11 +171,11 @@ def test_tuning_space_splits_k_within_the_shapes(bucket) -> None:
 def test_aot_trace_records_every_launch_of_the_config(m) -> None:
     """The AOT builder runs the wrapper on meta tensors (no values read): the routing's two kernels, then a split
     GEMM 1 adds the activation's kernel, and both GEMMs' split counts reach their launches."""
-    static = {"e": EXPERTS, "inter": MOE_INTER, "d": HIDDEN, "topk": TOPK, "fmt": "fp4"}
+    static = ExpertsStatic(EXPERTS, MOE_INTER, HIDDEN, TOPK, "fp4")
     config = default_config(m)
     calls = []
     with use_launcher(calls.append):
-        LOWERINGS["moe_experts"].trace(static, {"limit": LIMIT}, config, m, False)
+        MOE_EXPERTS.trace(Call(static, PLAIN, config, {"limit": LIMIT}, tokens=m))
     names = [c.name for c in calls]
     split_up, split_down = config["up"]["split_k"], config["down"]["split_k"]
     assert names == ["route_count_kernel", "route_place_kernel", "moe_gemm_kernel"] + \

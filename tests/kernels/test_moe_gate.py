@@ -9,9 +9,10 @@ import torch
 
 from dsl.ops.moe import gate_topk as ref_gate_topk
 from dsl.ops.moe import moe_gate, score
-from graphs.lowering import LOWERINGS
 from kernels.launch import use_launcher
+from kernels.lowering import PLAIN, Call
 from kernels.moe.gate import FUNCS, gate_topk
+from kernels.moe.lowering import MOE_GATE, GateStatic
 from tests.kernels.cases import EXPERTS, HIDDEN, TOPK, gen
 
 RTOL = 1e-6  # weights: a few fp32 ulps (other exp/log1p under the interpreter, other orders of the sums)
@@ -88,9 +89,9 @@ def test_aot_trace_records_the_projection_and_the_top_k() -> None:
     libdevice's functions (the GPU's)."""
     calls = []
     with use_launcher(calls.append):
-        lowering = LOWERINGS["moe_gate"]
-        static = {"e": EXPERTS, "d": HIDDEN}
-        lowering.trace(static, attrs(TOPK, "sqrtsoftplus"), lowering.default_config(static, 16), 16, False)
+        static = GateStatic(EXPERTS, HIDDEN)
+        MOE_GATE.trace(Call(static, PLAIN, MOE_GATE.default_config(static, 16), attrs(TOPK, "sqrtsoftplus"),
+                            tokens=16))
     assert calls[-1].name == "gate_topk_kernel" and len(calls) >= 2
     assert calls[-1].grid == (16,) and calls[-1].constexprs["EXACT"] and calls[-1].constexprs["E"] == EXPERTS
 

@@ -1,4 +1,4 @@
-"""Prefill buckets of the linear family run the prefill GEMM (graphs/lowering_linear.py): which buckets and formats
+"""Prefill buckets of the linear family run the prefill GEMM (kernels/linear/lowering.py): which buckets and formats
 take it, block-diagonal groups a group at a time, plans that multiply in fp32 kept on linear.py, and the launches
 the ahead-of-time builder records for them."""
 
@@ -12,8 +12,8 @@ from deepinfer.models import DeepseekV41Flash
 from dsl.passes import run_passes
 from dsl.quant import quantize_fp8_block
 from graphs.aot import record_launches
-from graphs.lowering_linear import _config, _project
-from graphs.plan import make_plan
+from graphs.passes import make_plan
+from kernels.linear.lowering import DECODE, PREFILL, gemm_config, gemm_for, project
 from tests.conftest import fixture_dir, rel_l2
 
 SMALL = {"block_M": 16, "block_N": 32, "block_K": 64, "group_M": 2, "num_warps": 4, "num_stages": 2}
@@ -31,11 +31,11 @@ SMALL = {"block_M": 16, "block_N": 32, "block_K": 64, "group_M": 2, "num_warps":
     (8192, 1024, 8, "fp8", True),
 ])
 def test_which_buckets_take_the_prefill_gemm(m, n, groups, fmt, prefill) -> None:
-    config = _config(m, n, 512, fmt, groups)
-    assert ("prefill" in config) == prefill
+    assert (gemm_for(m, n, groups, fmt, dot_fp32=False) == PREFILL) == prefill
+    assert gemm_for(m, n, groups, fmt, dot_fp32=True) == DECODE  # fp32 products
+    assert gemm_config(DECODE, m, n, 512, groups, fmt) == linear.default_config(m, n, 512, groups, fmt == "fp8")
     if prefill:
-        assert config["linear"] == linear.default_config(m, n, 512, groups, fmt == "fp8")  # for fp32 products
-        assert config["prefill"]["block_K"] == 64
+        assert gemm_config(PREFILL, m, n, 512, groups, fmt)["block_K"] == 64
 
 
 @pytest.mark.parametrize("fmt", ["plain", "fp8"])
@@ -45,9 +45,9 @@ def test_groups_run_one_at_a_time(fmt) -> None:
     w = torch.randn(groups * n, k) * k**-0.5
     w, s = quantize_fp8_block(w) if fmt == "fp8" else (w.bfloat16(), None)
     x = torch.randn(m, groups * k)
-    config = {"prefill": SMALL, "linear": linear.default_config(m, n, k, groups, fmt == "fp8")}
-    got = _project(x, w, s, config, dot_fp32=False, groups=groups)
-    want = linear.linear(x, w, s, groups=groups, config=config["linear"])  # the same bf16 products, summed otherwise
+    got = project(x, w, s, PREFILL, SMALL, dot_fp32=False, groups=groups)
+    decode = linear.default_config(m, n, k, groups, fmt == "fp8")
+    want = linear.linear(x, w, s, groups=groups, config=decode)  # the same bf16 products, summed otherwise
     assert got.shape == (m, groups * n) and rel_l2(got, want) < 1e-5
 
 

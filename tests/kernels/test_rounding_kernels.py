@@ -196,7 +196,7 @@ def planned(name: str, only_rounding: bool):
     (every other node runs its reference)."""
     from deepinfer.models import DeepseekV41Flash
     from dsl.passes import run_passes
-    from graphs.plan import make_plan
+    from graphs.passes import make_plan
 
     model = DeepseekV41Flash.from_pretrained(fixture_dir(name))
     graph = run_passes(model.graph())
@@ -216,7 +216,8 @@ def test_the_plan_rounds_where_the_dim_is_a_multiple_of_the_block() -> None:
     types = [graph.nodes[n.index].inputs[0].type for n in nodes]
     ranks = {(t.rank, str(t.shape[0])) for t in types}
     assert ranks == {(2, "N"), (3, "N"), (2, "E")}
-    assert {(n.static["block"], n.static.get("e4m3_scale")) for n in nodes} == {(32, None), (32, False), (16, True)}
+    assert {(n.static.block, getattr(n.static, "e4m3_scale", None)) for n in nodes} == {(32, None), (32, False),
+                                                                                          (16, True)}
     _, plan, _ = planned("v41-smooth", False)
     assert all(n.template is None for n in plan.nodes if n.op in ("fp8_round", "fp4_round"))
 

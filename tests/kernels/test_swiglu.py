@@ -9,9 +9,10 @@ import torch
 from dsl.ops.moe import clamped_swiglu
 from dsl.ops.moe import swiglu as ref_swiglu
 from dsl.quant import quantize_fp8_block
-from graphs.lowering_linear import SWIGLU, _project
 from kernels.launch import use_launcher
+from kernels.linear.lowering import SWIGLU, SwigluStatic, project
 from kernels.linear.swiglu import swiglu
+from kernels.lowering import PLAIN, Call
 from tests.kernels.cases import DECODE_TOKENS, HIDDEN, MOE_INTER, gen, rel_l2
 
 LIMIT = 10.0
@@ -76,13 +77,15 @@ def test_the_lowering_is_the_op(limit, device) -> None:
     builder records the kernel's launch beside the projections'."""
     m, d, inter = 5, 64, 96
     args = [gen(m, d, seed=3, device=device), *shared_expert(d, inter, "plain", device)]
-    static = {"inter": inter, "d": d, "fmt": "plain"}
-    config = SWIGLU.default_config(static, 16)
-    got = SWIGLU.run(args, {"limit": limit}, static, config, None, True)
+    static = SwigluStatic(inter, d, "plain")
+    gemms = SWIGLU.gemms(static, 16, True)
+    call = Call(static, PLAIN, SWIGLU.default_config(static, 16, PLAIN, gemms), {"limit": limit}, True, gemms, args)
+    got = SWIGLU.run(call)
     assert rel_l2(got, ref_swiglu(*(a.cpu() if a is not None else None for a in args), limit=limit)) < 1e-5
     names = []
-    with use_launcher(lambda call: names.append(call.name)):
-        SWIGLU.trace(static, {"limit": limit}, config, 16, False)
+    with use_launcher(lambda launched: names.append(launched.name)):
+        SWIGLU.trace(Call(static, PLAIN, call.config, {"limit": limit}, False, SWIGLU.gemms(static, 16, False),
+                          tokens=16))
     assert "swiglu_kernel" in names
 
 
@@ -95,11 +98,12 @@ def test_swiglu_v41_shared_expert(m, limit) -> None:
     check(*operands(m, MOE_INTER, "cuda"), limit)
     args = [gen(m, HIDDEN, seed=m, device="cuda"), *shared_expert(HIDDEN, MOE_INTER, "fp8", "cuda")]
     x, w1, w2, w3, s1, s2, s3 = args
-    static = {"inter": MOE_INTER, "d": HIDDEN, "fmt": "fp8"}
-    config = SWIGLU.default_config(static, m)
-    got = SWIGLU.run(args, {"limit": limit}, static, config, None, False)
-    gate, up = _project(x, w1, s1, config["up"], False), _project(x, w3, s3, config["up"], False)
-    eager = _project(clamped_swiglu(gate, up, limit), w2, s2, config["down"], False)
+    static = SwigluStatic(MOE_INTER, HIDDEN, "fp8")
+    (g_up, g_down) = gemms = SWIGLU.gemms(static, m, False)
+    config = SWIGLU.default_config(static, m, PLAIN, gemms)
+    got = SWIGLU.run(Call(static, PLAIN, config, {"limit": limit}, False, gemms, args))
+    gate, up = project(x, w1, s1, g_up, config["up"], False), project(x, w3, s3, g_up, config["up"], False)
+    eager = project(clamped_swiglu(gate, up, limit), w2, s2, g_down, config["down"], False)
     assert rel_l2(got, eager) < 1e-4  # h differs by ulps, then rounds to bf16 in the down projection
     want = ref_swiglu(*(a.cpu() for a in args), limit=limit)
     assert rel_l2(got, want) < 1e-2  # x and h rounded to bf16: 3e-3 emulated in torch

@@ -72,10 +72,10 @@ def test_the_sm90_plan_serves_its_ops_with_tilelang_where_it_builds(monkeypatch)
     ops = {"rms_norm", "hc_collapse_rms_norm"}
     nodes = [n for n in plan.kernel_nodes() if n.op in ops]
     kernel = "tilelang" if available() else "triton"
-    assert {n.op for n in nodes} == ops and all(n.static["kernel"] == kernel for n in nodes)
+    assert {n.op for n in nodes} == ops and all(n.variant.backend == kernel for n in nodes)
     calls = record_launches(plan, {i: node.attrs for i, node in enumerate(graph.nodes)}).values()
     names = {c.name for c in calls if isinstance(c.kernel, TileLangKernel)}
     assert names == ({"rms_norm_tilelang", "hc_collapse_rms_norm_tilelang"} if available() else set())
     monkeypatch.setenv("DEEPINFER_TILELANG", "0")
     _, plan = planned("smooth")
-    assert all(n.static["kernel"] == "triton" for n in plan.kernel_nodes() if n.op in ops)
+    assert all(n.variant.backend == "triton" for n in plan.kernel_nodes() if n.op in ops)

@@ -12,9 +12,11 @@ from deepinfer import batch_invariant as invariant
 from dsl.context import ForwardContext, SequenceState
 from dsl.ops.indexer import candidate_blocks as ref_candidate_blocks
 from dsl.ops.indexer import topk_select as ref_topk_select
-from graphs.lowering import LOWERINGS
+from kernels.indexer.lowering import BlocksStatic, TopkStatic
 from kernels.indexer.topk import candidate_blocks_op, topk_select
 from kernels.launch import use_launcher
+from kernels.lowering import PLAIN, Call
+from kernels.registry import LOWERINGS
 from tests.kernels.cases import INDEX_TOPK, gen
 
 SMALL = {"block_N": 16, "num_warps": 4}  # several tiles a row, a partial last one
@@ -203,15 +205,15 @@ def test_the_lowerings_trace_one_launch_for_any_width(op) -> None:
     row width is a runtime int; `topk_select` takes smaller tiles over more than 64 tokens)."""
     lowering = LOWERINGS[op]
     if op == "topk_select":
-        static, attrs = {"topk": INDEX_TOPK, "candidates": True}, {"topk": INDEX_TOPK}
+        static, attrs = TopkStatic(INDEX_TOPK, True), {"topk": INDEX_TOPK}
     else:
-        static = {"block": V41_BLOCK, "topk_blocks": V41_TOPK_BLOCKS}
+        static = BlocksStatic(V41_BLOCK, V41_TOPK_BLOCKS)
         attrs = {"ratio": 4, "block": V41_BLOCK, "topk_blocks": V41_TOPK_BLOCKS}
     keys = set()
     for m in (1, 64, 2048):
         found = []
         with use_launcher(found.append):
-            lowering.trace(static, attrs, lowering.default_config(static, m), m, False)
+            lowering.trace(Call(static, PLAIN, lowering.default_config(static, m), attrs, tokens=m))
         assert [call.name for call in found] == [f"{op}_kernel"]
         keys.add(found[0].key())
     assert len(keys) == (2 if op == "topk_select" else 1)
