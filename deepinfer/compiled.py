@@ -6,11 +6,11 @@ import contextlib
 
 import torch
 
-from deepinfer.batch_invariant import KERNELS as BATCH_INVARIANT_KERNELS
 from deepinfer.config import DeepseekV41Config
 from dsl.context import ForwardContext, SequenceState
 from dsl.graph import Graph
 from dsl.interpret import interpret
+from dsl.ops import invariant_references
 
 
 class CompiledModel:
@@ -102,7 +102,7 @@ class CompiledModel:
 
     @staticmethod
     def _kernels(batch_invariant: bool) -> dict | None:
-        return BATCH_INVARIANT_KERNELS if batch_invariant else None
+        return invariant_references() if batch_invariant else None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, vocab] (fp32) of B fresh sequences of T tokens each: input_ids LongTensor [B, T]."""

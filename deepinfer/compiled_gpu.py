@@ -24,11 +24,11 @@ import torch
 
 import kernels.cache.rows as cache_kernels
 import kernels.sampling.gumbel_argmax as sampling_kernels
-from deepinfer import batch_invariant as invariant
 from deepinfer.compiled import CompiledModel
 from deepinfer.config import DeepseekV41Config
 from dsl.context import ForwardContext, SequenceState
 from dsl.graph import Graph
+from dsl.ops import OPS, invariant_references
 from dsl.transfer import host_to, to_device
 from graphs import artifact
 from graphs.aot import Built
@@ -36,18 +36,11 @@ from graphs.plan import Plan
 from kernels.launch import use_launcher
 from kernels.targets import cubin_targets, get_target
 
-# Reference nodes that run batch-invariant versions: with ties, or a row width set by the batch's longest cache,
-# torch's top-k picks (and their order, which is the attention's summation order) can change with the batch.
-# Engram's gate and the compressor's pooling reduce over a dim with torch, whose CUDA kernels split a row's sum by
-# the tensor's size: their invariant versions sum in a fixed order (bench/invariance_probe.py found them). Plans
-# made since Engram's gate and the indexer's selection have kernels (row-invariant in every mode: the selection's
-# ties go to the lowest index, its picks in ascending order) run those instead; older artifacts keep this.
-INVARIANT_REFERENCES = {"candidate_blocks": invariant.candidate_blocks, "topk_select": invariant.topk_select,
-                        "engram_gate": invariant.KERNELS["engram_gate"],
-                        "compress_pool": invariant.KERNELS["compress_pool"]}
+# Reference nodes of batch-invariant steps run their op's batch-invariant reference where it holds on a GPU (dsl/ops).
+INVARIANT_REFERENCES = invariant_references(anywhere=True)
 # The draft blocks' attention in artifacts planned before the kernel served it (every query over its block's whole
 # view): all of a forward's blocks at once in torch.
-DRAFT_REFERENCES = {"sparse_attention": invariant.sparse_attention}
+DRAFT_REFERENCES = {"sparse_attention": OPS["sparse_attention"].invariant}
 
 
 class GpuCompiledModel:

@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 
 from dsl.context import ForwardContext, PagedBatch, cast, segments, take_rows
-from dsl.ops.registry import op
+from dsl.ops.invariant import padded
+from dsl.ops.registry import invariant, op
 from dsl.ragged import Ragged
 from dsl.tensor import TensorType, num_entries
 
@@ -41,6 +42,11 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor | None = None, *, layer: 
     of each sequence, with their absolute entry indices.
     """
     return pool_entries(kv, gate, layer=layer, ratio=ratio, ctx=ctx)
+
+
+# Batch-invariant on any device: the softmax over a group and its weighted sum in a fixed order (on a GPU torch's
+# reductions split a row's sum by the tensor's size).
+invariant("compress_pool", anywhere=True)(padded(compress_pool, pad=False))
 
 
 def pool_entries(kv: torch.Tensor, gate: torch.Tensor | None, *, layer: int, ratio: int, ctx,

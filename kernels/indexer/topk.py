@@ -8,7 +8,7 @@ significant first, narrows the k-th highest down to its exact key T and the numb
 k hold; a last pass in ascending item order keeps the items above T and the first of those equal to T (ranked by
 tl.cumsum within a tile and a running count across tiles). So:
 - the kept set is torch.topk's wherever the k-th highest value is not tied; of the items tied at it the lowest
-  indices are kept (the rule of the batch-invariant references, deepinfer/batch_invariant.py), -0.0 tying +0.0;
+  indices are kept (the rule of the batch-invariant references, dsl/ops/indexer.py), -0.0 tying +0.0;
 - `topk_select` writes its picks in ascending entry order, then -1: [N, min(topk, C)] as the reference, whose
   order (torch's, unspecified) nothing downstream relies on. The attention kernel sums over a token's picks in this
   order, the invariant reference's; a -1 adds exactly nothing to its softmax, so the trailing ones (the invariant
@@ -144,11 +144,8 @@ def candidate_blocks_kernel(scores_ptr, pos_ptr, out_ptr, C, RATIO: tl.constexpr
 
 def default_config(block: int = 1, tokens: int = 1) -> dict:
     """Tiles of 4096 scores (block_N items of `block` entries) over 8 warps; `topk_select` over more than 64 tokens
-    (prefill) 1024 over 2 warps, more rows on an SM at once. From the H200 sweep `bench_kernels.py --only topk_tiles`
-    (index_topk 512, C 2048 and 16384 entries, 1 to 2048 tokens, 8 tile and warp counts): 16 warps were slower than 8
-    everywhere; 1024/2 was the best for `topk_select` at 2048 tokens (level with 4096/8 at C 16384); `candidate_blocks`
-    keeps 4096/8, the best at decode and at C 16384, though 1024/4 was faster at 2048 tokens over C 2048 (16 against
-    36 µs, both far under torch's 127). Any config picks the same items."""
+    (prefill) 1024 over 2 warps, more rows on an SM at once: the H200 sweep `bench_kernels.py --only topk_tiles`
+    (bench/RESULTS.md) chose them. Any config picks the same items."""
     if block == 1 and tokens > 64:
         return {"block_N": 1024, "num_warps": 2}
     return {"block_N": max(1, 4096 // triton.next_power_of_2(block)), "num_warps": 8}

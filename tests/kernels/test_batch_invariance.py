@@ -24,8 +24,8 @@ from kernels.moe.experts import moe_experts
 from kernels.norm.rms_norm import rms_norm
 from kernels.registry import LOWERINGS
 from tests.kernels.cases import gen, rel_l2
-from tests.kernels.test_linear import reference as linear_reference
-from tests.kernels.test_moe import make_experts, routing
+from tests.kernels.linear.test_linear import reference as linear_reference
+from tests.kernels.moe.test_experts import make_experts, routing
 
 pytestmark = pytest.mark.usefixtures("row_independent_dot")
 

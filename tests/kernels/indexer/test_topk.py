@@ -1,6 +1,6 @@
 """The indexer's selection kernels against `dsl.ops.indexer`'s `topk_select` and `candidate_blocks`: the same picks as
 torch on scores without ties (the reference's order is torch's, so picks are compared as sets: sorted), ties at
-the k-th score to the lowest indices (bitwise the batch-invariant references, deepinfer/batch_invariant.py), picks in
+the k-th score to the lowest indices (bitwise the batch-invariant references, dsl/ops/indexer.py), picks in
 ascending order then -1, and a row's result the same alone and among others."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer import batch_invariant as invariant
 from dsl.context import ForwardContext, SequenceState
 from dsl.ops.indexer import candidate_blocks as ref_candidate_blocks
+from dsl.ops.indexer import invariant_candidate_blocks, invariant_topk_select
 from dsl.ops.indexer import topk_select as ref_topk_select
 from kernels.indexer.lowering import BlocksStatic, TopkStatic
 from kernels.indexer.topk import candidate_blocks_op, topk_select
@@ -69,7 +69,7 @@ def check_topk(scores: torch.Tensor, candidates: torch.Tensor | None, topk: int,
         return full.gather(1, picks.clamp(min=0)).masked_fill(picks < 0, float("-inf")).sort(dim=-1).values
     assert torch.equal(values(got), values(want))
     # ties to the lowest index: the batch-invariant reference, which is always topk wide
-    assert torch.equal(got, invariant.topk_select(scores, candidates, topk=topk)[:, : got.shape[1]])
+    assert torch.equal(got, invariant_topk_select(scores, candidates, topk=topk)[:, : got.shape[1]])
 
 
 TOPK_CASES = [(6, 37, 5), (6, 37, 36), (5, 37, 37), (5, 37, 50), (4, 100, 16), (3, 1, 4), (3, 64, 1)]  # n, C, topk
@@ -112,7 +112,7 @@ def test_topk_select_of_no_rows_or_no_picks(device) -> None:
 def check_candidates(scores: torch.Tensor, ctx: ForwardContext, ratio: int, block: int, topk_blocks: int,
                      config: dict | None, exact: bool) -> None:
     got = candidate_blocks_op(scores, ratio=ratio, block=block, topk_blocks=topk_blocks, ctx=ctx, config=config)
-    stable = invariant.candidate_blocks(scores, ratio=ratio, block=block, topk_blocks=topk_blocks, ctx=ctx)
+    stable = invariant_candidate_blocks(scores, ratio=ratio, block=block, topk_blocks=topk_blocks, ctx=ctx)
     assert got.dtype == torch.bool and torch.equal(got, stable)  # ties among blocks: the lowest first
     if exact:  # no two blocks' maxima tie: torch's picks
         assert torch.equal(got, ref_candidate_blocks(scores, ratio=ratio, block=block, topk_blocks=topk_blocks,
@@ -171,8 +171,8 @@ def test_the_attention_reads_the_picks_alike_at_any_width(dot_fp32, device) -> N
     """The attention kernel in its one-part (invariant) form over the picks [N, min(topk, C)], and over the same
     padded with -1 to `topk` (the invariant reference's width): the same bits."""
     from kernels.attention.sparse_attention import sparse_attention_op
-    from tests.kernels.test_attention import SMALL as ONE_PART
-    from tests.kernels.test_attention import make_inputs
+    from tests.kernels.attention.test_sparse_attention import SMALL as ONE_PART
+    from tests.kernels.attention.test_sparse_attention import make_inputs
 
     (q, window, sink, compressed, _), ctx = make_inputs([(20, 1), (3, 1), (9, 2)], 4, 32, 8, 30, 12, device)
     scores = gen(ctx.num_tokens, 30, device=device, seed=4)

@@ -21,7 +21,7 @@ from kernels.linear.fp8 import (
 from kernels.norm.e4m3 import hc_collapse_rms_norm_e4m3, rms_norm_e4m3
 from kernels.norm.rms_norm import rms_norm
 from tests.kernels.cases import HIDDEN, Q_LORA, V41_LINEARS, gen
-from tests.kernels.test_linear_fp8 import SMALL, assert_same_codes
+from tests.kernels.linear.test_fp8 import SMALL, assert_same_codes
 
 EPS = 1e-20
 FP8 = torch.float8_e4m3fn

@@ -1,6 +1,6 @@
 """Routed experts (fp4 and bf16 grouped GEMMs, unsplit and split-K) against `dsl.ops.moe.moe_experts`, batch
 invariance under a split config, and the launches the AOT builder records (the routing layout's own tests:
-tests/kernels/test_moe_route.py)."""
+tests/kernels/moe/test_route.py)."""
 
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ def check(t: int, e: int, inter: int, d: int, fmt: str, device: str, config: dic
     assert rel_l2(got, want) < tol, rel_l2(got, want)
 
 
-SMALL = dict(up=dict(block_M=16, block_N=32, block_K=64, num_warps=4, num_stages=2),
-             down=dict(block_M=16, block_N=32, block_K=64, num_warps=4, num_stages=2))  # as configs were: no split_k
+SMALL = dict(up=dict(block_M=16, block_N=32, block_K=64, num_warps=4, num_stages=2, split_k=1),
+             down=dict(block_M=16, block_N=32, block_K=64, num_warps=4, num_stages=2, split_k=1))
 
 
 def split(up: int, down: int, block_k: int = 64) -> dict:
@@ -153,8 +153,7 @@ def test_default_config_splits_k_for_decode_only() -> None:
 
 @pytest.mark.parametrize("bucket", [16, 64, 8192])
 def test_tuning_space_splits_k_within_the_shapes(bucket) -> None:
-    static = {"e": EXPERTS, "inter": MOE_INTER, "d": HIDDEN, "topk": TOPK, "fmt": "fp4"}
-    configs = get_configs("moe_experts", static, bucket)
+    configs = get_configs("moe_experts", ExpertsStatic(EXPERTS, MOE_INTER, HIDDEN, TOPK, "fp4"), bucket)
     assert configs
     for c in configs:
         up, down = c["up"], c["down"]
