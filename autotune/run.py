@@ -20,7 +20,7 @@ import torch
 from autotune.cache import TuningCache, cache_key, default_cache, template_hash
 from autotune.space import get_configs
 from autotune.tune import tune
-from kernels.lowering import PLAIN
+from kernels.lowering import PLAIN, Static
 from kernels.registry import TEMPLATES, TUNINGS, tunable
 from kernels.targets import DEFAULT_GPU_TARGET, TARGETS, cubin_targets
 from kernels.tuning import Job
@@ -61,18 +61,18 @@ def load_config(path: str | os.PathLike | None) -> dict:
     return cfg
 
 
-def statics(cfg: dict) -> list[tuple[str, object]]:
+def statics(cfg: dict) -> list[tuple[str, Static]]:
     """(template, static shapes) of every tunable kernel node kind of a config, as `make_plan` keys them: each
     family's `Tuning.shapes` (kernels/<family>/tuning.py)."""
     return [(template, st) for template in tunable() for st in TUNINGS[template].shapes(cfg)]
 
 
-def _shape(st) -> str:
+def _shape(st: Static) -> str:
     return ",".join(f"{k}={v}" for k, v in st.fields().items())
 
 
 def select_work(cfg: dict, templates: list[str], buckets: list[int], only: dict[str, str] | None = None
-                ) -> list[tuple[str, object, int]]:
+                ) -> list[tuple[str, Static, int]]:
     """(template, static shapes, token bucket) of every job to tune; ValueError on an unknown template or a bucket
     that is not a positive integer. Jobs in buckets where plans run a kernel this tuner does not search (the linear
     family's prefill GEMM, `Lowering.tunable`) are left out, said on stderr: that kernel keeps its heuristic tiles."""
@@ -113,7 +113,7 @@ def check_device(target: str) -> str:
     return name
 
 
-def job(template: str, st, m: int, cfg: dict) -> Job:
+def job(template: str, st: Static, m: int, cfg: dict) -> Job:
     """(run(config) -> output, reference output, tolerance) on fresh random inputs of `m` tokens."""
     tuning = TUNINGS.get(template)
     if tuning is None or tuning.job is None:
@@ -121,13 +121,13 @@ def job(template: str, st, m: int, cfg: dict) -> Job:
     return tuning.job(st, m, cfg)
 
 
-def heuristic(template: str, st, m: int) -> dict:
+def heuristic(template: str, st: Static, m: int) -> dict:
     """The config a plan runs untuned for these shapes and bucket (a bucket the tuner searches)."""
     lowering = TEMPLATES[template]
     return lowering.default_config(st, m, PLAIN, lowering.gemms(st, m, False))
 
 
-def _warm(task: tuple[str, dict, int, dict, list[dict]]) -> int:
+def _warm(task: tuple[str, Static, int, dict, list[dict]]) -> int:
     """Compile (by running once) a share of the candidates in a worker process: Triton's on-disk cache then
     serves the timing process, so compiles spread over the host's cores."""
     template, st, bucket, cfg, configs = task
@@ -150,7 +150,7 @@ def _warm(task: tuple[str, dict, int, dict, list[dict]]) -> int:
     return done
 
 
-def precompile(work: list[tuple[str, dict, int]], cfg: dict, target: str, jobs: int) -> None:
+def precompile(work: list[tuple[str, Static, int]], cfg: dict, target: str, jobs: int) -> None:
     import multiprocessing
 
     tasks = []
@@ -161,7 +161,7 @@ def precompile(work: list[tuple[str, dict, int]], cfg: dict, target: str, jobs: 
         pool.map(_warm, tasks, chunksize=1)
 
 
-def tune_all(work: list[tuple[str, dict, int]], cfg: dict, target: str, cache: TuningCache, jobs: int = 8,
+def tune_all(work: list[tuple[str, Static, int]], cfg: dict, target: str, cache: TuningCache, jobs: int = 8,
              progress: bool = True) -> list[tuple]:
     """Tune every job on this GPU, saving `cache` after each; returns the summary rows (template, static, bucket,
     candidates, rejected, best us, heuristic us, best config)."""
@@ -218,7 +218,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", default="", help="key=value: tune only the static shapes that match, e.g. fmt=fp8")
 
 
-def prepare(args: argparse.Namespace) -> tuple[dict, list[tuple[str, dict, int]]]:
+def prepare(args: argparse.Namespace) -> tuple[dict, list[tuple[str, Static, int]]]:
     """(config fields, jobs) from parsed flags, checked before any GPU work; ValueError naming what is wrong."""
     cfg = load_config(args.config)
     try:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import itertools
 
+from kernels.attention.lowering import HeadsStatic
 from kernels.targets import DEFAULT_GPU_TARGET, get_target
 
 
-def attention_configs(static, bucket: int, target: str = DEFAULT_GPU_TARGET) -> list[dict]:
+def attention_configs(static: HeadsStatic, bucket: int, target: str = DEFAULT_GPU_TARGET) -> list[dict]:
     d = 1 << (static.d - 1).bit_length()
     out = []
     for bs, warps, stages, split in itertools.product([16, 32, 64], [4, 8], [2, 3], [1, 2, 4, 8]):

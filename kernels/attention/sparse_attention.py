@@ -91,7 +91,7 @@ def sparse_attention_combine_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, H: tl.c
 def default_config(num_tokens: int, heads: int, head_dim: int, num_sms: int = 132) -> dict:
     """One program per token and 16 heads; few tokens split the entries too (a fixed count per bucket), so the
     GPU has work. The parts' sizes follow the batch's widest entry list, so a token's result can change with its
-    neighbours: batch-invariant runs take a config's whole form, split_kv 1 (graphs/lowering_attention.py)."""
+    neighbours: batch-invariant runs take a config's whole form, split_kv 1 (kernels/attention/lowering.py)."""
     block_d = triton.next_power_of_2(head_dim)
     programs = num_tokens * triton.cdiv(heads, 16)
     split = 1

@@ -2,8 +2,8 @@
 its `pre` weights in registers, then normalised; one read of the streams, one write of the output.
 
 The op is `dsl.ops.hyper.hc_collapse_rms_norm` (made by the fusion pass), as in kernels/hyper/hyper.py, which serves
-it where TileLang cannot build (graphs/lowering.py). Rows are laid out as in kernels/norm/rms_norm_tilelang.py (same
-configs); a row's sum runs in a fixed order whatever the other rows are: every config is batch-invariant.
+it where TileLang cannot build (kernels/hyper/lowering.py). Rows are laid out as in kernels/norm/rms_norm_tilelang.py
+(same configs); a row's sum runs in a fixed order whatever the other rows are: every config is batch-invariant.
 """
 
 # No `from __future__ import annotations` here: TileLang evaluates a kernel's annotations (shapes, dtypes) as values.

@@ -2,7 +2,7 @@
 fused with the sub-layer's RMSNorm, and the stream update.
 
 `hc_mixes` is a reduction over hc*D = 20480 values per token against a [24, 20480] projection (padded to 32 rows,
-multiplied as tf32x3 on the tensor cores: fp32 FMA products in `tl.dot` were 10x slower): for a handful of
+multiplied as tf32x3 on the tensor cores: fp32 FMA products in `tl.dot` are many times slower): for a handful of
 decode tokens that is too little work for one program per token, so K is split into fixed ranges (partial
 products and sums of squares to a workspace) and a second kernel sums them in order, scales by the row's
 rsqrt, and runs the sigmoids, the row softmax and Sinkhorn on a 4 x 4 tile in registers.

@@ -25,12 +25,12 @@ GEMM with fp32 accumulation and the scales applied once, in the epilogue.
 - `linear_rowwise(xq, sx, wq, sw)`: tiles of block_M x block_N, K in block_K steps with `tl.dot` on e4m3 operands
   (A [block_M, block_K] and W [block_N, block_K] both K-contiguous, as sm_90's fp8 wgmma needs), tiles visited in
   groups of `group_M` row tiles so a group's W tiles stay in L2. No split-K and block_K is the same in every config,
-  so a row's result does not depend on how many rows come with it (on the H200 every tile config gives the same
+  so a row's result does not depend on how many rows come with it (on the GPU every tile config gives the same
   bits). `promote_K` (a multiple of 32 up to block_K) adds the tensor cores' partial sums into the fp32
   accumulator every promote_K values of K. Hopper's fp8 MMA adds with fewer bits than fp32, so the default 0, which
-  leaves the whole K to it (cuBLAS's "fast accumulation"), is 6e-4 (K=1280) to 2e-3 (K=8192) relative L2 off exact
-  fp32 sums, the same as `_scaled_mm(use_fast_accum=True)` and small next to the activations' 2.7e-2; promote_K=128
-  gives `_scaled_mm`'s default 1.3e-4 but runs at 0.8x of it (the partial accumulator doubles the registers).
+  leaves the whole K to it (cuBLAS's "fast accumulation"), is as far off exact fp32 sums as
+  `_scaled_mm(use_fast_accum=True)`, little next to the activations' own rounding; promote_K=128 is as close as
+  `_scaled_mm`'s default but slower (the partial accumulator doubles the registers). bench/RESULTS.md has both.
 """
 
 from __future__ import annotations
@@ -188,9 +188,8 @@ def default_config(m: int, n: int, k: int, num_sms: int = 132) -> dict:
     """The heuristic tile for `m` tokens (a bucket's upper end) and a weight [n, k]; block_K is always 128.
 
     m <= 64: 64-row tiles (one warpgroup's wgmma), W streamed. Larger m: 128 x 256 tiles (3 stages, 144 KB) when
-    they make two waves or more, else 128 x 128 (4 stages): fewer, larger tiles leave SMs idle in the last wave
-    (H200: wo_b at m=1024 86 us in 128 x 128 against 96; wq_a at m=4096 50-53 against 59). promote_K=0: see the
-    module docstring.
+    they make two waves or more, else 128 x 128 (4 stages): fewer, larger tiles leave SMs idle in the last wave.
+    promote_K=0: see the module docstring.
     """
     if m <= 64:
         block_m, block_n, warps, stages = 64, 128 if triton.cdiv(n, 128) >= num_sms else 64, 4, 4

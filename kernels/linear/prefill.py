@@ -2,8 +2,8 @@
 
 `linear` (kernels/linear/linear.py) is built for decode: W is the large operand, the few tokens ride along as the
 narrow side of out^T = W x^T, x is loaded as fp32 and converted inside the K loop, fp8 codes are scaled in
-registers. At 4096 tokens that reaches 250-370 TFLOP/s in bf16 on the H200 (cuBLAS: 680-750) and ~200 with fp8
-weights. Here the product runs the other way round, the shape of a fast Hopper GEMM:
+registers: at thousands of tokens that stays far from cuBLAS (bench/RESULTS.md). Here the product runs the other way
+round, the shape of a fast Hopper GEMM:
 
 - `linear_prefill(x, w, scale)`: x is cast to bf16 once (a torch cast, round to nearest even) when it is fp32;
   tiles of block_M x block_N, K in block_K steps with `tl.dot(a, tl.trans(b))` on a [block_M, block_K] tile of x
@@ -11,10 +11,9 @@ weights. Here the product runs the other way round, the shape of a fast Hopper G
   groups of `group_M` row tiles so a group's W tiles stay in L2. No split-K.
 - fp8 weights are first expanded to a bf16 copy by `dequantize_weight` (e4m3 code x power-of-two block scale:
   exact in bf16, whose 8 significant bits hold e4m3's 4 and whose exponent range is fp32's), then run the same
-  GEMM. The pass reads 1 byte and writes 2 per weight (the GEMM reads them back): 3 bytes at ~4.3 TB/s, ~0.7 ns
-  per weight, against 2M FLOPs per weight at ~700 TFLOP/s, ~2.9 ns at M = 1024. Its share of the GEMM is about
-  245 / M: 24% at 1024 tokens, 6% at 4096, 3% at 8192 (for wq_b or wo_b, 42M weights: ~30 us). A bf16 copy kept
-  from load time would remove it at twice the fp8 weight's memory; that is the executor's choice, not this file's.
+  GEMM. The pass reads 1 byte and writes 2 per weight (the GEMM reads them back) against the GEMM's 2M FLOPs per
+  weight, so its share of the time falls as 1 / M. A bf16 copy kept from load time would remove it at twice the fp8
+  weight's memory; that is the executor's choice, not this file's.
 
 Numerics: the products are those of `linear.linear` without `dot_fp32` (x rounded to bf16 to nearest even; W's
 bf16 values, or code x scale exactly; bf16 x bf16 is exact in fp32), summed in fp32 in another order, so the result
@@ -23,7 +22,7 @@ config: no split-K, and rows past M read valid rows whose results are dropped. b
 config, but a config change (another tile or block_K) can change the summation order and so the last bits.
 
 Used for prefill buckets where enough tiles fill the SMs (`serves`); decode stays on `linear.linear`. Groups
-(block-diagonal linears, wo_a) are not supported here: graphs/lowering_linear.py runs them a group at a time.
+(block-diagonal linears, wo_a) are not supported here: kernels/linear/lowering.py runs them a group at a time.
 """
 
 from __future__ import annotations
@@ -36,13 +35,13 @@ from kernels.tiles import grouped_tile, tile_dot
 
 FP8 = torch.float8_e4m3fn
 SCALE_BLOCK = 32
-# Which linears plans run here rather than on linear.linear (`serves`; graphs/lowering_linear.py), from
+# Which linears plans run here rather than on linear.linear (`serves`; kernels/linear/lowering.py), from
 # `bench_kernels.py --only prefill_switch` (bench/RESULTS.md): with no split-K, a launch of few output tiles leaves
 # SMs idle through the whole K loop, so the count of 128 x 128 tiles decides, not the tokens alone.
-MIN_TILES = 40  # one launch's output tiles: wq_a at 512 tokens (40) 1.25x linear.py, wkv at 1024 (32) 0.95x
-MIN_TOKENS = 128  # linear.py's decode buckets (up to 64) are tuned; this GEMM was not measured there
-MIN_TOKENS_FP8 = 256  # fp8 weights are expanded to bf16 every call: wo_b at 128 tokens 0.97x, at 256 1.76x
-MIN_TOKENS_GROUPED = 2048  # one launch a group (wo_a, 8 x 64 tiles at 1024 tokens): 0.78x there; won at 8192
+MIN_TILES = 40  # one launch's output tiles, at least
+MIN_TOKENS = 128  # linear.py's decode buckets (up to 64) are tuned; this GEMM's tiles are not
+MIN_TOKENS_FP8 = 256  # fp8 weights are expanded to bf16 every call, which more tokens pay back
+MIN_TOKENS_GROUPED = 2048  # one launch a group (wo_a: 8 launches of 64 tiles at 1024 tokens) pays off late
 SMEM_BUDGET = 227 * 1024  # per block on sm_90
 DEQUANT_BLOCK_K = 256  # columns of W per dequantize program (its rows: one 32-row scale block)
 
@@ -73,7 +72,7 @@ def linear_prefill_kernel(a_ptr, b_ptr, out_ptr, M, N: tl.constexpr, K: tl.const
 
 def serves(m: int, n: int, groups: int = 1, fp8: bool = False) -> bool:
     """Whether a linear of weight `groups` x [n, k] runs here for a bucket of `m` tokens (its top), rather than on
-    `linear.linear`: enough tokens, and output tiles to fill the SMs (the constants above, as measured)."""
+    `linear.linear`: enough tokens, and output tiles to fill the SMs (the constants above)."""
     if groups > 1:
         return m >= MIN_TOKENS_GROUPED
     return m >= (MIN_TOKENS_FP8 if fp8 else MIN_TOKENS) and triton.cdiv(m, 128) * triton.cdiv(n, 128) >= MIN_TILES

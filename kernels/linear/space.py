@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import itertools
 
+from kernels.linear.lowering import LinearStatic
 from kernels.targets import DEFAULT_GPU_TARGET, get_target
 
 
-def linear_configs(static, bucket: int, target: str = DEFAULT_GPU_TARGET) -> list[dict]:
+def linear_configs(static: LinearStatic, bucket: int, target: str = DEFAULT_GPU_TARGET) -> list[dict]:
     """Decode buckets: tile width, K stage, pipeline depth and split-K (the levers of a weight-streaming
     kernel); larger buckets: square-ish tiles."""
     fp8 = static.fmt == "fp8"

@@ -5,7 +5,7 @@ integer multiply and three bit operations (`_e2m1_asm`, PTX): the magnitude bits
 `(code & 7) << 6`, which reads as e2m1 * 2^-126 (e = 0 lands on bf16 subnormals, exact), and one bf16x2 multiply
 by the block scale * 2^63 leaves e2m1 * scale * 2^-63, exact; the accumulator is multiplied back by 2^63 at the
 end (a power of two: the same sums). That halves GEMM 1's instructions per stage against converting through fp16
-and fp32 (SASS: about 540 against 1120 at 64 x 128 tiles). The even and odd input columns of a packed byte meet
+and fp32. The even and odd input columns of a packed byte meet
 the even and odd activations in two products, so nothing is interleaved. Triton's interpreter runs no PTX: there
 (and for fp32 products) the same values come from plain integer and float operations.
 
@@ -14,8 +14,8 @@ by expert and laid out in blocks of `block_M` slots, each block one expert's (`r
 -1). GEMM 1 gathers each pair's token row and gives h = route_weight * silu(min(x w1, L)) * clamp(x w3, ±L) per
 pair; GEMM 2 multiplies by w2. fp4: the rows of x (a bf16 copy made first) and of h hold their even columns, then
 their odd ones, so both GEMMs load the two halves a packed byte meets contiguously (gathering x's even and odd fp32
-columns with a stride of two made the experts 1.4-1.8x slower at 1 to 8192 tokens, same tiles, on the H200: it was
-the bottleneck); the k pairs of a token are summed at the end in slot order (`moe_sum_kernel`). A decode block holds
+columns with a stride of two instead is the experts' bottleneck, bench/RESULTS.md); the k pairs of a token are summed
+at the end in slot order (`moe_sum_kernel`). A decode block holds
 one or two pairs: only the valid slots' rows of x or h are read.
 
 Split-K (decode: too few experts to fill the GPU): a GEMM's K is cut into `split_k` fixed ranges, one program
@@ -240,14 +240,12 @@ def moe_sum_kernel(y_ptr, out_ptr, D: tl.constexpr, TOPK: tl.constexpr, SPLIT_K:
 
 
 def default_config(m: int, fp4: bool = True) -> dict:
-    """The heuristic tiles for a token count `m` (a bucket's upper end). Decode (m <= 64): few experts' weights to
-    stream, so K is split to put more programs in flight (T=1: 6 experts, 216 programs for GEMM 1 unsplit). Measured
-    on the H200 over 17 configs (64 x 128 tiles with 4 warps or 128 x 128 with 8, block_K 64 or 128, 3 or 4 stages,
-    splits 1 to 8): split 4/2 fastest at T=1, 2/1 at T=16 and T=64; 128-wide tiles and 4 stages no faster; block_K
-    64 slower by a third. block_K 256 holds 200+ registers in GEMM 1: two programs per SM. Prefill, tuned on the
-    H200 over 23 configs each: up to 512 tokens the decode tiles unsplit; beyond, 64 slots a block in 128 x 64
-    tiles with 8 warps (each dequantized weight tile serves four times the pairs: 2.0x 16-slot 128 x 128 tiles;
-    the committed tuning file has 128 slots in 128 x 128 x 128 tiles at 8192 tokens, 6% faster again)."""
+    """The heuristic tiles for a token count `m` (a bucket's upper end), the fastest of the H200 sweeps that
+    bench/RESULTS.md records. Decode (m <= 64): few experts' weights to stream, so K is split to put more programs in
+    flight (T=1: 6 experts, 216 programs for GEMM 1 unsplit): 4/2 up to 16 tokens, 2/1 up to 64, in 64 x 128 tiles
+    of block_K 128 (block_K 256 holds 200+ registers in GEMM 1: two programs per SM). Prefill: up to 512 tokens the
+    decode tiles unsplit; beyond, 64 slots a block in 128 x 64 tiles with 8 warps, so each dequantized weight tile
+    serves four times the pairs."""
     up_split, down_split = (4, 2) if m <= 16 else (2, 1) if m <= 64 else (1, 1)
     gemm = {"block_M": 16, "block_N": 64, "block_K": 128, "num_warps": 4, "num_stages": 3}
     if m > 512:
@@ -291,14 +289,14 @@ def _check(x, weights, experts, ws: list[torch.Tensor], scales: list[torch.Tenso
 def prescaled(scale: torch.Tensor) -> torch.Tensor:
     """Power-of-two scales (fp32 or ue8m0) as the bf16 factor the fp4 products multiply codes by, scale * 2^63: exact
     for every ue8m0 scale up to 2^64, inf past it (as the kernel's own product from an fp32 scale). The kernel then
-    skips that product and its conversion, and reads 2 bytes a scale, not 4: on the H200, 1.03-1.06x at 1 to 64
-    tokens, but 0.94x at 1024 and 0.90x at 8192 (bench/RESULTS.md, 2026-12-01 eighth session)."""
+    skips that product and its conversion, and reads 2 bytes a scale, not 4: faster at decode sizes, slower at
+    prefill ones (bench/RESULTS.md)."""
     return (scale_to_float(scale) * 2.0**63).to(torch.bfloat16)
 
 
 def _split(gemm: dict, k: int) -> tuple[int, int]:
     """(split count, K per split): whole block_K stages per split (the last may be shorter)."""
-    split, block_k = gemm.get("split_k", 1), gemm["block_K"]  # configs from before split-K have none: 1
+    split, block_k = gemm["split_k"], gemm["block_K"]
     if split < 1 or block_k % 32:
         raise ValueError(f"split_k must be >= 1 and block_K a multiple of 32, got {split}, {block_k}")
     return split, triton.cdiv(triton.cdiv(k, split), block_k) * block_k

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import itertools
 
+from kernels.moe.lowering import ExpertsStatic, GateStatic
 from kernels.targets import DEFAULT_GPU_TARGET, get_target
 
 
-def moe_configs(static, bucket: int, target: str = DEFAULT_GPU_TARGET) -> list[dict]:
+def moe_configs(static: ExpertsStatic, bucket: int, target: str = DEFAULT_GPU_TARGET) -> list[dict]:
     """Per GEMM: tile width (64 rows per warpgroup), K stage, pipeline depth, and for decode buckets split-K (few
     experts fill the GPU only with their K split; GEMM 1 reads K = d, GEMM 2 K = inter, each split two stages or
     more). fp4 at block_K 256 spills registers in GEMM 1: not a candidate. Prefill buckets (> 64 tokens: about
@@ -28,7 +29,7 @@ def moe_configs(static, bucket: int, target: str = DEFAULT_GPU_TARGET) -> list[d
     return out
 
 
-def gate_configs(static, bucket: int, target: str = DEFAULT_GPU_TARGET) -> list[dict]:
+def gate_configs(static: GateStatic, bucket: int, target: str = DEFAULT_GPU_TARGET) -> list[dict]:
     """The MoE gate's projection: linear.py with fp32 weights and fp32 products (routing is discrete), so its tiles
     are the FMA path's, not the tensor cores': decode buckets split K; prefill buckets try smaller K stages and
     more warps, whose fp32 operands and accumulators would otherwise spill."""

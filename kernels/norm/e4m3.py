@@ -7,8 +7,8 @@ skip their own rounding pass over the rows, and the fp32 rows are never written.
 registers: normed as the fp32 kernels norm it (kernels/norm/rms_norm.py `_rms`; the streams summed as
 kernels/hyper/hyper.py sums them), rounded as `quantize_rows` rounds it (`store_e4m3_row`). So the codes and scales
 are `quantize_rows`' of those kernels' output: bit for bit under Triton's interpreter; compiled for sm_90a, the scales
-are and all but a few codes are (9 of 8192 x 5120 on the H200, each one e4m3 step off: the two compilations' normed
-value differs in its last bit there; cause not found). A row's bytes do not depend on the other rows.
+are and all but a few codes are (bench/RESULTS.md: each such code one e4m3 step off, where the two compilations'
+normed values differ in their last bit, for a reason not known). A row's bytes do not depend on the other rows.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 threads in registers (padded to `block_D`, a multiple of them), fp32 throughout; one read of x, one write of y.
 
 The op is `dsl.ops.dense.rms_norm` (fp32 out), as in kernels/norm/rms_norm.py, which serves it where TileLang cannot
-build (graphs/lowering.py). A row's sum runs in a fixed order (each thread's values, then across the row's threads)
-whatever the other rows are: every config is batch-invariant.
+build (kernels/norm/lowering.py). A row's sum runs in a fixed order (each thread's values, then across the row's
+threads) whatever the other rows are: every config is batch-invariant.
 """
 
 # No `from __future__ import annotations` here: TileLang evaluates a kernel's annotations (shapes, dtypes) as values.

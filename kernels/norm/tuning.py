@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from kernels.norm.lowering import RMS_NORM
+from kernels.norm.lowering import RMS_NORM, NormStatic
 from kernels.tuning import Tuning
 
 
-def norm_configs(static, bucket: int, target: str) -> list[dict]:
+def norm_configs(static: NormStatic, bucket: int, target: str) -> list[dict]:
     return [{"num_warps": w} for w in (4, 8, 16)]
 
 
