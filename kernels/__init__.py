@@ -1,7 +1,9 @@
 """Kernels, one folder per family (kernels/<family>/: its Triton and TileLang kernels with their torch-facing
-wrappers), and what the families share: the launch hook (launch.py), Triton or its stand-in where it is not installed
-(lang.py, so a saved artifact runs without it), the whole-output GEMMs' tiles (tiles.py), TileLang kernels and their
-ahead-of-time build (tilelang_kernel.py, tilelang_build.py), the target table (targets.py).
+wrappers, its lowering.py, and where it is tuned its space.py and tuning.py), and what the families share: what a
+lowering is (lowering.py), what tuning needs (tuning.py), the registry every other table derives from (registry.py),
+the launch hook (launch.py), Triton or its stand-in where it is not installed (lang.py, so a saved artifact runs
+without it), the whole-output GEMMs' tiles (tiles.py), TileLang kernels and their ahead-of-time build
+(tilelang_kernel.py, tilelang_build.py), the target table (targets.py).
 
 Imports only `dsl`. Each wrapper checks its inputs, allocates outputs, returns early on empty input and launches
 through `kernels.launch`; the DSL op of the same name (dsl/ops) is its reference. Tensors on the CPU run under
