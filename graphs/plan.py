@@ -89,8 +89,8 @@ class NodePlan:
             return f"{self.index:4d} {self.op}: reference"
         v = self.variant
         forms = "".join(f" {name}" for name, on in (("e4m3_out", v.e4m3_out), ("e4m3_in", v.e4m3_in)) if on)
-        buckets = " ".join(f"{b}:{'/'.join(p.gemms) + ':' if p.gemms else ''}{p.source[0]}"
-                           for b, p in self.buckets.items())
+        buckets = ", ".join(f"{b} {'/'.join(p.gemms) + ' ' if p.gemms else ''}{p.source}"
+                            for b, p in self.buckets.items())
         return f"{self.index:4d} {self.op}: {self.template} {self.static} {v.backend}{forms} [{buckets}]"
 
 
