@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from autotune.cache import TuningCache, cache_key, default_cache, source_hash
+from autotune.cache import TuningCache, cache_key, default_cache, source_hash, template_hash
 from autotune.space import get_configs
 from autotune.tune import tune
 from kernels.targets import get_target
@@ -22,4 +22,4 @@ def choose(template: str, static: dict, bucket: int, target: str, src_hash: str,
     return (config, "tuned") if config is not None else (fallback(), "heuristic")
 
 
-__all__ = ["choose", "get_configs", "tune", "TuningCache", "cache_key", "source_hash", "default_cache"]
+__all__ = ["choose", "get_configs", "tune", "TuningCache", "cache_key", "source_hash", "template_hash", "default_cache"]

@@ -4,11 +4,14 @@ kernel's heuristic."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import json
 import os
 from pathlib import Path
+
+from kernels.registry import TEMPLATES
 
 TUNED_DIR = Path(__file__).parent / "tuned"
 
@@ -20,6 +23,13 @@ def source_hash(module) -> str:
                      if callable(getattr(obj, "fn", None)) and hasattr(obj, "arg_names"))
     text = "".join(inspect.getsource(fn) for _, fn in kernels) if kernels else inspect.getsource(module)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def template_hash(template: str) -> str:
+    """The hash of the kernels that serve `template`: each of its lowering's `sources` modules' `source_hash`, in order
+    (a template served by TileLang or Triton has both, so an edit to either invalidates its configs)."""
+    return "".join(source_hash(module) for module in TEMPLATES[template].sources)
 
 
 def cache_key(template: str, static: dict, bucket: int, target: str, device: str, src_hash: str) -> str:
@@ -55,4 +65,4 @@ def default_cache(target: str) -> TuningCache:
     return TuningCache(os.environ.get("DEEPINFER_TUNING") or TUNED_DIR / f"{target}.json")
 
 
-__all__ = ["TuningCache", "cache_key", "source_hash", "default_cache"]
+__all__ = ["TuningCache", "cache_key", "default_cache", "source_hash", "template_hash"]

@@ -14,29 +14,21 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable
 
 import torch
 
-import kernels.triton.attention as attention
-import kernels.triton.hyper as hyper
-import kernels.triton.linear as linear
-import kernels.triton.linear_prefill as linear_prefill
-import kernels.triton.moe as moe
-from autotune.cache import TuningCache, cache_key, default_cache, source_hash
+from autotune.cache import TuningCache, cache_key, default_cache, template_hash
 from autotune.space import get_configs
 from autotune.tune import tune
-from dsl.ops import dense
-from dsl.ops import hyper as hyper_ref
-from dsl.quant import quantize_fp8_block
+from kernels.lowering import PLAIN, Static
+from kernels.registry import TEMPLATES, TUNINGS, tunable
 from kernels.targets import DEFAULT_GPU_TARGET, TARGETS, cubin_targets
+from kernels.tuning import Job
 
 V41 = {"hidden_size": 5120, "q_lora_rank": 1280, "num_attention_heads": 64, "head_dim": 512, "o_groups": 8,
        "o_lora_rank": 1024, "n_routed_experts": 384, "num_experts_per_tok": 6, "moe_intermediate_size": 2304,
        "hc_mult": 4, "sliding_window": 128, "index_topk": 512, "index_n_heads": 32, "index_head_dim": 128,
        "vocab_size": 129280}
-MODULES = {"linear": linear, "moe_gate": linear, "moe_experts": moe, "sparse_attention": attention,
-           "hc_mixes": hyper}
 
 
 def load_config(path: str | os.PathLike | None) -> dict:
@@ -69,51 +61,41 @@ def load_config(path: str | os.PathLike | None) -> dict:
     return cfg
 
 
-def statics(cfg: dict) -> list[tuple[str, dict]]:
-    """(template, static shapes) of every tunable kernel node kind of a config, as `make_plan` keys them."""
-    h, heads, d = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
-    g, r, q = cfg["o_groups"], cfg["o_lora_rank"], cfg["q_lora_rank"]
-    both, plain = ("plain", "fp8"), ("plain",)
-    # (n, k, groups, formats): wq_a, wq_b, wkv (and the compressor's wkv / wgate), wo_a, wo_b, the indexer's wq_b
-    # (checkpoints store these in fp8, tests in float), then the always-float indexer weights_proj and head
-    linears = [(q, h, 1, both), (heads * d, q, 1, both), (d, h, 1, both), (r, heads // g * d, g, both),
-               (h, g * r, 1, both), (cfg["index_n_heads"] * cfg["index_head_dim"], q, 1, both),
-               (cfg["index_n_heads"], h, 1, plain), (cfg["vocab_size"], h, 1, plain)]
-    out = []
-    for n, k, groups, fmts in linears:
-        for fmt in fmts:
-            st = ("linear", {"n": n, "k": k, "groups": groups, "fmt": fmt})
-            if st not in out:
-                out.append(st)
-    out.append(("moe_gate", {"e": cfg["n_routed_experts"], "d": h}))
-    out.append(("moe_experts", {"e": cfg["n_routed_experts"], "inter": cfg["moe_intermediate_size"], "d": h,
-                                "topk": cfg["num_experts_per_tok"], "fmt": "fp4"}))
-    out.append(("sparse_attention", {"h": heads, "d": d}))
-    out.append(("hc_mixes", {"hc": cfg["hc_mult"], "d": h}))
-    return out
+def statics(cfg: dict) -> list[tuple[str, Static]]:
+    """(template, static shapes) of every tunable kernel node kind of a config, as `make_plan` keys them: each
+    family's `Tuning.shapes` (kernels/<family>/tuning.py)."""
+    return [(template, st) for template in tunable() for st in TUNINGS[template].shapes(cfg)]
+
+
+def _shape(st: Static) -> str:
+    return ",".join(f"{k}={v}" for k, v in st.fields().items())
 
 
 def select_work(cfg: dict, templates: list[str], buckets: list[int], only: dict[str, str] | None = None
-                ) -> list[tuple[str, dict, int]]:
+                ) -> list[tuple[str, Static, int]]:
     """(template, static shapes, token bucket) of every job to tune; ValueError on an unknown template or a bucket
-    that is not a positive integer. Linears in buckets where plans run the prefill GEMM (`linear_prefill.serves`)
-    are left out (said on stderr): this tuner does not search its configs, and a linear.py config cached for such
-    a bucket would take its place."""
-    unknown = [t for t in templates if t not in MODULES]
+    that is not a positive integer. Jobs in buckets where plans run a kernel this tuner does not search (the linear
+    family's prefill GEMM, `Lowering.tunable`) are left out, said on stderr: that kernel keeps its heuristic tiles."""
+    known = tunable()
+    unknown = [t for t in templates if t not in known]
     if unknown:
-        raise ValueError(f"unknown template(s) {', '.join(unknown)}; tunable: {', '.join(MODULES)}")
+        raise ValueError(f"unknown template(s) {', '.join(unknown)}; tunable: {', '.join(known)}")
     if not buckets or any(b <= 0 for b in buckets):
         raise ValueError(f"buckets must be positive token counts, got {buckets}")
     only = only or {}
     work = [(t, st, b) for t, st in statics(cfg) if t in templates
-            and all(str(st.get(k)) == v for k, v in only.items()) for b in buckets]
-    prefill = [(st, b) for t, st, b in work if t == "linear" and linear_prefill.serves(b, st["n"], st["groups"],
-                                                                                          st["fmt"] == "fp8")]
-    if prefill:
-        left = ", ".join(f"{st['groups']}x{st['n']}x{st['k']} {st['fmt']} at {b}" for st, b in prefill)
-        print(f"linear left out where plans run the prefill GEMM, which keeps its heuristic tiles: {left}",
+            and all(str(st.fields().get(k)) == v for k, v in only.items()) for b in buckets]
+    kept, left = [], {}
+    for t, st, b in work:
+        gemms = TEMPLATES[t].gemms(st, b, False)
+        if TEMPLATES[t].tunable(gemms):
+            kept.append((t, st, b))
+        else:
+            left.setdefault((t, "/".join(gemms)), []).append(f"{_shape(st)} at {b}")
+    for (t, gemms), shapes in left.items():
+        print(f"{t} left out where plans run the {gemms} GEMM, which keeps its heuristic tiles: {', '.join(shapes)}",
               file=sys.stderr)
-    return [(t, st, b) for t, st, b in work if t != "linear" or (st, b) not in prefill]
+    return kept
 
 
 def check_device(target: str) -> str:
@@ -131,70 +113,26 @@ def check_device(target: str) -> str:
     return name
 
 
-def rotation(w: torch.Tensor, total_bytes: int = 256 << 20) -> list[torch.Tensor]:
-    """Copies of `w` (same values, separate memory) adding up to more than the L2, cycled through by timing."""
-    count = max(2, -(-total_bytes // (w.numel() * w.element_size())))
-    return [w] + [w.clone() for _ in range(count - 1)]
-
-
-def job(template: str, st: dict, m: int, cfg: dict) -> tuple[Callable[[dict], torch.Tensor], torch.Tensor, float]:
+def job(template: str, st: Static, m: int, cfg: dict) -> Job:
     """(run(config) -> output, reference output, tolerance) on fresh random inputs of `m` tokens."""
-    dev = "cuda"
-    if template == "linear":
-        n, k, groups = st["n"], st["k"], st["groups"]
-        w = torch.randn(groups * n, k, device=dev) * k**-0.5
-        if st["fmt"] == "fp8":
-            w, s = quantize_fp8_block(w)
-        else:
-            w, s = w.bfloat16(), None
-        x = torch.randn(m, groups * k, device=dev)
-        xr = x.bfloat16().float()
-        ref = dense.linear(xr, w, s) if groups == 1 else dense.grouped_linear(xr, w, s, groups=groups)
-        copies = rotation(w)  # equal copies past the L2: each call streams its weight from HBM, as in a model
-        step = iter(range(1 << 62))
-        return (lambda c: linear.linear(x, copies[next(step) % len(copies)], s, groups=groups, config=c)), ref, 1e-4
-    if template == "moe_gate":  # fp32 weights and products, as graphs/lowering_linear.py runs the gate
-        w = torch.randn(st["e"], st["d"], device=dev) * st["d"] ** -0.5
-        x = torch.randn(m, st["d"], device=dev)
-        ref = (x.double() @ w.double().t()).float()
-        return (lambda c: linear.linear(x, w, config=c, dot_fp32=True)), ref, 1e-5
-    if template == "moe_experts":
-        e, inter, d, topk = st["e"], st["inter"], st["d"], st["topk"]
-        ws = [torch.randint(0, 256, (e, o, i // 2), device=dev, dtype=torch.uint8) for o, i in ((inter, d), (d, inter),
-                                                                                               (inter, d))]
-        ss = [moe.prescaled(torch.ldexp(torch.ones(e, o, i // 32, device=dev),
-                                        torch.randint(-7, -3, (e, o, i // 32), device=dev)))
-              for o, i in ((inter, d), (d, inter), (inter, d))]  # the form the executor gives the kernel
-        experts = torch.stack([torch.randperm(e, device=dev)[:topk] for _ in range(m)])
-        weights = torch.rand(m, topk, device=dev)
-        x = torch.randn(m, d, device=dev)
-        args = (x, weights, experts, ws[0], ws[1], ws[2], ss[0], ss[1], ss[2])
-        ref = moe.moe_experts(*args, limit=10.0, config=moe.default_config(m))
-        return (lambda c: moe.moe_experts(*args, limit=10.0, config=c)), ref, 1e-3
-    if template == "sparse_attention":
-        h, d, s = st["h"], st["d"], cfg["sliding_window"] + cfg["index_topk"]
-        q = torch.randn(m, h, d, device=dev).bfloat16()
-        kv = torch.randn(m * 2 * s, d, device=dev).bfloat16()
-        idx = torch.stack([torch.randperm(2 * s, device=dev)[:s] + 2 * s * i for i in range(m)]).int()
-        sink = torch.randn(h, device=dev)
-        ref = attention.sparse_attention(q.float(), kv.float(), idx, sink, scale=d**-0.5, dot_fp32=True)
-        return (lambda c: attention.sparse_attention(q, kv, idx, sink, scale=d**-0.5, config=c)), ref, 1e-2
-    if template == "hc_mixes":
-        hc, d = st["hc"], st["d"]
-        args = (torch.randn(m, hc, d, device=dev), torch.randn((2 + hc) * hc, hc * d, device=dev) * (hc * d) ** -0.5,
-                torch.rand(3, device=dev) + 0.5, torch.randn((2 + hc) * hc, device=dev))
-        ref = torch.cat([t.reshape(m, -1) for t in hyper_ref.hc_mixes(*args, iters=20, eps=1e-6, norm_eps=1e-20)], 1)
-        return (lambda c: torch.cat([t.reshape(m, -1) for t in hyper.hc_mixes(*args, iters=20, eps=1e-6,
-                                                                              norm_eps=1e-20, config=c)], 1)), ref, 1e-4
-    raise ValueError(f"no tuning job for {template}")
+    tuning = TUNINGS.get(template)
+    if tuning is None or tuning.job is None:
+        raise ValueError(f"no tuning job for {template}")
+    return tuning.job(st, m, cfg)
 
 
-def _warm(task: tuple[str, dict, int, dict, list[dict]]) -> int:
+def heuristic(template: str, st: Static, m: int) -> dict:
+    """The config a plan runs untuned for these shapes and bucket (a bucket the tuner searches)."""
+    lowering = TEMPLATES[template]
+    return lowering.default_config(st, m, PLAIN, lowering.gemms(st, m, False))
+
+
+def _warm(task: tuple[str, Static, int, dict, list[dict]]) -> int:
     """Compile (by running once) a share of the candidates in a worker process: Triton's on-disk cache then
     serves the timing process, so compiles spread over the host's cores."""
     template, st, bucket, cfg, configs = task
-    if template == "moe_experts":  # the expert count is a runtime size: a few experts compile the same kernels
-        st = dict(st, e=min(st["e"], 16))
+    warmup = TUNINGS[template].warmup
+    st = st if warmup is None else warmup(st)
     try:  # the token count is a runtime size too: at most 512 (a multiple of 16, as the buckets past it are), so
         # workers in parallel do not each hold a prefill bucket's inputs (8192 tokens of attention: 20 GiB)
         run, _, _ = job(template, st, min(bucket, 512), cfg)
@@ -212,7 +150,7 @@ def _warm(task: tuple[str, dict, int, dict, list[dict]]) -> int:
     return done
 
 
-def precompile(work: list[tuple[str, dict, int]], cfg: dict, target: str, jobs: int) -> None:
+def precompile(work: list[tuple[str, Static, int]], cfg: dict, target: str, jobs: int) -> None:
     import multiprocessing
 
     tasks = []
@@ -223,7 +161,7 @@ def precompile(work: list[tuple[str, dict, int]], cfg: dict, target: str, jobs: 
         pool.map(_warm, tasks, chunksize=1)
 
 
-def tune_all(work: list[tuple[str, dict, int]], cfg: dict, target: str, cache: TuningCache, jobs: int = 8,
+def tune_all(work: list[tuple[str, Static, int]], cfg: dict, target: str, cache: TuningCache, jobs: int = 8,
              progress: bool = True) -> list[tuple]:
     """Tune every job on this GPU, saving `cache` after each; returns the summary rows (template, static, bucket,
     candidates, rejected, best us, heuristic us, best config)."""
@@ -241,9 +179,10 @@ def tune_all(work: list[tuple[str, dict, int]], cfg: dict, target: str, cache: T
             print(f"skipped {template} {st} m<={bucket}: {type(e).__name__}: {e}", flush=True)
             continue
         best, trials = tune(configs, run, ref, tol, rep_ms=10)
-        default = next((t for t in trials if t.config == _default(template, st, bucket)), None)
+        default = next((t for t in trials if t.config == heuristic(template, st, bucket)), None)
         if best is not None:
-            key = cache_key(template, st, bucket, target, device, source_hash(MODULES[template]))
+            key = cache_key(template, TEMPLATES[template].key(st, PLAIN), bucket, target, device,
+                            template_hash(template))
             us = min(t.us for t in trials if t.us is not None)
             cache.put(key, best, us)
             cache.save()  # after every job: a run stopped midway keeps what it measured
@@ -261,7 +200,7 @@ def summary(rows: list[tuple]) -> str:
               f"{'heur us':>8s}  best")
     lines = [header]
     for template, st, bucket, n, rej, us, dus, best in rows:
-        shapes = ",".join(f"{k}={v}" for k, v in st.items())
+        shapes = _shape(st)
         lines.append(f"{template:17s} {shapes:44s} {bucket:5d} {n:4d} {rej:3d} {us:8.2f} "
                      f"{dus if dus is None else round(dus, 2)!s:>8s}  {best}")
     return "\n".join(lines)
@@ -273,13 +212,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default=DEFAULT_GPU_TARGET,
                    help=f"{' or '.join(t.name for t in cubin_targets())}: the GPU here must be of that architecture")
     p.add_argument("--buckets", default="16,64", help="token-count buckets to tune, comma-separated (default 16,64)")
-    p.add_argument("--templates", default=",".join(MODULES), help=f"comma-separated subset of {','.join(MODULES)}")
+    p.add_argument("--templates", default=",".join(tunable()), help=f"comma-separated subset of {','.join(tunable())}")
     p.add_argument("--out", help="cache file (default: autotune/tuned/<target>.json)")
     p.add_argument("--jobs", type=int, default=8, help="processes compiling candidates ahead of timing")
     p.add_argument("--only", default="", help="key=value: tune only the static shapes that match, e.g. fmt=fp8")
 
 
-def prepare(args: argparse.Namespace) -> tuple[dict, list[tuple[str, dict, int]]]:
+def prepare(args: argparse.Namespace) -> tuple[dict, list[tuple[str, Static, int]]]:
     """(config fields, jobs) from parsed flags, checked before any GPU work; ValueError naming what is wrong."""
     cfg = load_config(args.config)
     try:
@@ -305,18 +244,6 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + summary(rows))
     print(f"wrote {cache.path}")
     return 0
-
-
-def _default(template: str, st: dict, m: int) -> dict:
-    if template == "linear":
-        return linear.default_config(m, st["n"], st["k"], st["groups"], st["fmt"] == "fp8")
-    if template == "moe_experts":
-        return moe.default_config(m)
-    if template == "moe_gate":  # as graphs/lowering_linear.py's MOE_GATE: fp32 weights
-        return linear.default_config(m, st["e"], st["d"], w_bytes=4)
-    if template == "sparse_attention":
-        return attention.default_config(m, st["h"], st["d"])
-    return hyper.mixes_config(m, st["hc"] * st["d"])
 
 
 if __name__ == "__main__":

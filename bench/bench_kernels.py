@@ -22,20 +22,26 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_prefill import bench_prefill_gemm, bench_prefill_switch  # noqa: E402
-from bench_replaced import (bench_engram_lookup, bench_gate_route, bench_norm_e4m3,  # noqa: E402
-                            bench_sampling, bench_swiglu, bench_topk, bench_topk_tiles)
+from bench_replaced import (  # noqa: E402
+    bench_engram_lookup,
+    bench_gate_route,
+    bench_norm_e4m3,
+    bench_sampling,
+    bench_swiglu,
+    bench_topk,
+    bench_topk_tiles,
+)
 from bench_rows import FP8_TFLOPS, LINEARS, ROWS, cycler, record  # noqa: E402
 
-import kernels.triton.attention as attention  # noqa: E402
-import kernels.triton.engram as engram  # noqa: E402
-import kernels.triton.hyper as hyper  # noqa: E402
-import kernels.triton.indexer as indexer  # noqa: E402
-import kernels.triton.linear as linear  # noqa: E402
-import kernels.triton.moe as moe  # noqa: E402
-import kernels.triton.rms_norm as rms_norm  # noqa: E402
-import kernels.triton.rope as rope  # noqa: E402
-from autotune.cache import TuningCache, cache_key, source_hash  # noqa: E402
-from autotune.run import rotation  # noqa: E402
+import kernels.attention.sparse_attention as attention  # noqa: E402
+import kernels.engram.gate as engram  # noqa: E402
+import kernels.hyper.hyper as hyper  # noqa: E402
+import kernels.indexer.index_scores as indexer  # noqa: E402
+import kernels.linear.linear as linear  # noqa: E402
+import kernels.moe.experts as moe  # noqa: E402
+import kernels.norm.rms_norm as rms_norm  # noqa: E402
+import kernels.rope.rope as rope  # noqa: E402
+from autotune.cache import TuningCache, cache_key, template_hash  # noqa: E402
 from autotune.tune import time_us  # noqa: E402
 from dsl.ops import dense as dense_ref  # noqa: E402
 from dsl.ops import engram as engram_ref  # noqa: E402
@@ -44,15 +50,16 @@ from dsl.ops import moe as moe_ref  # noqa: E402
 from dsl.ops import rope as rope_ref  # noqa: E402
 from dsl.quant import quantize_fp8_block  # noqa: E402
 from graphs.plan import bucket_of  # noqa: E402
+from kernels.tuning import rotation  # noqa: E402
 
 TUNED: TuningCache | None = None  # --tuning: configs from a tuning file; else each kernel's heuristic
 
 
-def tuned(template: str, static: dict, m: int, module) -> dict | None:
+def tuned(template: str, static: dict, m: int) -> dict | None:
     """The tuned config of a kernel node for `m` tokens, as a compiled plan would pick it (None: heuristic)."""
     if TUNED is None:
         return None
-    key = cache_key(template, static, bucket_of(m), "sm90", torch.cuda.get_device_name(), source_hash(module))
+    key = cache_key(template, static, bucket_of(m), "sm90", torch.cuda.get_device_name(), template_hash(template))
     return TUNED.get(key)
 
 
@@ -80,7 +87,7 @@ def bench_linear(tokens: list[int]) -> None:
             xb = x.bfloat16()
             shape = f"{name} {g}x{n}x{k} M={m}"
             nb = cycler(wb)
-            cfg = tuned("linear", {"n": n, "k": k, "groups": g, "fmt": "plain"}, m, linear)
+            cfg = tuned("linear", {"n": n, "k": k, "groups": g, "fmt": "plain"}, m)
             ours = time_us(lambda: linear.linear(x, nb(), groups=g, config=cfg))
             if g == 1:
                 base = time_us(lambda: torch.nn.functional.linear(xb, nb()))
@@ -91,7 +98,7 @@ def bench_linear(tokens: list[int]) -> None:
             record("linear bf16", shape, ours, nbytes=wbytes + m * g * k * 4 + m * g * n * 4,
                    flops=2 * m * g * n * k, base="cuBLAS bf16", base_us=base)
             nq = cycler(wq)
-            cfg = tuned("linear", {"n": n, "k": k, "groups": g, "fmt": "fp8"}, m, linear)
+            cfg = tuned("linear", {"n": n, "k": k, "groups": g, "fmt": "fp8"}, m)
             ours = time_us(lambda: linear.linear(x, nq(), s, groups=g, config=cfg))
             fbytes = g * n * k + s.numel() * 4
             row = dict(nbytes=fbytes + m * g * k * 4 + m * g * n * 4, flops=2 * m * g * n * k)
@@ -140,7 +147,7 @@ def bench_norms(tokens: list[int]) -> None:
         fn = torch.randn(24, hc * d, device="cuda") * (hc * d) ** -0.5
         sc, base = torch.rand(3, device="cuda") + 0.5, torch.randn(24, device="cuda")
         kw = dict(iters=20, eps=1e-6, norm_eps=1e-20)
-        cfg = tuned("hc_mixes", {"hc": hc, "d": d}, m, hyper)
+        cfg = tuned("hc_mixes", {"hc": hc, "d": d}, m)
         record("hc_mixes (sinkhorn)", f"{m}x{hc}x{d}",
                time_us(lambda: hyper.hc_mixes(h, fn, sc, base, **kw, config=cfg)),
                nbytes=m * hc * d * 4 + fn.numel() * 4, base="torch eager (dsl ref)",
@@ -150,9 +157,9 @@ def bench_norms(tokens: list[int]) -> None:
 def bench_tilelang_norms(tokens: list[int]) -> None:
     """The TileLang RMSNorm's and collapse + RMSNorm's cubins through the CUDA driver at V4.1's widths, against the
     Triton kernels (baseline) and torch eager. Shapes that fit the L2 (50 MB) can pass the HBM ceiling."""
+    from kernels.hyper.collapse_tilelang import hc_collapse_rms_norm as collapse_tilelang
     from kernels.launch import use_launcher
-    from kernels.tilelang.hyper import hc_collapse_rms_norm as collapse_tilelang
-    from kernels.tilelang.rms_norm import rms_norm as rms_norm_tilelang
+    from kernels.norm.rms_norm_tilelang import rms_norm as rms_norm_tilelang
     from tests.kernels.tilelang_cubins import cubin_launcher
 
     launcher = cubin_launcher()
@@ -201,7 +208,7 @@ def bench_moe(tokens: list[int]) -> None:
         unique = sum(len(torch.unique(r)) for r in routes) / len(routes)
         x, wts = torch.randn(m, d, device="cuda"), torch.rand(m, topk, device="cuda")
         nr = cycler(routes)
-        cfg = tuned("moe_experts", {"e": e, "inter": inter, "d": d, "topk": topk, "fmt": "fp4"}, m, moe) \
+        cfg = tuned("moe_experts", {"e": e, "inter": inter, "d": d, "topk": topk, "fmt": "fp4"}, m) \
             or moe.default_config(bucket_of(m))
         # each form timed twice, in one order then the reverse (a long compute-bound run heats the GPU and slows
         # what comes after it), keeping each one's faster time
@@ -238,7 +245,7 @@ def bench_attention(tokens: list[int]) -> None:
         kv = torch.randn(m * pool, d, device="cuda").bfloat16()
         idx = torch.stack([torch.randperm(pool, device="cuda")[:s] + pool * i for i in range(m)]).int()
         sink = torch.randn(h, device="cuda")
-        cfg = tuned("sparse_attention", {"h": h, "d": d}, m, attention)
+        cfg = tuned("sparse_attention", {"h": h, "d": d}, m)
         ours = time_us(lambda: attention.sparse_attention(q, kv, idx, sink, scale=d**-0.5, config=cfg))
         base = time_us(lambda: torch_sparse_attention(q, kv, idx, sink, d**-0.5))
         record("sparse_attention decode", f"T={m} H={h} D={d} S={s}", ours,
@@ -256,7 +263,7 @@ def bench_indexer(tokens: list[int], entries: int = 2048) -> None:
         start = (torch.arange(m, device="cuda") * entries).int()
         length = torch.full((m,), entries, dtype=torch.int32, device="cuda")
         pos = torch.full((m,), 4 * entries + 3, dtype=torch.int32, device="cuda")
-        cfg = tuned("index_scores", {"h": h, "d": d}, m, indexer)
+        cfg = tuned("index_scores", {"h": h, "d": d}, m)
 
         def torch_scores():
             s = torch.einsum("thd,tld->thl", q.float(), keys.view(m, entries, d).float()).relu_() * d**-0.5
@@ -270,13 +277,13 @@ def bench_indexer(tokens: list[int], entries: int = 2048) -> None:
 
 
 def bench_cache(rows: list[int], blocks: int = 4096, per: int = 64, width: int = 16) -> None:
-    """Cache entries stored (encode + scatter) and loaded (gather + decode) by kernels/triton/cache.py against the
+    """Cache entries stored (encode + scatter) and loaded (gather + decode) by kernels/cache/rows.py against the
     torch path of dsl/cache.py, µs per call issued eagerly as a step issues them (host time included): the window
     (fp8, by slot), the compressed KV (fp4, e4m3 scales) and the indexer keys (fp4, power-of-two scales), by table."""
+    import kernels.cache.rows as cache
     from dsl import cache as torch_cache
     from dsl.cache_format import EntryFormat
     from dsl.ops.rounding import fp4_round, fp8_round
-    from kernels.triton import cache
 
     for name, fmt, d, paged in [("window fp8", EntryFormat("fp8", 32), 512, False),
                                 ("kv fp4 e4m3", EntryFormat("fp4", 16, True), 512, True),

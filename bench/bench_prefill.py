@@ -1,18 +1,18 @@
 """Prefill GEMM benchmarks at the V4.1-Flash shapes (bench/bench_kernels.py's `--only prefill_gemm`): linear.py
-against cuBLAS and `_scaled_mm`, the prefill GEMM (kernels/triton/linear_prefill.py) and the fp8-activation path
-(kernels/triton/linear_fp8.py) against them, on the same operands."""
+against cuBLAS and `_scaled_mm`, the prefill GEMM (kernels/linear/prefill.py) and the fp8-activation path
+(kernels/linear/fp8.py) against them, on the same operands."""
 
 from __future__ import annotations
 
 import torch
 from bench_rows import FP8_TFLOPS, LINEARS, record
 
-import kernels.triton.linear as linear
-import kernels.triton.linear_fp8 as linear_fp8
-import kernels.triton.linear_prefill as linear_prefill
+import kernels.linear.fp8 as linear_fp8
+import kernels.linear.linear as linear
+import kernels.linear.prefill as linear_prefill
 from autotune.tune import time_us
 from dsl.quant import dequantize_fp8_block, quantize_fp8_block
-from graphs.lowering_linear import _project
+from kernels.linear.lowering import DECODE, PREFILL, project
 
 
 def bench_prefill_gemm(m: int = 4096) -> None:
@@ -37,7 +37,7 @@ def bench_prefill_gemm(m: int = 4096) -> None:
 
 def bench_prefill_switch(tokens: tuple[int, ...] = (128, 256, 512, 1024)) -> None:
     """Where plans should hand linears to the prefill GEMM (`linear_prefill.serves`): at each token count, each V4.1
-    linear run as plans run it (`graphs.lowering_linear._project`: fp32 x in, a grouped weight one GEMM a group),
+    linear run as plans run it (`kernels.linear.lowering.project`: fp32 x in, a grouped weight one GEMM a group),
     with plain and fp8 32x32 weights, on the prefill GEMM (its heuristic tile) against linear.py (its heuristic:
     the tuning file has no entry over 64 tokens for linears)."""
     for name, n, k, g in LINEARS:
@@ -48,15 +48,15 @@ def bench_prefill_switch(tokens: tuple[int, ...] = (128, 256, 512, 1024)) -> Non
             x = torch.randn(m, g * k, device="cuda")
             for fmt, weight, scale in (("bf16", wb, None), ("fp8 32x32", q, s)):
                 lin = linear.default_config(m, n, k, g, scale is not None)
-                both = {"prefill": linear_prefill.default_config(m, n, k), "linear": lin}
+                pre = linear_prefill.default_config(m, n, k)
                 record(f"prefill GEMM {fmt}", f"{name} {g}x{n}x{k} M={m}",
-                       time_us(lambda: _project(x, weight, scale, both, False, g)), flops=2 * m * g * n * k,
-                       base="linear.linear", base_us=time_us(lambda: _project(x, weight, scale, lin, False, g)))
+                       time_us(lambda: project(x, weight, scale, PREFILL, pre, False, g)), flops=2 * m * g * n * k,
+                       base="linear.linear", base_us=time_us(lambda: project(x, weight, scale, DECODE, lin, False, g)))
         del w, q, s, wb
 
 
 def bench_prefill_bf16(name: str, wb: torch.Tensor, q: torch.Tensor, s: torch.Tensor, tokens: list[int]) -> None:
-    """The exact-path prefill GEMM (kernels/triton/linear_prefill.py) on bf16 operands, against cuBLAS (bf16 out) and
+    """The exact-path prefill GEMM (kernels/linear/prefill.py) on bf16 operands, against cuBLAS (bf16 out) and
     `linear.linear`; with fp8 32x32 weights (the bf16 expansion included) against `linear.linear`; the expansion
     alone (a byte read and two written per weight)."""
     n, k = wb.shape
@@ -83,7 +83,7 @@ def bench_prefill_bf16(name: str, wb: torch.Tensor, q: torch.Tensor, s: torch.Te
 
 
 def bench_prefill_fp8_rowwise(name: str, q: torch.Tensor, s: torch.Tensor, old_us: float, tokens: list[int]) -> None:
-    """The fp8-activation path (kernels/triton/linear_fp8.py): per-token e4m3 x, rowwise weight, one fp8 GEMM,
+    """The fp8-activation path (kernels/linear/fp8.py): per-token e4m3 x, rowwise weight, one fp8 GEMM,
     against `_scaled_mm` on the same operands; the quantization alone; and both together against the 32x32 kernel."""
     (n, k), (wq, sw) = q.shape, linear_fp8.rowwise_weight(q, s)
     for m in tokens:

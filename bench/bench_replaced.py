@@ -7,15 +7,15 @@ from __future__ import annotations
 import torch
 from bench_rows import cycler, record
 
-import kernels.triton.engram_rows as engram_rows
-import kernels.triton.hyper as hyper
-import kernels.triton.linear_fp8 as linear_fp8
-import kernels.triton.moe as moe
-import kernels.triton.moe_gate as moe_gate
-import kernels.triton.moe_route as moe_route
-import kernels.triton.norm_e4m3 as norm_e4m3
-import kernels.triton.rms_norm as rms_norm
-import kernels.triton.swiglu as swiglu
+import kernels.engram.hash_rows as engram_rows
+import kernels.hyper.hyper as hyper
+import kernels.linear.fp8 as linear_fp8
+import kernels.linear.swiglu as swiglu
+import kernels.moe.experts as moe
+import kernels.moe.gate as moe_gate
+import kernels.moe.route as moe_route
+import kernels.norm.e4m3 as norm_e4m3
+import kernels.norm.rms_norm as rms_norm
 from autotune.tune import time_us
 from dsl.ops import engram as engram_ref
 from dsl.ops import moe as moe_ref
@@ -113,11 +113,11 @@ def _topk_case(m: int, width: int, topk_blocks: int) -> tuple:
 
 
 def bench_topk(tokens: list[int], widths: tuple[int, ...] = (2048, 16384)) -> None:
-    """The indexer's selection (kernels/triton/topk.py) against the torch ops it replaces (dsl/ops/indexer.py), each
+    """The indexer's selection (kernels/indexer/topk.py) against the torch ops it replaces (dsl/ops/indexer.py), each
     token seeing all C entries: index_topk 512, alone (topk, where) and inside candidates (masked_fill first), and
     candidate blocks of 8 at ratio 4, top 2048 (amax, masked_fill, topk, scatter, gather; the block layout memoized
     as within a forward). C up to 16384 keeps every block: the kernel then skips its search."""
-    import kernels.triton.topk as topk
+    import kernels.indexer.topk as topk
     from dsl.ops import indexer as ref
 
     for width in widths:
@@ -136,10 +136,10 @@ TOPK_TILES = [(4096, 16), (4096, 8), (2048, 8), (2048, 4), (1024, 4), (1024, 2),
 
 
 def bench_topk_tiles(tokens: list[int], widths: tuple[int, ...] = (2048, 16384)) -> None:
-    """The sweep `kernels.triton.topk.default_config` was chosen from: each (block_N, num_warps) of `TOPK_TILES` for
+    """The sweep `kernels.indexer.topk.default_config` was chosen from: each (block_N, num_warps) of `TOPK_TILES` for
     topk_select (alone and inside candidates) and candidate_blocks (its tile block_N / 8 blocks of 8; top 256, which
     selects at C 16384), against torch's ops; any tile picks the same items."""
-    import kernels.triton.topk as topk
+    import kernels.indexer.topk as topk
     from dsl.ops import indexer as ref
 
     for width in widths:
@@ -161,10 +161,10 @@ def bench_topk_tiles(tokens: list[int], widths: tuple[int, ...] = (2048, 16384))
 
 def bench_sampling(rows: list[int], vocab: int = 129280) -> None:
     """Seeded draws over V4.1's vocabulary against `sample_plain`'s torch float64 path (deepinfer/sampler.py) as the
-    engine calls it (host lists in, host time included): the kernels alone (kernels/triton/sampling.py, replayed),
-    then `sample_plain` on them (the lists packed and copied, two launches)."""
+    engine calls it (host lists in, host time included): the kernels alone (kernels/sampling/gumbel_argmax.py,
+    replayed), then `sample_plain` on them (the lists packed and copied, two launches)."""
     from deepinfer.sampler import sample_plain, sample_plain_torch
-    from kernels.triton.sampling import gumbel_argmax
+    from kernels.sampling.gumbel_argmax import gumbel_argmax
 
     for m in rows:
         logits = torch.randn(m, vocab, device="cuda") * 4

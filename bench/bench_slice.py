@@ -46,9 +46,6 @@ from deepinfer.models.weights import expected_weights  # noqa: E402
 from dsl.cache_format import EntryFormat  # noqa: E402
 from dsl.context import ForwardContext, SequenceState  # noqa: E402
 from dsl.interpret import interpret  # noqa: E402
-from dsl.ops import OPS  # noqa: E402
-from dsl.ops.dense import weight_values  # noqa: E402
-from dsl.ops.moe import swiglu_expert  # noqa: E402
 from dsl.passes import run_passes  # noqa: E402
 from dsl.quant import quantize_fp8_block  # noqa: E402
 
@@ -199,7 +196,7 @@ def sm90_step(model: DeepseekV41Flash, artifact: str | None, device: str, cuda_g
         compiled.runtime.cuda_graphs = cuda_graphs
         return compiled.step
     from graphs.executor import Executor
-    from graphs.plan import make_plan
+    from graphs.passes import make_plan
 
     graph = run_passes(model.graph())
     executor = Executor(graph, make_plan(graph, model.params(), "sm90", dot_fp32=True), model.params(), device)

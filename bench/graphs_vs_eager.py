@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import deepinfer  # noqa: E402
-import kernels.triton.linear_prefill as linear_prefill  # noqa: E402
+import kernels.linear.prefill as linear_prefill  # noqa: E402
 from deepinfer.default_model import TRAINED_CHECKPOINT  # noqa: E402
 from deepinfer.models import DeepseekV41Flash  # noqa: E402
 from tests.test_gpu_cuda_graphs import run  # noqa: E402

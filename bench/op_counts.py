@@ -8,7 +8,7 @@ The step runs node by node as `graphs.executor.Executor` runs it on the GPU, wit
 - the attention, indexer-score, compressor-pooling and entries' rope kernels: their lowering's host code runs
   (gathering the keys, building the index tensors, the partial rows' reads and writes), the Triton launch is
   replaced by its torch equivalent, counted as one op;
-- the pools' entry encoders and decoders: the cache kernels the GPU installs (kernels/triton/cache.py) are one launch
+- the pools' entry encoders and decoders: the cache kernels the GPU installs (kernels/cache/rows.py) are one launch
   each, so the torch code they replace is counted as one op.
 Each aten op dispatched counts (views too: a proxy for launches plus Python), `_local_scalar_dense` as a host sync.
 Nodes inside the graph's segments are replayed as CUDA graphs on the GPU: their ops are summed on one line.
@@ -35,10 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_slice import slice_config, slice_weights
 from slice_caches import Caches
 
-import kernels.triton.attention as attention_kernels
-import kernels.triton.compressor as compressor_kernels
-import kernels.triton.indexer as indexer_kernels
-import kernels.triton.rope as rope_kernels
+import kernels.attention.sparse_attention as attention_kernels
+import kernels.compressor.pool as compressor_kernels
+import kernels.indexer.index_scores as indexer_kernels
+import kernels.rope.rope as rope_kernels
 from deepinfer.models import DeepseekV41Flash
 from dsl.cache import PagedCache, load_rows, store_rows
 from dsl.context import ForwardContext
@@ -51,8 +51,8 @@ from dsl.ops.rope import rotation_at
 from dsl.passes import run_passes
 from dsl.ragged import Ragged
 from graphs.capture import find_segments
-from graphs.lowering import LOWERINGS
-from graphs.plan import make_plan
+from graphs.passes import make_plan
+from kernels.registry import LOWERINGS
 
 CAPTURED = "(CUDA-graph segments)"
 # Kernel nodes whose lowering does host work around the launch (layouts, the caches' reads and writes): run, with
@@ -194,8 +194,8 @@ class Step:
             return opdef.reference(*args, **kwargs)
         if node.op in HOST_CODE:  # their host code, and a stand-in for the launch
             rows = args[0].values if isinstance(args[0], Ragged) else args[0]  # entries' lowerings take the Ragged
-            config = entry.config(rows.shape[0], self.plan.buckets)
-            return LOWERINGS[node.op].run(args, node.attrs, entry.static, config, ctx, True)
+            chosen = entry.at(rows.shape[0], self.plan.buckets)
+            return LOWERINGS[node.op].run(entry.call(chosen, node.attrs, True, args, ctx))
         return one_launch(opdef.reference)(*args, **kwargs)  # another kernel: one launch
 
 

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-import kernels.triton.linear_prefill as linear_prefill  # noqa: E402
+import kernels.linear.prefill as linear_prefill  # noqa: E402
 from deepinfer.default_model import TRAINED_CHECKPOINT  # noqa: E402
 from deepinfer.models import DeepseekV41Flash  # noqa: E402
 from dsl.context import ForwardContext, SequenceState  # noqa: E402
@@ -29,7 +29,7 @@ from dsl.passes import run_passes  # noqa: E402
 from dsl.ragged import Ragged  # noqa: E402
 from graphs.capture import CudaGraphs  # noqa: E402
 from graphs.executor import Executor  # noqa: E402
-from graphs.plan import make_plan  # noqa: E402
+from graphs.passes import make_plan  # noqa: E402
 
 
 class Recorder:

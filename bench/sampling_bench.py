@@ -1,5 +1,5 @@
 """Seeded sampling at temperature 0.8 on the trained checkpoint: the engine drawing a step's plain-sampled rows at once
-(`sampler.sample_plain`: on a GPU the sampling kernel, kernels/triton/sampling.py) against the same in torch
+(`sampler.sample_plain`: on a GPU the sampling kernel, kernels/sampling/gumbel_argmax.py) against the same in torch
 (`sample_plain_torch`, GPU targets only) and against one `sample` call a row, alternating, same outputs asserted.
 
     python bench/sampling_bench.py [--target cpu | sm90] [--batches 16,64] [--max-tokens 48] [--passes 4] [--dspark]

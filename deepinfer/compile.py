@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.batch_invariant import KERNELS as BATCH_INVARIANT_KERNELS
 from deepinfer.config import DeepseekV41Config
 from deepinfer.models.deepseek_v41 import DeepseekV41Flash
+from dsl.ops import invariant_references
 from dsl.passes import run_passes
 from graphs.compiled_model import CompiledModel
 from graphs.interpreter import Interpreter
@@ -30,7 +30,7 @@ def compile(model: DeepseekV41Flash, target: str = DEFAULT_TARGET, *, dot_fp32: 
     runs them (on GPU targets the draft graph is planned and built too). `device` is where the cpu target's torch
     code runs ("cuda": the references on a GPU, eagerly; for comparisons and the engine there). `fp8_activations`
     (GPU targets): linears over fp8 weights round their inputs to e4m3 with a power-of-two scale per token and
-    multiply on the fp8 tensor cores (kernels/triton/linear_fp8.py), trading accuracy for speed at prefill sizes
+    multiply on the fp8 tensor cores (kernels/linear/fp8.py), trading accuracy for speed at prefill sizes
     (bench/RESULTS.md has both).
     """
     spec = get_target(target)
@@ -44,7 +44,7 @@ def compile(model: DeepseekV41Flash, target: str = DEFAULT_TARGET, *, dot_fp32: 
     graph = run_passes(model.graph(dspark=drafting))
     draft_graph = run_passes(model.draft_graph()) if drafting else None
     params = {name: _for_cpu(t).to(device) for name, t in model.params().items()}
-    runtime = Interpreter(graph, params, device, BATCH_INVARIANT_KERNELS, draft_graph)
+    runtime = Interpreter(graph, params, device, invariant_references(), draft_graph)
     return CompiledModel(model.config, graph, spec.name, runtime, draft_graph, model.model_dir)
 
 
@@ -59,7 +59,8 @@ def _compile_plan(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets:
                   drafting: bool, fp8_activations: bool) -> Compiled:
     from dsl.cache import CacheSpec
     from graphs.aot import build, record_cache_launches, record_launches, record_sampling_launches
-    from graphs.plan import BUCKETS, make_plan
+    from graphs.passes import make_plan
+    from graphs.plan import BUCKETS
     from graphs.plan_runtime import PlanRuntime
 
     graphs = [run_passes(model.graph(dspark=drafting))] + ([run_passes(model.draft_graph())] if drafting else [])

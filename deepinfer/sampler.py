@@ -184,14 +184,14 @@ def sample_plain(logits: torch.Tensor, temperatures: Sequence[float], seeds: Seq
     argmax, `sample`'s greedy pick. int64 [R] on the logits' device, each row's token bitwise `sample`'s.
 
     float32/bfloat16 logits on a CUDA device, where a launcher serves it (Triton's JIT, or the artifact's cubins that
-    a GPU target's `CompiledModel.sampling` lends), are drawn by the sampling kernel (kernels/triton/sampling.py),
+    a GPU target's `CompiledModel.sampling` lends), are drawn by the sampling kernel (kernels/sampling/gumbel_argmax.py),
     every row at once; others by `sample_plain_torch`, at most `max_elements` logits at a time."""
     if not logits.is_cuda:
         return sample_plain_torch(logits, temperatures, seeds, positions, max_elements)
     from dsl.transfer import host_to
+    from kernels.lang import HAS_TRITON
     from kernels.launch import is_jit
-    from kernels.triton.lang import HAS_TRITON
-    from kernels.triton.sampling import gumbel_argmax
+    from kernels.sampling.gumbel_argmax import gumbel_argmax
 
     if logits.dtype not in (torch.float32, torch.bfloat16) or (is_jit() and not HAS_TRITON):
         return sample_plain_torch(logits, temperatures, seeds, positions, max_elements)

@@ -5,6 +5,7 @@ ahead-of-time cubin build, the artifact on disk, the CUDA-driver launcher, the e
 Imports `dsl`, `kernels` and `autotune`.
 """
 
-from graphs.plan import BUCKETS, NodePlan, Plan, bucket_of, make_plan
+from graphs.passes import make_plan
+from graphs.plan import BUCKETS, NodePlan, Plan, bucket_of
 
 __all__ = ["Plan", "NodePlan", "make_plan", "bucket_of", "BUCKETS"]

@@ -1,6 +1,6 @@
 """Ahead-of-time builds: every kernel variant a plan needs, compiled to cubins for sm_90a or sm_100a on a machine
 with no GPU (`triton.compile` with a `GPUTarget`; TileLang kernels through `tilelang.lower` and nvcc,
-kernels/tilelang/build.py).
+kernels/tilelang_build.py).
 
 The variants are found by running each kernel node's wrapper on meta tensors of each bucket's token count
 with a launcher that records instead of launching; the wrapper's checks and its argument order are therefore
@@ -21,14 +21,14 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
-import kernels.triton.cache as cache_kernels
-import kernels.triton.sampling as sampling_kernels
+import kernels.cache.rows as cache_kernels
+import kernels.sampling.gumbel_argmax as sampling_kernels
 from dsl.cache import CacheSpec
-from graphs.lowering import LOWERINGS
 from graphs.plan import Plan
 from kernels.launch import Launch, use_launcher
+from kernels.registry import LOWERINGS
 from kernels.targets import get_target
-from kernels.tilelang.kernel import TileLangKernel
+from kernels.tilelang_kernel import TileLangKernel
 
 
 @dataclass(frozen=True)
@@ -56,16 +56,14 @@ def record_launches(plan: Plan, attrs_of: dict[int, dict]) -> dict[str, Launch]:
     with use_launcher(record):
         for node in plan.kernel_nodes():
             lowering = LOWERINGS[node.op]
-            runs = [(node.configs[b], b) for b in plan.buckets]
-            if node.invariant is not None:
-                runs.append((node.invariant, plan.buckets[0]))
-            for config, m in runs:
-                lowering.trace(node.static, attrs_of[node.index], config, m, plan.dot_fp32)
+            runs = [(node.buckets[b], b) for b in plan.buckets] + [(node.invariant, plan.buckets[0])]
+            for chosen, m in runs:
+                lowering.trace(node.call(chosen, attrs_of[node.index], plan.dot_fp32, tokens=m))
     return found
 
 
 def record_cache_launches(spec: CacheSpec) -> dict[str, Launch]:
-    """The launches of the cache kernels (kernels/triton/cache.py) for the caches of `spec`: the pools' writer and
+    """The launches of the cache kernels (kernels/cache/rows.py) for the caches of `spec`: the pools' writer and
     reader on a GPU target, one variant per format and dim whatever the number of rows."""
     found: dict[str, Launch] = {}
     with use_launcher(lambda call: found.setdefault(call.key(), call)):
@@ -74,8 +72,8 @@ def record_cache_launches(spec: CacheSpec) -> dict[str, Launch]:
 
 
 def record_sampling_launches(vocab_size: int) -> dict[str, Launch]:
-    """The launches of the sampling kernel (kernels/triton/sampling.py) for fp32 logits of `vocab_size` tokens: the
-    engine's draws on a GPU target, one variant whatever the number of rows."""
+    """The launches of the sampling kernel (kernels/sampling/gumbel_argmax.py) for fp32 logits of `vocab_size` tokens:
+    the engine's draws on a GPU target, one variant whatever the number of rows."""
     found: dict[str, Launch] = {}
     with use_launcher(lambda call: found.setdefault(call.key(), call)):
         sampling_kernels.trace(vocab_size)
@@ -84,7 +82,7 @@ def record_sampling_launches(vocab_size: int) -> dict[str, Launch]:
 
 def kernel_source(kernel) -> str:
     """A kernel's source and, for a Triton kernel, the sources of the @triton.jit helpers it calls, transitively: an
-    edit to a helper (kernels/triton/cache.py's serve the rounding kernels too) must rebuild every kernel using it."""
+    edit to a helper (kernels/cache/rows.py's serve the rounding kernels too) must rebuild every kernel using it."""
     if not _is_jit(kernel):
         return inspect.getsource(getattr(kernel, "fn", kernel))
     found, todo = [], [kernel]
@@ -104,7 +102,7 @@ def _is_jit(obj) -> bool:
 
 def _tools(call: Launch) -> str:
     if isinstance(call.kernel, TileLangKernel):
-        from kernels.tilelang.build import versions
+        from kernels.tilelang_build import versions
 
         return versions()
     import triton
@@ -124,7 +122,7 @@ def _debug_source() -> bool:
 def compile_tilelang(call: Launch, target: str) -> Built:
     """Lower one recorded launch of a TileLang kernel for `target` and compile it with nvcc, no GPU needed. Its spec
     names the device function's parameters in launch order (`arg_order`), its threads and dynamic shared memory."""
-    from kernels.tilelang.build import compile_launch as build_tilelang
+    from kernels.tilelang_build import compile_launch as build_tilelang
 
     arch = get_target(target).arch
     b = build_tilelang(call, arch)

@@ -19,10 +19,10 @@ from dsl.graph import Graph
 from dsl.ops import OPS
 from dsl.ragged import Ragged
 from graphs.capture import CudaGraphs
-from graphs.lowering import LOWERINGS
 from graphs.plan import Plan
-from kernels.triton.linear_fp8 import rowwise_weight
-from kernels.triton.moe import prescaled
+from kernels.linear.fp8 import rowwise_weight
+from kernels.moe.experts import prescaled
+from kernels.registry import LOWERINGS
 
 
 class Executor:
@@ -60,7 +60,7 @@ class Executor:
                 t = t.to(torch.bfloat16)
             elif fmt == "fp32":
                 t = t.float()
-            elif fmt == "prescaled":  # fp4 experts' scales as the kernel's bf16 factor (kernels/triton/moe.py)
+            elif fmt == "prescaled":  # fp4 experts' scales as the kernel's bf16 factor (kernels/moe/experts.py)
                 t = prescaled(t)
             self.formatted[key] = t.contiguous()
         return self.formatted[key]
@@ -119,8 +119,8 @@ class Executor:
         if ragged is not None:
             args[0] = ragged.values
         rows = args[0].values.shape[0] if isinstance(args[0], Ragged) else args[0].shape[0]
-        config = entry.config(rows, self.plan.buckets, batch_invariant)
-        result = lowering.run(args, node.attrs, entry.static, config, ctx, self.plan.dot_fp32)
+        chosen = entry.at(rows, self.plan.buckets, batch_invariant)
+        result = lowering.run(entry.call(chosen, node.attrs, self.plan.dot_fp32, args, ctx))
         self.kernel_calls += 1
         return result if ragged is None else ragged.replace(result)
 

@@ -1,36 +1,27 @@
-"""The plan: for every node of a model graph, the kernel that runs it (or its reference) and, per token-count
-bucket, the tuned or heuristic config, plus one batch-invariant config for every token count. Saved as plan.json;
-the graph itself is rebuilt from the model.
+"""The plan: for every node of a model graph, the kernel that runs it (or its reference) and, per token-count bucket,
+the GEMMs and the tuned or heuristic config, plus one batch-invariant config for every token count. Saved as
+plan.json; the graph itself is rebuilt from the model. graphs/passes/ makes it (`make_plan`).
 
 Batch invariance (`batch_invariant=True`): a row's result must not depend on the other rows or their number. A
 kernel's reduction order is fixed by its config (tiles, split-K count and ranges, warps, stages) and, in sparse
 attention, by how a token's entries are split; the rows themselves never meet in a reduction. So one config per
-node serves every token count: the one tuned for `INVARIANT_TOKENS` (decode batches, where the mode is mostly
+node serves every token count: the one chosen for `INVARIANT_TOKENS` (decode batches, where the mode is mostly
 used), made invariant by its lowering (`Lowering.invariant`: attention keeps a token's entries in one part, since
 its split sizes follow the batch's widest entry list).
-
-fp8 activations (`fp8_activations=True`): linears over fp8 weights take their variant with e4m3 activations
-(`Lowering.fp8_activations`), and a node whose output only such linears read (an RMSNorm, or the hyper-connections'
-collapse + RMSNorm: the attention's wq_a and wkv, the q_norm's wq_b's) writes it as e4m3 rows, which they take as
-they are (`Lowering.e4m3_out` and `e4m3_in`): one pass over the row instead of a norm, then a rounding per linear.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
-import torch
-
-from autotune import choose, source_hash
 from dsl.graph import Graph
-from graphs.lowering import LOWERINGS
+from kernels.lowering import Call, Static, Variant
+from kernels.registry import LOWERINGS
 
+FORMAT = 2  # plan.json's layout: a plan of another is refused
 BUCKETS = (16, 64, 512, 8192)  # token-count buckets: a bucket's config serves every count up to it (and beyond
 # the last); decode batches fall in the first two
-# templates with a TileLang kernel too: template -> its kernels.tilelang module
-TILELANG_TEMPLATES = {"rms_norm": "rms_norm", "hc_collapse_rms_norm": "hyper"}
 INVARIANT_TOKENS = 64  # the token count whose config, made invariant, serves every count in batch-invariant runs
 
 
@@ -38,38 +29,69 @@ def bucket_of(m: int, buckets: tuple[int, ...] = BUCKETS) -> int:
     return next((b for b in buckets if m <= b), buckets[-1])
 
 
+@dataclass(frozen=True)
+class BucketPlan:
+    """What runs a kernel node for the token counts of one bucket: the GEMMs of its projections (the linear family's:
+    "decode", "prefill" or "rows"; none for the others), its config, and where the config came from ("tuned" or
+    "heuristic")."""
+
+    config: dict
+    source: str = "heuristic"
+    gemms: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"config": self.config, "source": self.source, "gemms": list(self.gemms)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> BucketPlan:
+        return cls(d["config"], d["source"], tuple(d["gemms"]))
+
+
 @dataclass
 class NodePlan:
     index: int
     op: str
     template: str | None = None  # None: the DSL reference runs it
-    static: dict = field(default_factory=dict)
+    static: Static | None = None
+    variant: Variant = field(default_factory=Variant)
     formats: dict[int, str] = field(default_factory=dict)
-    configs: dict[int, dict] = field(default_factory=dict)  # bucket -> config
-    sources: dict[int, str] = field(default_factory=dict)  # bucket -> "tuned" | "heuristic"
-    invariant: dict | None = None  # the batch-invariant config, for every token count (None: an older plan)
+    buckets: dict[int, BucketPlan] = field(default_factory=dict)
+    invariant: BucketPlan | None = None  # the batch-invariant one, for every token count
 
-    def config(self, m: int, buckets: tuple[int, ...], batch_invariant: bool = False) -> dict:
-        if not batch_invariant:
-            return self.configs[bucket_of(m, buckets)]
-        if self.invariant is None:
-            raise ValueError(f"node {self.index} ({self.op}) has no batch-invariant config: the plan predates them; "
-                             "compile the model again")
-        return self.invariant
+    def at(self, m: int, buckets: tuple[int, ...], batch_invariant: bool = False) -> BucketPlan:
+        """What serves `m` tokens: the bucket's plan, or the batch-invariant one."""
+        return self.invariant if batch_invariant else self.buckets[bucket_of(m, buckets)]
+
+    def call(self, chosen: BucketPlan, attrs: dict, dot_fp32: bool, args=(), ctx: Any = None, tokens: int = 0) -> Call:
+        """The lowering's call for one bucket's plan (`chosen`)."""
+        return Call(self.static, self.variant, chosen.config, attrs, dot_fp32, chosen.gemms, args, ctx, tokens)
 
     def to_json(self) -> dict:
         d = {"index": self.index, "op": self.op, "template": self.template}
         if self.template:
-            d |= {"static": self.static, "formats": {str(k): v for k, v in self.formats.items()},
-                  "configs": {str(k): v for k, v in self.configs.items()},
-                  "sources": {str(k): v for k, v in self.sources.items()}, "invariant_config": self.invariant}
+            d |= {"static": self.static.fields(), "variant": asdict(self.variant),
+                  "formats": {str(k): v for k, v in self.formats.items()},
+                  "buckets": {str(b): p.to_json() for b, p in self.buckets.items()},
+                  "invariant": self.invariant.to_json()}
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> NodePlan:
-        ints = lambda m: {int(k): v for k, v in m.items()}  # noqa: E731
-        return cls(d["index"], d["op"], d.get("template"), d.get("static", {}), ints(d.get("formats", {})),
-                   ints(d.get("configs", {})), ints(d.get("sources", {})), d.get("invariant_config"))
+        if not d.get("template"):
+            return cls(d["index"], d["op"])
+        return cls(d["index"], d["op"], d["template"], LOWERINGS[d["op"]].static_type(**d["static"]),
+                   Variant(**d["variant"]), {int(k): v for k, v in d["formats"].items()},
+                   {int(b): BucketPlan.from_json(p) for b, p in d["buckets"].items()},
+                   BucketPlan.from_json(d["invariant"]))
+
+    def __str__(self) -> str:
+        if not self.template:
+            return f"{self.index:4d} {self.op}: reference"
+        v = self.variant
+        forms = "".join(f" {name}" for name, on in (("e4m3_out", v.e4m3_out), ("e4m3_in", v.e4m3_in)) if on)
+        buckets = ", ".join(f"{b} {'/'.join(p.gemms) + ' ' if p.gemms else ''}{p.source}"
+                            for b, p in self.buckets.items())
+        return f"{self.index:4d} {self.op}: {self.template} {self.static} {v.backend}{forms} [{buckets}]"
 
 
 @dataclass
@@ -83,18 +105,17 @@ class Plan:
     def kernel_nodes(self) -> list[NodePlan]:
         return [n for n in self.nodes if n.template]
 
-    @property
-    def has_invariant_configs(self) -> bool:
-        return all(n.invariant is not None for n in self.kernel_nodes())
-
     def to_json(self) -> dict:
-        return {"target": self.target, "buckets": list(self.buckets), "dot_fp32": self.dot_fp32,
+        return {"format": FORMAT, "target": self.target, "buckets": list(self.buckets), "dot_fp32": self.dot_fp32,
                 "fp8_activations": self.fp8_activations, "nodes": [n.to_json() for n in self.nodes]}
 
     @classmethod
     def from_json(cls, d: dict) -> Plan:
+        if d.get("format") != FORMAT:
+            raise ValueError(f"the plan's format is {d.get('format', 1)}, this build reads {FORMAT}: compile the "
+                             "model again")
         return cls(d["target"], [NodePlan.from_json(n) for n in d["nodes"]], tuple(d["buckets"]), d["dot_fp32"],
-                   d.get("fp8_activations", False))
+                   d["fp8_activations"])
 
     def check_graph(self, graph: Graph) -> None:
         """The plan was made for this graph: same ops in the same order."""
@@ -102,69 +123,10 @@ class Plan:
         if ops != [n.op for n in self.nodes]:
             raise ValueError("the plan does not match the model's graph (different ops or order): recompile")
 
-
-@functools.lru_cache(maxsize=None)
-def _template_hash(template: str) -> str:
-    """The hash of the kernel sources that serve `template` (read once per process: every node of a plan asks)."""
-    module = {"linear": "linear", "rms_norm": "rms_norm", "hc_mixes": "hyper", "hc_collapse_rms_norm": "hyper",
-              "hc_expand": "hyper", "engram_gate": "engram", "rope": "rope", "moe_experts": "moe",
-              "sparse_attention": "attention", "swiglu": "linear", "moe_gate": "linear", "index_scores": "indexer",
-              "fp8_round": "rounding", "fp4_round": "rounding", "compress_pool": "compressor",
-              "engram_hash_rows": "engram_rows", "topk_select": "topk", "candidate_blocks": "topk"}[template]
-    src = source_hash(importlib.import_module(f"kernels.triton.{module}"))
-    if template in TILELANG_TEMPLATES:  # served by either kernel (graphs/lowering.py): an edit to one invalidates
-        src += source_hash(importlib.import_module(f"kernels.tilelang.{TILELANG_TEMPLATES[template]}"))
-    return src
+    def __str__(self) -> str:
+        head = f"plan {self.target} buckets {list(self.buckets)} dot_fp32={self.dot_fp32} " \
+               f"fp8_activations={self.fp8_activations}"
+        return "\n".join([head] + [str(n) for n in self.nodes])
 
 
-def _e4m3_rows(graph: Graph, statics: list[dict | None]) -> None:
-    """Give a node that can write e4m3 rows, and its readers, their e4m3 variants where every reader can take them
-    as its first input and the output is no graph output (module docstring)."""
-    readers: dict[int, list[tuple[int, int]]] = {}  # id(value) -> (node, input position) of every read
-    for i, node in enumerate(graph.nodes):
-        for pos, v in enumerate(node.inputs):
-            if v is not None:
-                readers.setdefault(id(v), []).append((i, pos))
-    outputs = {id(v) for v in graph.outputs.values()}
-
-    def variant(j: int, kind: str) -> dict | None:
-        return None if statics[j] is None else getattr(LOWERINGS[graph.nodes[j].op], kind)(statics[j])
-
-    for i, node in enumerate(graph.nodes):
-        out = variant(i, "e4m3_out")
-        if out is None or id(node.outputs[0]) in outputs:
-            continue
-        reads = readers.get(id(node.outputs[0]), [])
-        ins = [variant(j, "e4m3_in") if pos == 0 else None for j, pos in reads]
-        if reads and all(st is not None for st in ins):
-            statics[i] = out
-            for (j, _), st in zip(reads, ins, strict=True):
-                statics[j] = st
-
-
-def make_plan(graph: Graph, params: dict[str, torch.Tensor], target: str, buckets: tuple[int, ...] = BUCKETS,
-              dot_fp32: bool = False, tuning=None, fp8_activations: bool = False) -> Plan:
-    """Choose a kernel for every node that has one, its config per bucket (tuned when cached) and its
-    batch-invariant config. `fp8_activations`: nodes whose lowering has a variant with e4m3 activations take it,
-    and norms read only by them hand them e4m3 rows."""
-    lowerings = [LOWERINGS.get(node.op) for node in graph.nodes]
-    statics = [lowering.static(node, params) if lowering else None for node, lowering in zip(graph.nodes, lowerings)]
-    if fp8_activations:
-        statics = [st if st is None else lowering.fp8_activations(st) or st for st, lowering in zip(statics, lowerings)]
-        _e4m3_rows(graph, statics)
-    nodes = []
-    for i, (node, lowering, static) in enumerate(zip(graph.nodes, lowerings, statics)):
-        entry = NodePlan(i, node.op)
-        if static is not None:
-            entry.template, entry.static, entry.formats = lowering.template, static, lowering.formats(static)
-            src = _template_hash(lowering.template)
-            for b in buckets:
-                fallback = lambda lw=lowering, st=static, b=b: lw.default_config(st, b)  # noqa: E731
-                entry.configs[b], entry.sources[b] = choose(lowering.template, static, b, target, src, fallback,
-                                                            tuning)
-            entry.invariant = lowering.invariant(entry.config(INVARIANT_TOKENS, tuple(buckets)))
-        nodes.append(entry)
-    return Plan(target, nodes, tuple(buckets), dot_fp32, fp8_activations)
-
-
-__all__ = ["Plan", "NodePlan", "make_plan", "bucket_of", "BUCKETS", "INVARIANT_TOKENS"]
+__all__ = ["BUCKETS", "FORMAT", "INVARIANT_TOKENS", "BucketPlan", "NodePlan", "Plan", "bucket_of"]

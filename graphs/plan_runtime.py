@@ -3,8 +3,8 @@
 Kernel nodes run the cubins built ahead of time (graphs/aot.py), launched through `graphs.launcher`, never compiled
 again; the other nodes run their torch references on the GPU (graphs/executor.py). Steps of up to 512 tokens replay
 their static segments as CUDA graphs (graphs/capture.py). For one step, the pools of its sequences store and load
-cache entries with the cache kernels (kernels/triton/cache.py: one launch for what torch does in many), bit for
-bit as their torch path, and the engine's draws launch the sampling kernel's cubins (kernels/triton/sampling.py).
+cache entries with the cache kernels (kernels/cache/rows.py: one launch for what torch does in many), bit for
+bit as their torch path, and the engine's draws launch the sampling kernel's cubins (kernels/sampling/gumbel_argmax.py).
 
 Batch-invariant mode runs every kernel node with its plan's batch-invariant config (graphs/plan.py). The reference
 nodes left in a plan need no invariant versions: the compressor's ratio-1 pooling only passes its rows through, and
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-import kernels.triton.cache as cache_kernels
+import kernels.cache.rows as cache_kernels
 from dsl.context import ForwardContext, SequenceState
 from dsl.graph import Graph
 from graphs import artifact

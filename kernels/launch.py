@@ -5,7 +5,7 @@ Every wrapper ends in `launch(kernel, grid, args, constexprs, num_warps, num_sta
 set of compiled variants a plan needs is known ahead of time (one per node shape and token-count bucket) and a
 cubin built for it serves every token count in its bucket. `use_launcher` swaps in another launcher: the AOT
 builder records launches on meta tensors, the artifact runtime launches cubins through the CUDA driver. TileLang
-kernels have no JIT here: the default launcher runs their torch equivalent (kernels/tilelang/kernel.py).
+kernels have no JIT here: the default launcher runs their torch equivalent (kernels/tilelang_kernel.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kernels.tilelang.kernel import TileLangKernel
+from kernels.tilelang_kernel import TileLangKernel
 
 _TYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
           torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}

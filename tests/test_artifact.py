@@ -97,8 +97,8 @@ MALFORMED = [
     ("plan.json", _set("kernels", []), r"plan.json: 'kernels' is \[\], not dict"),
     ("plan.json", lambda d: d.pop("nodes"), r"plan.json: no 'nodes'"),
     ("plan.json", _first_node("op"), r"plan.json: a node has no 'op'"),
-    ("plan.json", _first_node("configs", 7), r"plan.json: not a plan \(AttributeError"),
-    ("plan.json", _first_node("invariant_config"), r"plan.json: kernel nodes \d+ \(\w+\) have no batch-invariant"),
+    ("plan.json", _first_node("buckets", 7), r"plan.json: not a plan \(AttributeError"),
+    ("plan.json", _first_node("invariant"), r"plan.json: a node has no 'invariant'"),
     ("plan.json", _set("target", "sm100"), r"plan.json: planned for sm100, but manifest.json says sm90"),
 ]
 

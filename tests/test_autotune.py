@@ -10,15 +10,19 @@ import pytest
 import torch
 
 from autotune import choose, get_configs
-from autotune.cache import TUNED_DIR, TuningCache, cache_key, source_hash
+from autotune.cache import TUNED_DIR, TuningCache, cache_key, source_hash, template_hash
 from autotune.tune import tune
+from kernels.linear.lowering import LinearStatic
+from kernels.moe.lowering import GateStatic
+from kernels.registry import tunable
 from kernels.targets import get_target
 
 SMEM_LIMIT = get_target("sm90").smem_per_block
 
-MODULES = {"linear": "linear", "moe_gate": "linear", "moe_experts": "moe", "sparse_attention": "attention",
-           "hc_mixes": "hyper"}
-LINEAR = {"n": 5120, "k": 8192, "groups": 1, "fmt": "fp8"}
+# the tunable templates and the modules whose kernels they tune
+MODULES = {"linear": "linear.linear", "moe_gate": "linear.linear", "moe_experts": "moe.experts",
+           "sparse_attention": "attention.sparse_attention", "hc_mixes": "hyper.hyper"}
+LINEAR = LinearStatic(n=5120, k=8192, groups=1, fmt="fp8")
 
 
 @pytest.mark.parametrize("bucket", [16, 64, 8192])
@@ -28,14 +32,14 @@ def test_linear_space_respects_shared_memory_and_fp8_blocks(bucket) -> None:
     for c in configs:
         assert c["num_stages"] * c["block_K"] * (c["block_N"] + c["block_M"] * 4) <= SMEM_LIMIT
         assert c["block_N"] % 32 == 0 and c["block_K"] % 32 == 0
-        assert c["split_k"] == 1 or LINEAR["k"] // c["split_k"] >= 2 * c["block_K"]
+        assert c["split_k"] == 1 or LINEAR.k // c["split_k"] >= 2 * c["block_K"]
 
 
 @pytest.mark.parametrize("bucket", [1, 64, 8192])
 def test_gate_space_holds_fp32_tiles(bucket) -> None:
     """The MoE gate's projection (fp32 x and W, fp32 products): tiles within shared memory at four bytes a value,
     split-K only at decode buckets and only where each split keeps two K stages."""
-    configs = get_configs("moe_gate", {"e": 384, "d": 5120}, bucket)
+    configs = get_configs("moe_gate", GateStatic(384, 5120), bucket)
     assert configs
     for c in configs:
         assert c["num_stages"] * c["block_K"] * (c["block_N"] + c["block_M"]) * 4 <= SMEM_LIMIT
@@ -45,16 +49,16 @@ def test_gate_space_holds_fp32_tiles(bucket) -> None:
 
 def test_cache_round_trip_and_fallback(tmp_path) -> None:
     cache = TuningCache(tmp_path / "t.json")
-    src = source_hash(importlib.import_module("kernels.triton.linear"))
-    key = cache_key("linear", LINEAR, 16, "sm90", "NVIDIA H200", src)
-    assert choose("linear", LINEAR, 16, "sm90", src, lambda: {"h": 1}, cache) == ({"h": 1}, "heuristic")
+    src, static = source_hash(importlib.import_module("kernels.linear.linear")), LINEAR.fields()
+    key = cache_key("linear", static, 16, "sm90", "NVIDIA H200", src)
+    assert choose("linear", static, 16, "sm90", src, lambda: {"h": 1}, cache) == ({"h": 1}, "heuristic")
     cache.put(key, {"block_N": 64}, 12.5)
     cache.save()
     again = TuningCache(tmp_path / "t.json")
-    assert choose("linear", LINEAR, 16, "sm90", src, lambda: {"h": 1}, again) == ({"block_N": 64}, "tuned")
+    assert choose("linear", static, 16, "sm90", src, lambda: {"h": 1}, again) == ({"block_N": 64}, "tuned")
     # another device or an edited kernel misses
-    assert choose("linear", LINEAR, 16, "sm90", src, lambda: {}, again, device="NVIDIA B200")[1] == "heuristic"
-    assert choose("linear", LINEAR, 16, "sm90", "0" * 16, lambda: {}, again)[1] == "heuristic"
+    assert choose("linear", static, 16, "sm90", src, lambda: {}, again, device="NVIDIA B200")[1] == "heuristic"
+    assert choose("linear", static, 16, "sm90", "0" * 16, lambda: {}, again)[1] == "heuristic"
 
 
 def test_tune_rejects_configs_whose_output_is_wrong() -> None:
@@ -64,15 +68,24 @@ def test_tune_rejects_configs_whose_output_is_wrong() -> None:
 
 
 def test_the_tuners_heuristic_is_the_plans_for_every_job() -> None:
-    """The summary's "heur us" column times the config a plan would run untuned, for every template and bucket."""
-    from autotune.run import _default, load_config, select_work
-    from graphs.lowering import LOWERINGS
+    """The summary's "heur us" column times the config a plan runs untuned: for every job whose shapes a plan of the
+    full sizes (4 layers, the checkpoint's formats, no tuning) has, the config of its node in that bucket."""
+    from autotune.run import heuristic, load_config, select_work
+    from deepinfer.config import DeepseekV41Config
+    from dsl.passes import run_passes
+    from graphs.passes import make_plan
 
-    by_template = {lowering.template: lowering for lowering in LOWERINGS.values()}
-    work = select_work(load_config(None), list(MODULES), [1, 16, 64, 512, 8192])
+    assert set(tunable()) == set(MODULES)
+    buckets = (1, 16, 64, 512, 8192)
+    work = select_work(load_config(None), tunable(), list(buckets))
     assert {t for t, _, _ in work} == set(MODULES)
-    for template, st, bucket in work:
-        assert _default(template, st, bucket) == by_template[template].default_config(st, bucket), (template, bucket)
+    model = meta_checkpoint_model(DeepseekV41Config(num_hidden_layers=4))
+    plan = make_plan(run_passes(model.graph()), model.params(), "sm90", buckets, tuning=TuningCache(None))
+    planned = {(n.template, n.static, b): n.buckets[b].config for n in plan.kernel_nodes() for b in buckets}
+    checked = [(t, st, b) for t, st, b in work if (t, st, b) in planned]
+    assert {t for t, _, _ in checked} == set(MODULES)
+    for template, st, bucket in checked:
+        assert heuristic(template, st, bucket) == planned[template, st, bucket], (template, st, bucket)
 
 
 def test_committed_h200_tuning_matches_the_kernels() -> None:
@@ -82,9 +95,10 @@ def test_committed_h200_tuning_matches_the_kernels() -> None:
     assert len(entries) >= 20
     for key in entries:
         template, _, _, target, device, src = key.split("|")
-        module = importlib.import_module(f"kernels.triton.{MODULES[template]}")
+        module = importlib.import_module(f"kernels.{MODULES[template]}")
         assert (target, device) == ("sm90", "NVIDIA H200")
         assert src == source_hash(module), f"{key}: the {template} kernels changed since they were tuned"
+        assert src == template_hash(template)  # what plans look the configs up with
 
 
 # ---- `deepinfer autotune`: flags, the config's fields, the errors a user meets --------------------------------------
@@ -128,21 +142,21 @@ def meta_checkpoint_model(config):
 @pytest.mark.parametrize("nested", [False, True])
 def test_config_fields_give_the_shapes_the_plan_tunes(tmp_path, nested) -> None:
     """Every tunable kernel node that compile() plans for a checkpoint of this config is a job `autotune` runs."""
-    from autotune.run import MODULES, load_config, statics
+    from autotune.run import load_config, statics
     from deepinfer.config import DeepseekV41Config
     from dsl.passes import run_passes
-    from graphs.plan import make_plan
+    from graphs.passes import make_plan
 
     path = write_config(tmp_path, SMALL, nested)
     cfg = load_config(path)
     assert cfg["hidden_size"] == 256 and cfg["vocab_size"] == 1024 and cfg["index_n_heads"] == 8
     model = meta_checkpoint_model(DeepseekV41Config.from_pretrained(path))
     plan = make_plan(run_passes(model.graph()), model.params(), "sm90", buckets=(16,))
-    planned = {(n.template, json.dumps(n.static, sort_keys=True)) for n in plan.kernel_nodes() if n.template in MODULES}
-    jobs = {(t, json.dumps(st, sort_keys=True)) for t, st in statics(cfg)}
+    planned = {(n.template, n.static) for n in plan.kernel_nodes() if n.template in MODULES}
+    jobs = set(statics(cfg))
     assert {t for t, _ in planned} == set(MODULES)
     assert planned <= jobs, planned - jobs
-    assert ("linear", json.dumps({"fmt": "plain", "groups": 1, "k": 256, "n": 1024}, sort_keys=True)) in planned
+    assert ("linear", LinearStatic(n=1024, k=256, groups=1, fmt="plain")) in planned
 
 
 def test_autotune_flags_parse_into_jobs(tmp_path) -> None:
@@ -156,7 +170,7 @@ def test_autotune_flags_parse_into_jobs(tmp_path) -> None:
     assert (args.command, args.target, args.out, args.no_progress) == ("autotune", "sm90", str(tmp_path / "t.json"),
                                                                       False)
     cfg, work = prepare(args)
-    linears = [st for t, st in statics(cfg) if t == "linear" and st["groups"] == 1]
+    linears = [st for t, st in statics(cfg) if t == "linear" and st.groups == 1]
     # --only keeps the shapes that have the key with that value: hc_mixes has no `groups`
     assert work == [("linear", st, b) for st in linears for b in (1, 16, 64)] and len(linears) == 8
 
@@ -230,7 +244,6 @@ def test_autotune_command_writes_a_cache_on_the_gpu(tmp_path, capsys) -> None:
     """A small config's hyper-connection mixes tuned for real: the cache holds this device's entry, which a plan
     for the same shapes then picks."""
     from autotune import choose
-    from autotune.run import MODULES
     from deepinfer.cli import main
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -243,5 +256,5 @@ def test_autotune_command_writes_a_cache_on_the_gpu(tmp_path, capsys) -> None:
     (key,) = cache.entries
     assert key.split("|")[4] == torch.cuda.get_device_name()
     static = {"hc": 4, "d": 256}
-    src = source_hash(MODULES["hc_mixes"])
+    src = template_hash("hc_mixes")
     assert choose("hc_mixes", static, 16, "sm90", src, dict, cache, device=torch.cuda.get_device_name())[1] == "tuned"

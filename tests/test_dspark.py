@@ -10,13 +10,13 @@ import torch
 
 import deepinfer
 from deepinfer import LLM, SamplingParams
-from deepinfer.batch_invariant import KERNELS as BATCH_INVARIANT_KERNELS
 from deepinfer.default_model import default_model
 from deepinfer.dspark import DraftHead, allocate_by_confidence, allocate_static, block_states, block_tokens
 from deepinfer.engine import SpeculativeConfig
 from dsl.cache import CacheSpec, PagedCache
 from dsl.context import ForwardContext, SequenceState
 from dsl.interpret import interpret
+from dsl.ops import invariant_references
 
 
 def plain_allocation(confidences: list[list[float]], available: list[int], budget: int) -> list[int]:
@@ -100,7 +100,7 @@ def test_draft_forward_reads_the_main_keys_of_the_sequence(compiled) -> None:
     ids = torch.randint(0, 5000, (150,), generator=torch.Generator().manual_seed(0)).tolist()
     whole = SequenceState()
     keys = interpret(compiled.graph, {"input_ids": torch.tensor(ids)}, compiled.params,
-                     ForwardContext([whole], [len(ids)]), BATCH_INVARIANT_KERNELS)["draft_keys"]
+                     ForwardContext([whole], [len(ids)]), invariant_references())["draft_keys"]
     assert keys.shape == (150, cfg.num_nextn_predict_layers, cfg.head_dim)
     state = compiled.new_sequence()
     for chunk in (ids[:100], ids[100:101], ids[101:140]):

@@ -8,16 +8,16 @@ import random
 import pytest
 import torch
 
-from deepinfer.batch_invariant import InvariantElementwise, padded_rows
 from deepinfer.engine import EngineArgs, LLMEngine
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
+from dsl.ops.invariant import InvariantElementwise, padded_rows
 from tests.conftest import SMOOTH, fixture_dir, oracle, rel_l2
 
 linear = torch.nn.functional.linear
 
 
-# The facts of deepinfer/batch_invariant.py, on this machine's torch. If one fails here, the method needs revisiting.
+# The facts of dsl/ops/invariant.py, on this machine's torch. If one fails here, the method needs revisiting.
 def test_gemm_rows_agree_from_12_rows_and_at_4_and_8_but_not_below() -> None:
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(96, 64, generator=g), torch.randn(40, 64, generator=g)

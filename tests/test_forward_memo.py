@@ -9,10 +9,9 @@ import random
 import pytest
 import torch
 
-from deepinfer import batch_invariant as invariant
 from dsl.context import ForwardContext, SequenceState, take_rows
 from dsl.ops.attention import visible_entries
-from dsl.ops.indexer import candidate_blocks
+from dsl.ops.indexer import candidate_blocks, invariant_candidate_blocks, stable_top
 from dsl.ops.rope import _freqs_on, inv_freq, rope_entries, rope_params, rotate
 from dsl.ragged import Ragged
 from tests.test_paged_batched import OPS_REF, TOPK, WINDOW, Twin, check_same, make_inputs, next_step, run_ops
@@ -176,7 +175,7 @@ def previous_candidate_blocks(scores: torch.Tensor, positions: torch.Tensor, rat
     newest = ((positions.unsqueeze(-1) + 1) // ratio - 1) // block
     blocks = blocks.masked_fill(torch.arange(blocks.shape[-1]) == newest, float("inf"))
     if stable:
-        top = invariant._stable_top(blocks, topk_blocks)[:, : blocks.shape[-1]]
+        top = stable_top(blocks, topk_blocks)[:, : blocks.shape[-1]]
         keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top, blocks.gather(-1, top) > float("-inf"))
     else:
         top = blocks.topk(min(topk_blocks, blocks.shape[-1]), dim=-1)
@@ -198,5 +197,5 @@ def test_candidate_blocks_of_several_layers_as_before() -> None:
         assert torch.equal(got, previous_candidate_blocks(scores, ctx.positions, ratio, block, topk_blocks))
         ties = scores.clone()
         ties[:, 1::3] = 0.5  # equal block maxima: the invariant form's lowest-index tie-break
-        got = invariant.candidate_blocks(ties, ratio=ratio, block=block, topk_blocks=topk_blocks, ctx=ctx)
+        got = invariant_candidate_blocks(ties, ratio=ratio, block=block, topk_blocks=topk_blocks, ctx=ctx)
         assert torch.equal(got, previous_candidate_blocks(ties, ctx.positions, ratio, block, topk_blocks, True))

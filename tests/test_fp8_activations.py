@@ -1,5 +1,5 @@
 """`compile(..., fp8_activations=True)`: the linears over fp8 32x32-block weights take the e4m3-activation kernel
-(kernels/triton/linear_fp8.py) and their weights one scale per row; the plan says so and keeps saying so when saved.
+(kernels/linear/fp8.py) and their weights one scale per row; the plan says so and keeps saying so when saved.
 Norms read only by those linears round their rows to e4m3 for them in the same pass. On a checkpoint written in the
 real formats, under Triton's interpreter, the executor is what the cpu target gives with those linears emulated in
 torch (per-token e4m3 rounding, rowwise weights, fp32 products), and near the exact cpu target: within the error
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,10 @@ from dsl.interpret import interpret
 from dsl.ops.dense import linear as reference_linear
 from dsl.passes import run_passes
 from graphs.executor import Executor
-from graphs.plan import Plan, make_plan
-from kernels.triton.linear_fp8 import linear_rowwise_ref, quantize_rows_ref, rowwise_weight
+from graphs.passes import make_plan
+from graphs.plan import Plan
+from kernels.linear.fp8 import linear_rowwise_ref, quantize_rows_ref, rowwise_weight
+from kernels.lowering import TRITON, Variant
 from tests.conftest import fixture_dir, oracle, rel_l2
 from tests.test_checkpoint import _quantize, _tensors, _write
 
@@ -43,6 +46,11 @@ def emulated_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None
     return linear_rowwise_ref(*quantize_rows_ref(x), *rowwise_weight(w, scale))
 
 
+def fmt(node) -> str | None:
+    """A kernel node's weight format (linears, the shared expert, the experts), else None."""
+    return node.static.fields().get("fmt") if node.template else None
+
+
 def test_the_plan_takes_the_fp8_kernel_for_fp8_weights_only(quantized, tmp_path: Path) -> None:
     graph, params = run_passes(quantized.graph()), quantized.params()
     exact = make_plan(graph, params, "sm90", buckets=(16,))
@@ -50,18 +58,19 @@ def test_the_plan_takes_the_fp8_kernel_for_fp8_weights_only(quantized, tmp_path:
     changed = 0
     for before, after in zip(exact.nodes, plan.nodes, strict=True):  # fp8 single-group linears change, and norms
         st = before.static  # read only by them (test_norms_read_only_by_fp8_linears_write_e4m3_rows)
-        rows = before.template == "linear" and st.get("fmt") == "fp8" and st.get("groups") == 1
-        want = dict(st, fmt="fp8_rows") if rows else st
-        if after.static.get("e4m3_out"):
-            want = dict(want, kernel="triton", e4m3_out=True)
-        assert after.static == (dict(want, e4m3_in=True) if after.static.get("e4m3_in") else want)
+        rows = before.template == "linear" and st.fmt == "fp8" and st.groups == 1
+        assert after.static == (replace(st, fmt="fp8_rows") if rows else st)
+        want = Variant(TRITON, e4m3_out=True) if after.variant.e4m3_out else before.variant  # the fused rounding's
+        assert after.variant == replace(want, e4m3_in=after.variant.e4m3_in)
         changed += rows
     assert changed
-    rows = [n for n in plan.nodes if n.static.get("fmt") == "fp8_rows"]
-    assert all(n.formats == {1: "fp8_rows", 2: "fp8_rows_scale"} and n.configs[16]["block_K"] == 128 for n in rows)
-    again = Plan.from_json(plan.to_json())
+    rows = [n for n in plan.nodes if fmt(n) == "fp8_rows"]
+    assert all(n.formats == {1: "fp8_rows", 2: "fp8_rows_scale"} and n.buckets[16].config["block_K"] == 128
+               for n in rows)
+    again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
     assert again.fp8_activations and not Plan.from_json(exact.to_json()).fp8_activations
-    assert [n.static for n in again.nodes] == [n.static for n in plan.nodes]
+    assert [(n.static, n.variant, n.buckets) for n in again.nodes] == [(n.static, n.variant, n.buckets)
+                                                                        for n in plan.nodes]
     with pytest.raises(ValueError, match="cpu target"):
         deepinfer.compile(quantized, "cpu", fp8_activations=True)
 
@@ -82,14 +91,14 @@ def test_norms_read_only_by_fp8_linears_write_e4m3_rows(quantized) -> None:
         if node.op not in written or not plan.nodes[i].template:
             continue
         reads = readers[id(node.outputs[0])]
-        only_fp8 = all(pos == 0 and plan.nodes[j].static.get("fmt") == "fp8_rows" for j, pos in reads)
-        assert bool(plan.nodes[i].static.get("e4m3_out")) == only_fp8, (i, node.op)
-        assert all(bool(plan.nodes[j].static.get("e4m3_in")) == only_fp8 for j, _ in reads)
+        only_fp8 = all(pos == 0 and fmt(plan.nodes[j]) == "fp8_rows" for j, pos in reads)
+        assert plan.nodes[i].variant.e4m3_out == only_fp8, (i, node.op)
+        assert all(plan.nodes[j].variant.e4m3_in == only_fp8 for j, _ in reads)
         written[node.op] += only_fp8
     assert all(written.values()), written
-    assert sum(bool(n.static.get("e4m3_in")) for n in plan.nodes) > sum(written.values())  # readers share rows
+    assert sum(n.variant.e4m3_in for n in plan.nodes) > sum(written.values())  # readers share rows
     exact = make_plan(graph, params, "sm90", buckets=(16,))
-    assert not any(n.static.get("e4m3_out") or n.static.get("e4m3_in") for n in exact.nodes)
+    assert not any(n.variant.e4m3_out or n.variant.e4m3_in for n in exact.nodes)
 
 
 def test_executor_is_the_emulated_fp8_linears(quantized) -> None:

@@ -28,7 +28,7 @@ def test_the_draft_plan_matches_the_cpu_drafts_under_the_interpreter() -> None:
     from dsl.context import ForwardContext
     from dsl.passes import run_passes
     from graphs.executor import Executor
-    from graphs.plan import make_plan
+    from graphs.passes import make_plan
 
     model = trained_model()
     cpu = deepinfer.compile(model, "cpu", drafting=True)

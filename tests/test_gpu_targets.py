@@ -65,8 +65,8 @@ def test_compile_saves_an_artifact_without_a_gpu(target, arch, tmp_path) -> None
                          "swiglu", "moe_gate", "sparse_attention", "index_scores", "compress_pool",
                          "topk_select", "candidate_blocks"}
     kernel_nodes = [n for n in plan["nodes"] if n["template"]]
-    assert all(n["invariant_config"] is not None for n in kernel_nodes)
-    assert all(n["invariant_config"]["split_kv"] == 1 for n in kernel_nodes if n["template"] == "sparse_attention")
+    assert all(n["invariant"]["config"] is not None for n in kernel_nodes)
+    assert all(n["invariant"]["config"]["split_kv"] == 1 for n in kernel_nodes if n["template"] == "sparse_attention")
 
 
 def test_sm100_builds_the_checkpoints_fp8_and_fp4_kernels_without_a_gpu(tmp_path) -> None:
@@ -104,9 +104,9 @@ def test_sm90_builds_the_fp8_activation_kernels_without_a_gpu(tmp_path) -> None:
         "buckets=(16,)", "buckets=(16,), fp8_activations=True"), CUDA_VISIBLE_DEVICES="",
         DEEPINFER_CACHE=str(tmp_path / "cache"))
     plan = json.loads((out / "plan.json").read_text())
-    writers = {n["op"] for n in plan["nodes"] if n["template"] and n["static"].get("e4m3_out")}
+    writers = {n["op"] for n in plan["nodes"] if n["template"] and n["variant"]["e4m3_out"]}
     assert writers == {"rms_norm", "hc_collapse_rms_norm"}
-    assert any(n["static"].get("e4m3_in") for n in plan["nodes"] if n["template"] == "linear")
+    assert any(n["variant"]["e4m3_in"] for n in plan["nodes"] if n["template"] == "linear")
     specs = [json.loads(f.read_text()) for f in (out / "kernels").glob("*.json")]
     names = {s["name"] for s in specs}
     assert {"rms_norm_e4m3_kernel", "hc_collapse_rms_norm_e4m3_kernel", "swiglu_kernel"} <= names, names
@@ -121,10 +121,10 @@ import json, sys, torch
 from pathlib import Path
 import graphs.aot as aot
 from graphs.artifact import save
-from graphs.plan import make_plan
+from graphs.passes import make_plan
 from deepinfer.models import DeepseekV41Flash
 from kernels.launch import use_launcher
-from kernels.triton.engram import engram_gate
+from kernels.engram.gate import engram_gate
 meta = lambda *s: torch.empty(*s, device="meta")
 found = {}
 with use_launcher(lambda call: found.setdefault(call.key(), call)):
@@ -158,7 +158,7 @@ def test_executor_matches_the_cpu_target_under_the_interpreter(fixture, compiled
     from dsl.context import ForwardContext
     from dsl.passes import run_passes
     from graphs.executor import Executor
-    from graphs.plan import make_plan
+    from graphs.passes import make_plan
 
     if torch.cuda.is_available():
         pytest.skip("the interpreter runs where there is no GPU")
@@ -186,7 +186,7 @@ from deepinfer.models.engram_layout import engram_layers
 from dsl.builder import GraphBuilder
 from dsl.passes import run_passes
 from dsl.tensor import num_tokens
-from graphs.plan import make_plan
+from graphs.passes import make_plan
 c = engram_layers(DeepseekV41Config(engram_layer_ids=(1, 14), engram_num_embeddings=(0, 0)))[14]
 rows = c.offsets[-1] + c.primes[-1][-1]
 b = GraphBuilder()
@@ -270,7 +270,7 @@ def planned(model_name: str):
     from deepinfer.config import DeepseekV41Config
     from deepinfer.models import DeepseekV41Flash
     from dsl.passes import run_passes
-    from graphs.plan import make_plan
+    from graphs.passes import make_plan
     from tests.test_autotune import meta_checkpoint_model
 
     if model_name == "smooth":
@@ -281,14 +281,15 @@ def planned(model_name: str):
     return graph, make_plan(graph, model.params(), "sm90")
 
 
-def launch_keys(graph, node, config: dict, m: int) -> frozenset[str]:
-    """The kernel variants (kernel, constexprs: tiles, split counts and K ranges) a node launches for m tokens."""
-    from graphs.lowering import LOWERINGS
+def launch_keys(graph, node, chosen, m: int) -> frozenset[str]:
+    """The kernel variants (kernel, constexprs: tiles, split counts and K ranges) a node launches for m tokens with
+    one bucket's plan (`chosen`: its GEMMs and config)."""
     from kernels.launch import use_launcher
+    from kernels.registry import LOWERINGS
 
     found = set()
     with use_launcher(lambda call: found.add(call.key())):
-        LOWERINGS[node.op].trace(node.static, graph.nodes[node.index].attrs, config, m, False)
+        LOWERINGS[node.op].trace(node.call(chosen, graph.nodes[node.index].attrs, False, tokens=m))
     return frozenset(found)
 
 
@@ -296,45 +297,53 @@ def launch_keys(graph, node, config: dict, m: int) -> frozenset[str]:
 def test_invariant_configs_launch_the_same_kernels_for_every_token_count(model_name) -> None:
     """Whatever the token count, a node's invariant config launches the same variants (so no tile or split is
     chosen from it), attention in one part; the per-bucket configs do change with the count."""
-    from graphs.lowering import LOWERINGS
+    from dataclasses import replace
+
     from graphs.plan import INVARIANT_TOKENS
+    from kernels.registry import LOWERINGS
 
     graph, plan = planned(model_name)
     counts = (1, 5, 64, 300, 4096)
     changing = 0
     for node in plan.kernel_nodes():
-        assert node.invariant == LOWERINGS[node.op].invariant(node.config(INVARIANT_TOKENS, plan.buckets))
-        assert node.config(7, plan.buckets, batch_invariant=True) is node.invariant
+        at = node.at(INVARIANT_TOKENS, plan.buckets)
+        assert node.invariant == replace(at, config=LOWERINGS[node.op].invariant(at.config))
+        assert node.at(7, plan.buckets, batch_invariant=True) is node.invariant
         assert len({launch_keys(graph, node, node.invariant, m) for m in counts}) == 1, node
-        changing += len({launch_keys(graph, node, node.config(m, plan.buckets), m) for m in counts}) > 1
+        changing += len({launch_keys(graph, node, node.at(m, plan.buckets), m) for m in counts}) > 1
         if node.template == "sparse_attention":
-            assert node.invariant["split_kv"] == 1
+            assert node.invariant.config["split_kv"] == 1
     assert changing > 0
 
 
-def test_a_plan_keeps_its_invariant_configs_through_json() -> None:
-    """plan.json holds every kernel node's invariant config (an artifact whose plan lacks one is refused at load:
-    tests/test_artifact.py)."""
+def test_the_plan_round_trips_and_one_of_another_format_says_to_recompile() -> None:
     from graphs.plan import Plan
 
     _, plan = planned("smooth")
-    again = Plan.from_json(json.loads(json.dumps(plan.to_json())))
-    assert [n.invariant for n in again.kernel_nodes()] == [n.invariant for n in plan.kernel_nodes()]
+    saved = json.loads(json.dumps(plan.to_json()))
+    again = Plan.from_json(saved)
+    assert [(n.template, n.static, n.variant, n.formats, n.buckets, n.invariant) for n in again.nodes] == [
+        (n.template, n.static, n.variant, n.formats, n.buckets, n.invariant) for n in plan.nodes]
+    # every kernel node keeps its invariant config (an artifact whose plan lacks one is refused at load:
+    # tests/test_artifact.py)
     assert all(n.invariant is not None for n in again.kernel_nodes())
+    saved["format"] -= 1  # a plan.json of an earlier layout
+    with pytest.raises(ValueError, match="compile the model again"):
+        Plan.from_json(saved)
 
 
 @pytest.mark.parametrize("model_name", ["smooth", "v41"])
 def test_batch_invariant_mode_swaps_no_reference_node(model_name) -> None:
     """graphs/plan_runtime.py runs a plan's reference nodes as they are in batch-invariant mode. Of the ops whose
-    reference has a batch-invariant version (deepinfer/batch_invariant.py), a plan leaves only the compressor's
+    reference has a batch-invariant version (dsl/ops), a plan leaves only the compressor's
     ratio-1 pooling, which passes its rows through untouched, and the indexer's key projection over the compressed
     entries (which only chooses entries)."""
-    from deepinfer.batch_invariant import KERNELS
     from dsl.context import ForwardContext
+    from dsl.ops import invariant_references
     from dsl.ops.compressor import compress_pool
 
     graph, plan = planned(model_name)
-    left = [graph.nodes[n.index] for n in plan.nodes if not n.template and n.op in KERNELS]
+    left = [graph.nodes[n.index] for n in plan.nodes if not n.template and n.op in invariant_references()]
     assert {node.op for node in left} == {"compress_pool", "linear"}
     for node in left:
         if node.op == "compress_pool":

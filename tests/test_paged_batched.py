@@ -15,7 +15,7 @@ from dsl.context import ForwardContext, SequenceState
 from dsl.ops import OPS
 from dsl.ops.attention import visible_entries
 from dsl.ops.rounding import fp4_round, fp8_round
-from kernels.triton.attention import sparse_attention_op
+from kernels.attention.sparse_attention import sparse_attention_op
 
 WINDOW, SPARE, NGRAM, HEADS, INDEX_HEADS, TOPK = 8, 3, 4, 2, 3, 6
 FP8, KV_FP4, KEY_FP4 = EntryFormat("fp8", 32), EntryFormat("fp4", 16, True), EntryFormat("fp4", 32)

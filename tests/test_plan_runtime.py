@@ -9,14 +9,14 @@ import pytest
 import torch
 
 import dsl.cache
-import kernels.triton.cache as cache_kernels
+import kernels.cache.rows as cache_kernels
 from deepinfer.default_model import trained_model
 from deepinfer.models import DeepseekV41Flash
 from dsl.cache import CacheSpec, PagedCache
 from dsl.context import SequenceState
 from dsl.passes import run_passes
 from graphs.compiled_model import CompiledModel
-from graphs.plan import make_plan
+from graphs.passes import make_plan
 from graphs.plan_runtime import PlanRuntime
 from tests.conftest import fixture_dir, rel_l2
 

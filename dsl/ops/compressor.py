@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 
 from dsl.context import ForwardContext, PagedBatch, cast, segments, take_rows
-from dsl.ops.registry import op
+from dsl.ops.invariant import padded
+from dsl.ops.registry import invariant, op
 from dsl.ragged import Ragged
 from dsl.tensor import TensorType, num_entries
 
@@ -29,7 +30,7 @@ def _pool(groups: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
 def pool_rows(kv: torch.Tensor, gate: torch.Tensor, kept_kv: torch.Tensor, kept_gate: torch.Tensor,
               source: torch.Tensor) -> torch.Tensor:
     """Entries [G, D] of the groups whose members `source` [G, ratio] names among kv, gate [N, D] (rows below N)
-    and kept_kv, kept_gate [P, D] (row r - N): torch's form of kernels/triton/compressor.py's `pool_groups`."""
+    and kept_kv, kept_gate [P, D] (row r - N): torch's form of kernels/compressor/pool.py's `pool_groups`."""
     return _pool(torch.cat([kv, kept_kv])[source], torch.cat([gate, kept_gate])[source])
 
 
@@ -43,10 +44,15 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor | None = None, *, layer: 
     return pool_entries(kv, gate, layer=layer, ratio=ratio, ctx=ctx)
 
 
+# Batch-invariant on any device: the softmax over a group and its weighted sum in a fixed order (on a GPU torch's
+# reductions split a row's sum by the tensor's size).
+invariant("compress_pool", anywhere=True)(padded(compress_pool, pad=False))
+
+
 def pool_entries(kv: torch.Tensor, gate: torch.Tensor | None, *, layer: int, ratio: int, ctx,
                  pool_groups: Callable | None = None) -> Ragged:
     """`compress_pool`, the completed groups pooled by `pool_groups(kv, gate, kept_kv, kept_gate, source)` where
-    given (kernels/triton/compressor.py), else by torch (`pool_rows`); a paged batch on the CPU, which pools chunk
+    given (kernels/compressor/pool.py), else by torch (`pool_rows`); a paged batch on the CPU, which pools chunk
     by chunk, keeps torch."""
     first = [s // ratio for s in ctx.starts]
     counts = [(s % ratio + n) // ratio for s, n in zip(ctx.starts, ctx.lengths, strict=True)]

@@ -1,11 +1,13 @@
-"""Per-token dense ops: embedding, linear over plain and block-quantised weights, grouped linear, RMSNorm."""
+"""Per-token dense ops: embedding, linear over plain and block-quantised weights, grouped linear, RMSNorm; the
+linears' batch-invariant references."""
 
 from __future__ import annotations
 
 import torch
 
-from dsl.ops.registry import op, same_as_first
-from dsl.ragged import ragged_map
+from dsl.ops.invariant import MIN_COLS, pad_rows, padded
+from dsl.ops.registry import invariant, op, same_as_first
+from dsl.ragged import Ragged, ragged_map
 from dsl.tensor import TensorType
 
 
@@ -52,6 +54,20 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None 
     wv = weight_values(w, scale).reshape(groups, -1, w.shape[-1])  # [G, R, K]
     xg = x.float().reshape(x.shape[0], groups, -1)  # [N, G, K]
     return torch.einsum("ngk,grk->ngr", xg, wv).reshape(x.shape[0], -1)
+
+
+@invariant("linear")
+def invariant_linear(x, w: torch.Tensor, scale: torch.Tensor | None = None):
+    """`linear` as W @ x^T over at least MIN_COLS token columns (a column's result is the same for every column count
+    from 12 on, dsl/ops/invariant.py): x [..., I] (or Ragged) -> fp32 [..., O]."""
+    if isinstance(x, Ragged):
+        return x.replace(invariant_linear(x.values, w, scale))
+    rows = x.reshape(-1, x.shape[-1]).float()  # [R, I]
+    out = torch.mm(weight_values(w, scale), pad_rows(rows, max(MIN_COLS, rows.shape[0])).t())  # [O, >= R]
+    return out[:, : rows.shape[0]].t().contiguous().reshape(*x.shape[:-1], w.shape[0])
+
+
+invariant("grouped_linear")(padded(grouped_linear))
 
 
 def _norm_type(x: TensorType, w: TensorType | None = None, **attrs) -> tuple[TensorType]:
@@ -106,5 +122,5 @@ def select_rows(x: torch.Tensor, *, ctx) -> torch.Tensor:
     return x if ctx.logit_rows is None else x[ctx.logit_rows]
 
 
-__all__ = ["embedding", "linear", "grouped_linear", "rms_norm", "reshape", "add", "concat", "stack", "broadcast_streams",
-           "same_as_first"]
+__all__ = ["embedding", "linear", "grouped_linear", "invariant_linear", "rms_norm", "reshape", "add", "concat", "stack",
+           "broadcast_streams", "same_as_first"]

@@ -8,7 +8,8 @@ import functools
 import torch
 
 from dsl.context import cast, take_rows
-from dsl.ops.registry import op
+from dsl.ops.invariant import padded
+from dsl.ops.registry import invariant, op
 from dsl.tensor import TensorType
 
 
@@ -19,7 +20,8 @@ def _ngrams_type(ids: TensorType, token_map: TensorType, *, n: int, **attrs) -> 
 @op("engram_ngrams", _ngrams_type, uses_context=True)
 def engram_ngrams(ids: torch.Tensor, token_map: torch.Tensor, *, n: int, pad_id: int, ctx) -> torch.Tensor:
     """For each token, the compressed ids of tokens p, p - 1, ..., p - n + 1 ([N, n] int64); positions before
-    the sequence start get `pad_id`. Keeps each sequence's compressed ids (the last n - 1 at least) for later forwards."""
+    the sequence start get `pad_id`. Keeps each sequence's compressed ids (the last n - 1 at least) for later
+    forwards."""
     if ctx.paged is not None:
         return _ngrams_batch(token_map[ids.long()], n, pad_id, ctx)
     out = torch.empty(ids.shape[0], n, dtype=torch.long, device=ids.device)
@@ -122,3 +124,8 @@ def engram_gate(h: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, k_wei
     dot = (h * (q_weight.float() * k_weight.float()) * key).sum(-1) * rstd * d**-0.5
     gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
     return h + gate.unsqueeze(-1) * value.unsqueeze(1)
+
+
+# Batch-invariant on any device: the gate's sums over D in a fixed order (on a GPU torch's reductions split a row's
+# sum by the tensor's size; bench/invariance_probe.py finds such nodes), its sigmoid the invariant one.
+invariant("engram_gate", anywhere=True)(padded(engram_gate, pad=False))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from dsl.ops.registry import op
+from dsl.ops.dense import invariant_linear
+from dsl.ops.invariant import sigmoid
+from dsl.ops.registry import invariant, op
 from dsl.tensor import TensorType
 
 
@@ -29,6 +31,26 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     post = 2 * torch.sigmoid(m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     comb = (m[:, 2 * hc :] * scale[2] + base[2 * hc :]).reshape(-1, hc, hc)
     comb = torch.softmax(comb, dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+@invariant("hc_mixes")
+def invariant_hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, iters: int,
+                       eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`hc_mixes` with its projection as `invariant_linear` and the invariant sigmoid. Written out rather than run
+    under InvariantElementwise: the Sinkhorn loop's many small calls would each pay the mode's dispatch."""
+    hc = h.shape[1]
+    flat = h.reshape(h.shape[0], -1).float()  # [N, hc * D]
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    m = invariant_linear(flat, fn.float())  # [N, (2 + hc) * hc]
+    scale, base = scale.float(), base.float()
+    pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * sigmoid(m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
+    comb = torch.softmax((m[:, 2 * hc :] * scale[2] + base[2 * hc :]).reshape(-1, hc, hc), dim=-1) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)

@@ -1,13 +1,15 @@
-"""The sparse indexer: scores of queries against compressed-entry keys, candidate blocks and top-k."""
+"""The sparse indexer: scores of queries against compressed-entry keys, candidate blocks and top-k; their
+batch-invariant references."""
 
 from __future__ import annotations
 
 import torch
 
-from dsl.transfer import to_device
 from dsl.ops.attention import CacheView
-from dsl.ops.registry import op
+from dsl.ops.invariant import MIN_COLS, pad_rows, padded_rows
+from dsl.ops.registry import invariant, op
 from dsl.tensor import TensorType, context
+from dsl.transfer import to_device
 
 
 def _scores_type(q: TensorType, w: TensorType, keys: TensorType, **attrs) -> tuple[TensorType]:
@@ -89,16 +91,22 @@ def mask_incomplete(scores: torch.Tensor, positions: torch.Tensor, ratio: int) -
 def candidate_blocks(scores: torch.Tensor, *, ratio: int, block: int, topk_blocks: int, ctx) -> torch.Tensor:
     """Blocks of `block` entries scored by their max; keep the top `topk_blocks` finite blocks plus the block
     holding the newest visible entry. scores [N, C] -> bool mask [N, C] of entries in kept blocks."""
+    blocks, columns = _block_maxima(scores, ratio, block, ctx)
+    top = blocks.topk(min(topk_blocks, blocks.shape[-1]), dim=-1)
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    return keep[:, columns]
+
+
+def _block_maxima(scores: torch.Tensor, ratio: int, block: int, ctx) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each block's maximum score [N, B], +inf for the block of the token's newest visible entry; each entry's block
+    [C]) of scores [N, C] in blocks of `block` entries."""
     width = scores.shape[-1]
     padded = scores if width % block == 0 else torch.nn.functional.pad(scores, (0, -width % block),
                                                                         value=float("-inf"))
     blocks = padded.unflatten(-1, (-1, block)).amax(dim=-1)  # [N, B]
     newest, columns = ctx.memo(("blocks", ratio, block, blocks.shape[-1], width),
                                lambda: block_layout(ctx.positions, ratio, block, blocks.shape[-1], width))
-    blocks = blocks.masked_fill(newest, float("inf"))
-    top = blocks.topk(min(topk_blocks, blocks.shape[-1]), dim=-1)
-    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
-    return keep[:, columns]
+    return blocks.masked_fill(newest, float("inf")), columns
 
 
 def block_layout(positions: torch.Tensor, ratio: int, block: int, num_blocks: int,
@@ -123,3 +131,73 @@ def topk_select(scores: torch.Tensor, candidates: torch.Tensor | None = None, *,
     k = min(topk, scores.shape[-1])
     top = scores.topk(k, dim=-1, sorted=False)
     return torch.where(top.values > float("-inf"), top.indices, torch.full_like(top.indices, -1))
+
+
+# ---- batch-invariant references -----------------------------------------------------------------------------------
+
+@invariant("index_scores")
+def invariant_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: CacheView, *, ratio: int,
+                           ctx) -> torch.Tensor:
+    """`index_scores` with at least MIN_COLS keys per GEMM, and the sum over heads as a sequential loop: a sum over a
+    middle dim rounds differently with the size of the inner dim."""
+    width = max((k.shape[0] for k in keys.keys), default=0)
+    out = torch.full((q.shape[0], width), float("-inf"), dtype=torch.float32, device=q.device)
+    heads, dim = q.shape[1], q.shape[2]
+    for i, c in enumerate(ctx.chunks):
+        k = keys.keys[i].float()  # [L, d]
+        if k.shape[0] == 0:
+            continue
+        # One GEMM of (token, head) rows by keys: rows padded as for a linear, at least MIN_COLS keys.
+        qc = pad_rows(q[c.rows].float(), _padded_tokens(c.length, heads))
+        s = torch.einsum("thd,ld->thl", qc, pad_rows(k, MIN_COLS))[: c.length, :, : k.shape[0]].relu_() * dim**-0.5
+        w = weights[c.rows].float() * heads**-0.5  # [T, H]
+        scores = s[:, 0] * w[:, :1]
+        for h in range(1, heads):
+            scores = scores + s[:, h] * w[:, h : h + 1]
+        out[c.rows, : k.shape[0]] = mask_incomplete(scores, ctx.positions[c.rows], ratio)
+    return out
+
+
+def _padded_tokens(tokens: int, heads: int) -> int:
+    """The fewest tokens >= `tokens` whose rows of (token, head) make a row count `padded_rows` leaves alone."""
+    while padded_rows(tokens * heads) != tokens * heads:
+        tokens += 1
+    return tokens
+
+
+def stable_top(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [N, k] of the k highest scores per row, equal scores lowest index first (rows padded with -inf):
+    torch's top-k picks among equal scores depend on the row width, a stable sort's do not."""
+    if scores.shape[-1] < k:
+        scores = torch.nn.functional.pad(scores, (0, k - scores.shape[-1]), value=float("-inf"))
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+@invariant("candidate_blocks", anywhere=True)
+def invariant_candidate_blocks(scores: torch.Tensor, *, ratio: int, block: int, topk_blocks: int,
+                               ctx) -> torch.Tensor:
+    """`candidate_blocks` with ties among block maxima broken by the lowest block index."""
+    blocks, columns = _block_maxima(scores, ratio, block, ctx)
+    top = stable_top(blocks, topk_blocks)[:, : blocks.shape[-1]]
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top, blocks.gather(-1, top) > float("-inf"))
+    return keep[:, columns]
+
+
+@invariant("topk_select", anywhere=True)
+def invariant_topk_select(scores: torch.Tensor, candidates: torch.Tensor | None = None, *, topk: int) -> torch.Tensor:
+    """`topk_select` always `topk` wide, ties to the lowest index, picks in ascending order and -1 last: with ties, or
+    a row width set by the batch's longest cache, torch's top-k picks (and their order, which is the attention's
+    summation order) can change with the batch."""
+    if candidates is not None:
+        scores = scores.masked_fill(~candidates, float("-inf"))
+    top = stable_top(scores, topk)  # [N, topk]
+    finite = torch.nn.functional.pad(scores, (0, max(0, topk - scores.shape[-1])), value=float("-inf"))
+    picks = torch.where(finite.gather(-1, top) > float("-inf"), top, torch.full_like(top, -1))
+    return _ascending(picks)
+
+
+def _ascending(picks: torch.Tensor) -> torch.Tensor:
+    """Picks [N, K] sorted ascending with every -1 after the picks."""
+    big = torch.iinfo(torch.long).max
+    ordered = torch.where(picks >= 0, picks, big).sort(dim=-1).values
+    return torch.where(ordered == big, -1, ordered)

@@ -1,11 +1,13 @@
-"""Mixture of experts: the gate (sqrtsoftplus scores, biased top-k selection) and clamped SwiGLU experts."""
+"""Mixture of experts: the gate (sqrtsoftplus scores, biased top-k selection) and clamped SwiGLU experts; their
+batch-invariant references."""
 
 from __future__ import annotations
 
 import torch
 
-from dsl.ops.dense import weight_values
-from dsl.ops.registry import op
+from dsl.ops.dense import invariant_linear, weight_values
+from dsl.ops.invariant import padded, silu
+from dsl.ops.registry import invariant, op
 from dsl.tensor import TensorType
 
 
@@ -23,7 +25,7 @@ def _gate_type(x: TensorType, w: TensorType, bias: TensorType, *, topk: int, **a
 
 def gate_topk(logits: torch.Tensor, bias: torch.Tensor, *, topk: int, func: str, temp: float, normalize: bool,
               scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate after its projection (kernels/triton/moe_gate.py's reference): logits fp32 [N, E] and bias [E] ->
+    """The gate after its projection (kernels/moe/gate.py's reference): logits fp32 [N, E] and bias [E] ->
     weights fp32 [N, k], experts int64 [N, k] (descending score + bias)."""
     scores = score(logits / temp, func)  # [N, E]
     experts = (scores + bias.float()).topk(topk, dim=-1)[1]
@@ -73,10 +75,42 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
 
     Experts run in ascending id and add into an fp32 accumulator, as the reference does. x [N, D] -> [N, D].
     """
+    return _sum_experts(swiglu_expert, x, weights, experts, ((w1, s1), (w2, s2), (w3, s3)), limit)
+
+
+def _sum_experts(expert, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, stored: tuple,
+                 limit: float) -> torch.Tensor:
+    """sum over each token's chosen experts of weight * expert(x), experts in ascending id, into fp32; `stored`: the
+    (weight, scale) of w1, w2, w3."""
     x = x.float()
     y = torch.zeros_like(x)
     for e in torch.unique(experts).tolist():
         rows, slot = torch.where(experts == e)
-        pick = (lambda w, s: weight_values(w[e], None if s is None else s[e]))
-        y[rows] += swiglu_expert(x[rows], pick(w1, s1), pick(w2, s2), pick(w3, s3), limit, weights[rows, slot, None])
+        w = [weight_values(m[e], None if s is None else s[e]) for m, s in stored]
+        y[rows] += expert(x[rows], *w, limit, weights[rows, slot, None])
     return y
+
+
+invariant("moe_gate")(padded(moe_gate))
+
+
+def _invariant_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float,
+                      weight: torch.Tensor | None = None) -> torch.Tensor:
+    """`swiglu_expert` with `invariant_linear` and the invariant silu."""
+    gate, up = invariant_linear(x, w1), invariant_linear(x, w3)
+    if limit > 0:
+        up, gate = up.clamp(-limit, limit), gate.clamp(max=limit)
+    inner = silu(gate) * up
+    return invariant_linear(inner if weight is None else weight * inner, w2)
+
+
+@invariant("swiglu")
+def invariant_swiglu(x: torch.Tensor, w1, w2, w3, s1=None, s2=None, s3=None, *, limit: float) -> torch.Tensor:
+    return _invariant_expert(x.float(), weight_values(w1, s1), weight_values(w2, s2), weight_values(w3, s3), limit)
+
+
+@invariant("moe_experts")
+def invariant_moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1, w2, w3, s1=None, s2=None,
+                          s3=None, *, limit: float) -> torch.Tensor:
+    """An expert sees 1 to N rows as the batch goes, each row alike."""
+    return _sum_experts(_invariant_expert, x, weights, experts, ((w1, s1), (w2, s2), (w3, s3)), limit)

@@ -4,6 +4,10 @@ Triton 3.6's interpreter multiplies bfloat16 operands of `tl.dot` as their raw u
 truncation and widens subnormal bf16 wrongly (to zero, or to another value); the GPU does none of these. They are
 patched here, for the tests only, so interpreted kernels compute what compiled ones do: bf16 dot operands and casts
 widened exactly to fp32, fp32 -> bf16 rounded to nearest even.
+
+The interpreter's `tl.dot` is numpy's matmul, i.e. the host BLAS, whose result for one row of a block can depend on
+where the row sits and on the block's other rows (how the library splits the block into its micro-kernels). The
+batch-invariance tests take `row_independent_dot`, which computes a dot one row of the block at a time.
 """
 
 from __future__ import annotations
@@ -47,6 +51,32 @@ def _patch_interpreter() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter()
+
+
+def _dot_by_rows(create_dot):
+    """A `create_dot` that multiplies each row of `a` on its own: a row's result is then a function of that row and
+    `b` only, as on the GPU, whatever the rest of the block holds."""
+    from triton.runtime import interpreter as ti
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        out = np.empty(d.data.shape, dtype=d.data.dtype)
+        for i in range(a.data.shape[-2]):
+            part = create_dot(self, ti.TensorHandle(a.data[..., i:i + 1, :], a.dtype.scalar), b,
+                              ti.TensorHandle(d.data[..., i:i + 1, :], d.dtype.scalar), input_precision,
+                              max_num_imprecise_acc)
+            out[..., i:i + 1, :] = part.data
+        return ti.TensorHandle(out, d.dtype.scalar)
+
+    return dot
+
+
+@pytest.fixture
+def row_independent_dot(monkeypatch) -> None:
+    """Under the interpreter, `tl.dot` row by row (module docstring); on a GPU the real one."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from triton.runtime import interpreter as ti
+
+        monkeypatch.setattr(ti.InterpreterBuilder, "create_dot", _dot_by_rows(ti.InterpreterBuilder.create_dot))
 
 
 @pytest.fixture

@@ -1,7 +1,12 @@
 """Batch invariance of the kernels under a fixed config (what a plan's batch-invariant config is, graphs/plan.py):
 a row's output is bitwise the same alone and among other rows, wherever it sits and however many there are, and
 still matches the reference. Sparse attention also needs a token's entries in one part: split, the parts follow the
-batch's widest entry list."""
+batch's widest entry list.
+
+What is checked is the part the kernel controls: the reduction order its config fixes (tiles over K, split-K counts
+and ranges, the combine of parts) does not follow the batch. Under Triton's interpreter a `tl.dot` is the host
+BLAS's matmul, whose row results can follow the block's other rows, so these tests take the row-at-a-time dot of
+tests/kernels/conftest.py (`row_independent_dot`); on a GPU (`pytest -m gpu`) they run the real `tl.dot`."""
 
 from __future__ import annotations
 
@@ -10,23 +15,29 @@ import torch
 
 from dsl.ops import hyper as hyper_ref
 from dsl.quant import quantize_fp8_block
-from graphs.lowering import LOWERINGS
 from graphs.plan import INVARIANT_TOKENS
-from kernels.triton.attention import sparse_attention
-from kernels.triton.hyper import hc_mixes
-from kernels.triton.linear import linear
-from kernels.triton.moe import moe_experts
-from kernels.triton.rms_norm import rms_norm
+from kernels.attention.sparse_attention import sparse_attention
+from kernels.hyper.hyper import hc_mixes
+from kernels.linear.linear import linear
+from kernels.lowering import PLAIN
+from kernels.moe.experts import moe_experts
+from kernels.norm.rms_norm import rms_norm
+from kernels.registry import LOWERINGS
 from tests.kernels.cases import gen, rel_l2
-from tests.kernels.test_linear import reference as linear_reference
-from tests.kernels.test_moe import make_experts, routing
+from tests.kernels.linear.test_linear import reference as linear_reference
+from tests.kernels.moe.test_experts import make_experts, routing
+
+pytestmark = pytest.mark.usefixtures("row_independent_dot")
 
 BATCHES = [(1, 0), (5, 3), (37, 36), (70, 17)]  # (rows, where the row sits): one M tile, several, a partial last one
 
 
-def invariant_config(op: str, static: dict) -> dict:
+def invariant_config(op: str, fields: dict) -> dict:
+    """The config batch-invariant runs take for a node of these static shapes: INVARIANT_TOKENS's, made invariant."""
     lowering = LOWERINGS[op]
-    return lowering.invariant(lowering.default_config(static, INVARIANT_TOKENS))
+    static = lowering.static_type(**fields)
+    gemms = lowering.gemms(static, INVARIANT_TOKENS, False)
+    return lowering.invariant(lowering.default_config(static, INVARIANT_TOKENS, PLAIN, gemms))
 
 
 def among_others(row: torch.Tensor, rows: int, at: int, seed: int) -> torch.Tensor:
@@ -125,5 +136,5 @@ def test_sparse_attention_token_is_the_same_with_wider_neighbours_only_whole(spl
 
 def test_the_invariant_attention_config_is_whole() -> None:
     config = invariant_config("sparse_attention", {"h": 64, "d": 512})
-    assert config["split_kv"] == 1 and LOWERINGS["sparse_attention"].default_config({"h": 64, "d": 512}, 1)[
-        "split_kv"] > 1
+    lowering = LOWERINGS["sparse_attention"]
+    assert config["split_kv"] == 1 and lowering.default_config(lowering.static_type(64, 512), 1)["split_kv"] > 1

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from graphs.aot import build, record_launches
+from kernels.hyper.collapse_tilelang import hc_collapse_rms_norm
 from kernels.launch import Launch
-from kernels.tilelang.build import available, launch_shape, lower
-from kernels.tilelang.hyper import hc_collapse_rms_norm
-from kernels.tilelang.kernel import TileLangKernel
-from kernels.tilelang.rms_norm import rms_norm
+from kernels.norm.rms_norm_tilelang import rms_norm
+from kernels.tilelang_build import available, launch_shape, lower
+from kernels.tilelang_kernel import TileLangKernel
 from tests.kernels.tilelang_cubins import record
 from tests.test_gpu_targets import cubin_arch, planned
 
@@ -72,10 +72,10 @@ def test_the_sm90_plan_serves_its_ops_with_tilelang_where_it_builds(monkeypatch)
     ops = {"rms_norm", "hc_collapse_rms_norm"}
     nodes = [n for n in plan.kernel_nodes() if n.op in ops]
     kernel = "tilelang" if available() else "triton"
-    assert {n.op for n in nodes} == ops and all(n.static["kernel"] == kernel for n in nodes)
+    assert {n.op for n in nodes} == ops and all(n.variant.backend == kernel for n in nodes)
     calls = record_launches(plan, {i: node.attrs for i, node in enumerate(graph.nodes)}).values()
     names = {c.name for c in calls if isinstance(c.kernel, TileLangKernel)}
     assert names == ({"rms_norm_tilelang", "hc_collapse_rms_norm_tilelang"} if available() else set())
     monkeypatch.setenv("DEEPINFER_TILELANG", "0")
     _, plan = planned("smooth")
-    assert all(n.static["kernel"] == "triton" for n in plan.kernel_nodes() if n.op in ops)
+    assert all(n.variant.backend == "triton" for n in plan.kernel_nodes() if n.op in ops)

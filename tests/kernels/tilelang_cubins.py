@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 
 from graphs.aot import build, kernel_source
+from kernels.hyper.collapse_tilelang import hc_collapse_rms_norm
 from kernels.launch import Launch, use_launcher
-from kernels.tilelang.build import available
-from kernels.tilelang.hyper import hc_collapse_rms_norm
-from kernels.tilelang.rms_norm import rms_norm
+from kernels.norm.rms_norm_tilelang import rms_norm
+from kernels.tilelang_build import available
 from tests.kernels.cases import HIDDEN, Q_LORA
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,0 +1,60 @@
+"""The attention's lowering: sparse attention with sink over each query's window and selected compressed entries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels.attention.sparse_attention as attention
+from dsl.graph import Node
+from kernels.lowering import PLAIN, Call, Lowering, Params, Static, Variant, meta, param, token_planes
+
+
+@dataclass(frozen=True)
+class HeadsStatic(Static):
+    """Queries [N, h, d]."""
+
+    h: int
+    d: int
+
+
+class SparseAttention(Lowering):
+    template, ops, static_type, sources = "sparse_attention", ("sparse_attention",), HeadsStatic, (attention,)
+
+    def static(self, node: Node, params: Params) -> HeadsStatic | None:
+        planes = token_planes(node.inputs[0].type)
+        return None if planes is None or param(node, 2, params) is None else HeadsStatic(*planes)  # the sink a weight
+
+    def formats(self, static: HeadsStatic) -> dict[int, str]:
+        return {2: "fp32"}
+
+    def default_config(self, static: HeadsStatic, tokens: int, variant: Variant = PLAIN,
+                       gemms: tuple[str, ...] = ()) -> dict:
+        return attention.default_config(tokens, static.h, static.d)
+
+    def run(self, call: Call) -> torch.Tensor:
+        q, window, sink, compressed, topk = (list(call.args) + [None, None])[:5]
+        a = call.attrs
+        return attention.sparse_attention_op(q, window, sink, compressed, topk, window_size=a["window_size"],
+                                             scale=a["scale"], ctx=call.ctx, causal=a.get("causal", True),
+                                             config=call.config, dot_fp32=call.dot_fp32)
+
+    def trace(self, call: Call) -> None:
+        st, m = call.static, call.tokens
+        dtype = torch.float32 if call.dot_fp32 else torch.bfloat16
+        attention.sparse_attention(meta(m, st.h, st.d, dtype=dtype), meta(1, st.d, dtype=dtype),
+                                   meta(m, 1, dtype=torch.int32), meta(st.h), scale=call.attrs["scale"],
+                                   config=call.config, dot_fp32=call.dot_fp32)
+
+    def invariant(self, config: dict) -> dict:
+        """One part per token. The wrapper sizes the parts of a split from the widest entry list of the batch, so a
+        token's part boundaries (and the combine's sum) would move with its neighbours; whole, a token's entries run
+        in blocks of block_S from its first, and the blocks past its own entries are masked out exactly."""
+        return dict(config, split_kv=1)
+
+
+SPARSE_ATTENTION = SparseAttention()
+LOWERINGS = (SPARSE_ATTENTION,)
+
+__all__ = ["LOWERINGS", "SPARSE_ATTENTION", "HeadsStatic"]

@@ -1,0 +1,4 @@
+"""The compressor family.
+
+    pool.py   the compressor's pooling of completed groups into entries
+"""

@@ -1,0 +1,194 @@
+"""Hyper-connections: the mixes (RMS-normalised projection of the flattened streams, then Sinkhorn), the collapse
+fused with the sub-layer's RMSNorm, and the stream update.
+
+`hc_mixes` is a reduction over hc*D = 20480 values per token against a [24, 20480] projection (padded to 32 rows,
+multiplied as tf32x3 on the tensor cores: fp32 FMA products in `tl.dot` are many times slower): for a handful of
+decode tokens that is too little work for one program per token, so K is split into fixed ranges (partial
+products and sums of squares to a workspace) and a second kernel sums them in order, scales by the row's
+rsqrt, and runs the sigmoids, the row softmax and Sinkhorn on a 4 x 4 tile in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.lang import tl, triton
+from kernels.launch import launch
+
+
+@triton.jit(do_not_specialize=["M"])
+def hc_mixes_partial_kernel(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, KTOT: tl.constexpr, NOUT: tl.constexpr,
+                            K_PER_SPLIT: tl.constexpr, block_O: tl.constexpr, block_M: tl.constexpr,
+                            block_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_m = pid_m * block_M + tl.arange(0, block_M)
+    offs_o = tl.arange(0, block_O)
+    offs_k = tl.arange(0, block_K)
+    mask_m = offs_m < M
+    acc = tl.zeros([block_M, block_O], dtype=tl.float32)
+    ss = tl.zeros([block_M], dtype=tl.float32)
+    for k0 in range(0, K_PER_SPLIT, block_K):
+        ks = split * K_PER_SPLIT + k0 + offs_k
+        mask_k = ks < KTOT
+        x = tl.load(h_ptr + offs_m[:, None].to(tl.int64) * KTOT + ks[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                    other=0.0)  # [block_M, block_K]
+        f = tl.load(fn_ptr + offs_o[:, None] * KTOT + ks[None, :], mask=(offs_o[:, None] < NOUT) & mask_k[None, :],
+                    other=0.0)  # [block_O, block_K], rows of fn read along K
+        # three tf32 products (hi*hi + hi*lo + lo*hi) on the tensor cores: fp32 accuracy, which Sinkhorn needs
+        acc = tl.dot(x, tl.trans(f), acc, input_precision="tf32x3")
+        ss += tl.sum(x * x, axis=1)
+    ws = ws_ptr + split * M * block_O
+    tl.store(ws + offs_m[:, None] * block_O + offs_o[None, :], acc, mask=mask_m[:, None])
+    tl.store(ss_ptr + split * M + offs_m, ss, mask=mask_m)
+
+
+@triton.jit(do_not_specialize=["M"])
+def hc_mixes_finish_kernel(ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, M,
+                           HC: tl.constexpr, KTOT: tl.constexpr, SPLIT_K: tl.constexpr, ITERS: tl.constexpr,
+                           EPS: tl.constexpr, NORM_EPS: tl.constexpr, block_O: tl.constexpr):
+    row = tl.program_id(0)
+    i = tl.arange(0, HC)
+    jk = tl.arange(0, HC)[:, None] * HC + tl.arange(0, HC)[None, :]  # comb[j, k] = m[2*HC + j*HC + k]
+    ss = 0.0
+    m_pre = tl.zeros([HC], dtype=tl.float32)
+    m_post = tl.zeros([HC], dtype=tl.float32)
+    m_comb = tl.zeros([HC, HC], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        ws = ws_ptr + (s * M + row) * block_O
+        ss += tl.load(ss_ptr + s * M + row)
+        m_pre += tl.load(ws + i)
+        m_post += tl.load(ws + HC + i)
+        m_comb += tl.load(ws + 2 * HC + jk)
+    r = tl.rsqrt(ss / KTOT + NORM_EPS)  # the flattened streams' RMS norm, applied after the projection
+    pre = tl.sigmoid(m_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + i)) + EPS
+    post = 2.0 * tl.sigmoid(m_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i))
+    c = m_comb * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * HC + jk)
+    c = tl.exp(c - tl.max(c, axis=1)[:, None])
+    c = c / tl.sum(c, axis=1)[:, None] + EPS
+    c = c / (tl.sum(c, axis=0)[None, :] + EPS)
+    for _ in range(ITERS - 1):
+        c = c / (tl.sum(c, axis=1)[:, None] + EPS)
+        c = c / (tl.sum(c, axis=0)[None, :] + EPS)
+    tl.store(pre_ptr + row * HC + i, pre)
+    tl.store(post_ptr + row * HC + i, post)
+    tl.store(comb_ptr + row * HC * HC + jk, c)
+
+
+@triton.jit
+def hc_collapse_rms_norm_kernel(h_ptr, pre_ptr, w_ptr, out_ptr, HC: tl.constexpr, D: tl.constexpr,
+                                EPS: tl.constexpr, NORM: tl.constexpr, block_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, block_D)
+    mask = offs < D
+    x = tl.zeros([block_D], dtype=tl.float32)
+    for k in tl.static_range(HC):
+        x += tl.load(pre_ptr + row * HC + k) * tl.load(h_ptr + (row * HC + k) * D + offs, mask=mask, other=0.0)
+    if NORM:
+        x = x * tl.rsqrt(tl.sum(x * x, axis=0) / D + EPS) * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * D + offs, x, mask=mask)
+
+
+@triton.jit
+def hc_expand_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, HC: tl.constexpr, D: tl.constexpr,
+                     block_D: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * block_D + tl.arange(0, block_D)
+    mask = offs < D
+    ks = tl.arange(0, HC)
+    y = tl.load(y_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.load(post_ptr + row * HC + ks)[:, None] * y[None, :]  # [HC, block_D]
+    for j in tl.static_range(HC):
+        hj = tl.load(h_ptr + (row * HC + j) * D + offs, mask=mask, other=0.0)
+        acc += tl.load(comb_ptr + row * HC * HC + j * HC + ks)[:, None] * hj[None, :]
+    tl.store(out_ptr + (row * HC + ks[:, None]) * D + offs[None, :], acc, mask=mask[None, :])
+
+
+def _check_streams(h: torch.Tensor, what: str) -> None:
+    if h.dim() != 3 or h.dtype != torch.float32 or not h.is_contiguous():
+        raise ValueError(f"{what} needs contiguous float32 streams [N, hc, D], got {h.dtype} {list(h.shape)}")
+    hc = h.shape[1]
+    if hc & (hc - 1):
+        raise ValueError(f"{what} needs a power-of-two stream count, got {hc}")
+
+
+def mixes_config(m: int, ktot: int, num_sms: int = 132) -> dict:
+    # many tokens: 64 per program, so the [32, hc*D] projection is re-read from L2 4x less
+    block_m, block_k = (16, 64) if m <= 64 else (64, 64)  # tf32x3 keeps three operand splits live: 256 spills
+    tiles = triton.cdiv(m, block_m)
+    split = 1
+    while tiles * split < num_sms and ktot // (split * 2) >= 4 * block_k and split < 64:
+        split *= 2
+    return {"block_M": block_m, "block_K": block_k, "split_k": split, "num_warps": 4 if m <= 64 else 8,
+            "num_stages": 3}
+
+
+def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, iters: int, eps: float,
+             norm_eps: float, config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pre [N, hc], post [N, hc], comb [N, hc, hc] (fp32) from streams h [N, hc, D] (contiguous fp32).
+
+    fn [(2 + hc) * hc, hc * D], scale [3], base [(2 + hc) * hc], all fp32 and contiguous.
+    """
+    _check_streams(h, "hc_mixes")
+    n, hc, d = h.shape
+    nout, ktot = (2 + hc) * hc, hc * d
+    for t, shape in ((fn, (nout, ktot)), (scale, (3,)), (base, (nout,))):
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"hc_mixes needs contiguous float32 {list(shape)}, got {t.dtype} {list(t.shape)}")
+    config = config or mixes_config(max(n, 1), ktot)
+    pre = torch.empty(n, hc, dtype=torch.float32, device=h.device)
+    post = torch.empty(n, hc, dtype=torch.float32, device=h.device)
+    comb = torch.empty(n, hc, hc, dtype=torch.float32, device=h.device)
+    if n == 0:
+        return pre, post, comb
+    split, block_k, block_o = config["split_k"], config["block_K"], max(16, triton.next_power_of_2(nout))
+    k_per_split = triton.cdiv(triton.cdiv(ktot, split), block_k) * block_k
+    ws = torch.empty(split, n, block_o, dtype=torch.float32, device=h.device)
+    ss = torch.empty(split, n, dtype=torch.float32, device=h.device)
+    launch(hc_mixes_partial_kernel, (triton.cdiv(n, config["block_M"]), split), (h, fn, ws, ss, n),
+           dict(KTOT=ktot, NOUT=nout, K_PER_SPLIT=k_per_split, block_O=block_o, block_M=config["block_M"],
+                block_K=block_k), config["num_warps"], config["num_stages"])
+    launch(hc_mixes_finish_kernel, (n,), (ws, ss, scale, base, pre, post, comb, n),
+           dict(HC=hc, KTOT=ktot, SPLIT_K=split, ITERS=iters, EPS=eps, NORM_EPS=norm_eps, block_O=block_o), 1, 1)
+    return pre, post, comb
+
+
+def hc_collapse_rms_norm(h: torch.Tensor, pre: torch.Tensor, w: torch.Tensor | None = None, *,
+                         eps: float = 0.0, norm: bool = True) -> torch.Tensor:
+    """sum_k pre[:, k] * h[:, k], then (when `norm`) w * x * rsqrt(mean(x^2) + eps): h [N, hc, D] fp32,
+    pre [N, hc] fp32, w [D]. Returns fp32 [N, D]; one read of the streams."""
+    _check_streams(h, "hc_collapse")
+    n, hc, d = h.shape
+    if tuple(pre.shape) != (n, hc) or pre.dtype != torch.float32 or not pre.is_contiguous():
+        raise ValueError(f"pre must be contiguous float32 [{n}, {hc}], got {pre.dtype} {list(pre.shape)}")
+    if norm and (w is None or tuple(w.shape) != (d,) or not w.is_contiguous()):
+        raise ValueError(f"the norm weight must be contiguous [{d}]")
+    out = torch.empty(n, d, dtype=torch.float32, device=h.device)
+    if n == 0:
+        return out
+    block_d = triton.next_power_of_2(d)
+    launch(hc_collapse_rms_norm_kernel, (n,), (h, pre, w if norm else pre, out),
+           dict(HC=hc, D=d, EPS=eps, NORM=norm, block_D=block_d), 4 if block_d <= 2048 else 8, 1)
+    return out
+
+
+def hc_expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """New streams out[:, k] = post[:, k] * y + sum_j comb[:, j, k] * h[:, j]: y [N, D] fp32/bf16,
+    h [N, hc, D] fp32, post [N, hc], comb [N, hc, hc] fp32, all contiguous. Returns fp32 [N, hc, D]."""
+    _check_streams(h, "hc_expand")
+    n, hc, d = h.shape
+    if tuple(y.shape) != (n, d) or not y.is_contiguous() or y.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"y must be contiguous float32/bfloat16 [{n}, {d}], got {y.dtype} {list(y.shape)}")
+    for t, shape in ((post, (n, hc)), (comb, (n, hc, hc))):
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"hc_expand needs contiguous float32 {list(shape)}, got {t.dtype} {list(t.shape)}")
+    out = torch.empty(n, hc, d, dtype=torch.float32, device=h.device)
+    if n == 0:
+        return out
+    block_d = min(1024, triton.next_power_of_2(d))
+    launch(hc_expand_kernel, (n, triton.cdiv(d, block_d)), (y, h, post, comb, out), dict(HC=hc, D=d, block_D=block_d),
+           4, 1)
+    return out
+
+
+__all__ = ["hc_mixes", "hc_collapse_rms_norm", "hc_expand", "mixes_config"]

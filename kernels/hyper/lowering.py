@@ -1,0 +1,110 @@
+"""The hyper-connections' lowerings: the mixes (Sinkhorn), collapse + RMSNorm (TileLang's kernel, collapse_tilelang.py,
+or Triton's, as the target's backends and this machine say; written as e4m3 rows where only fp8-activation linears
+read it, kernels/norm/e4m3.py), and the stream update."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels.hyper.collapse_tilelang as collapse_tilelang
+import kernels.hyper.hyper as hyper
+import kernels.norm.e4m3 as e4m3
+from dsl.graph import Node
+from kernels.lowering import PLAIN, TILELANG, TRITON, Call, Lowering, Params, Static, Variant, meta, token_planes
+
+
+@dataclass(frozen=True)
+class StreamsStatic(Static):
+    """Streams [N, hc, d]."""
+
+    hc: int
+    d: int
+
+
+class _Streams(Lowering):
+    static_type = StreamsStatic
+    sources = (hyper,)
+
+    def static(self, node: Node, params: Params) -> StreamsStatic | None:
+        planes = token_planes(node.inputs[1 if node.op == "hc_expand" else 0].type)
+        return None if planes is None else StreamsStatic(*planes)
+
+    def default_config(self, static: StreamsStatic, tokens: int, variant: Variant = PLAIN,
+                       gemms: tuple[str, ...] = ()) -> dict:
+        return {}
+
+
+class HcMixes(_Streams):
+    template, ops = "hc_mixes", ("hc_mixes",)
+
+    def formats(self, static: StreamsStatic) -> dict[int, str]:
+        return {1: "fp32", 2: "fp32", 3: "fp32"}
+
+    def default_config(self, static: StreamsStatic, tokens: int, variant: Variant = PLAIN,
+                       gemms: tuple[str, ...] = ()) -> dict:
+        return hyper.mixes_config(tokens, static.hc * static.d)
+
+    def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h, fn, scale, base = call.args
+        return self._mixes(call, h.contiguous(), fn, scale, base)
+
+    def trace(self, call: Call) -> None:
+        hc, d = call.static.hc, call.static.d
+        nout = (2 + hc) * hc
+        self._mixes(call, meta(call.tokens, hc, d), meta(nout, hc * d), meta(3), meta(nout))
+
+    @staticmethod
+    def _mixes(call: Call, h, fn, scale, base) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        a = call.attrs
+        return hyper.hc_mixes(h, fn, scale, base, iters=a["iters"], eps=a["eps"], norm_eps=a["norm_eps"],
+                              config=call.config)
+
+
+class HcCollapseRmsNorm(_Streams):
+    template, ops = "hc_collapse_rms_norm", ("hc_collapse_rms_norm",)
+    sources, backends, writes_e4m3 = (hyper, collapse_tilelang), (TILELANG, TRITON), True
+
+    def formats(self, static: StreamsStatic) -> dict[int, str]:
+        return {2: "fp32"}
+
+    def default_config(self, static: StreamsStatic, tokens: int, variant: Variant = PLAIN,
+                       gemms: tuple[str, ...] = ()) -> dict:
+        return collapse_tilelang.default_config(static.d) if variant.backend == TILELANG else {}
+
+    def run(self, call: Call) -> torch.Tensor:
+        h, pre, w = call.args[0].contiguous(), call.args[1], call.args[2]
+        if pre.dim() == 1:  # the first site's one-hot `hc_stream0` [hc], the same for every token
+            pre = pre.float().expand(h.shape[0], -1)
+        return self._collapse(call, h, pre.contiguous(), w)
+
+    def trace(self, call: Call) -> None:
+        st, m = call.static, call.tokens
+        self._collapse(call, meta(m, st.hc, st.d), meta(m, st.hc), meta(st.d))
+
+    @staticmethod
+    def _collapse(call: Call, h, pre, w) -> torch.Tensor:
+        eps = call.attrs["eps"]
+        if call.variant.e4m3_out:
+            return e4m3.hc_collapse_rms_norm_e4m3(h, pre, w, eps=eps)
+        if call.variant.backend == TILELANG:
+            return collapse_tilelang.hc_collapse_rms_norm(h, pre, w, eps=eps, config=call.config)
+        return hyper.hc_collapse_rms_norm(h, pre, w, eps=eps)
+
+
+class HcExpand(_Streams):
+    template, ops = "hc_expand", ("hc_expand",)
+
+    def run(self, call: Call) -> torch.Tensor:
+        return hyper.hc_expand(*(a.contiguous() for a in call.args))
+
+    def trace(self, call: Call) -> None:
+        st, m = call.static, call.tokens
+        hyper.hc_expand(meta(m, st.d), meta(m, st.hc, st.d), meta(m, st.hc), meta(m, st.hc, st.hc))
+
+
+HC_MIXES, HC_COLLAPSE_RMS_NORM, HC_EXPAND = HcMixes(), HcCollapseRmsNorm(), HcExpand()
+LOWERINGS = (HC_MIXES, HC_COLLAPSE_RMS_NORM, HC_EXPAND)
+
+__all__ = ["HC_COLLAPSE_RMS_NORM", "HC_EXPAND", "HC_MIXES", "LOWERINGS", "StreamsStatic"]

@@ -1,0 +1,118 @@
+"""The sparse indexer's scores: every query token against its chunk's compressed keys, in a fixed order.
+
+score(t, s) = sum_h w_h(t) * relu(q_h(t) . k(s)) / sqrt(d) * H^-0.5, -inf where entry s is not complete at the
+token's position p ((p + 1) // ratio <= s) or lies past its chunk's cache (`dsl.ops.indexer.index_scores`). A
+program takes one token and `block_L` of its chunk's entries, counted from the chunk's first: it multiplies
+`block_H` heads by the entries' keys in `block_D` steps over d (tl.dot), takes relu, weights the heads and sums
+them, head block after head block. Every step is fixed by the config and the entry's index in its chunk, never by
+the token count or the other chunks' caches, so a token's scores are bitwise the same in any batch; the torch
+reference's padded GEMMs (cuBLAS picks kernels by shape) are not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsl.context import cast
+from kernels.lang import tl, triton
+from kernels.launch import launch
+
+
+@triton.jit(do_not_specialize=["C"])
+def index_scores_kernel(q_ptr, w_ptr, k_ptr, start_ptr, length_ptr, pos_ptr, out_ptr, C, H: tl.constexpr,
+                        D: tl.constexpr, RATIO: tl.constexpr, D_SCALE: tl.constexpr, H_SCALE: tl.constexpr,
+                        DOT_FP32: tl.constexpr, block_H: tl.constexpr, block_D: tl.constexpr,
+                        block_L: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * block_L
+    offs_l = first + tl.arange(0, block_L)
+    start = tl.load(start_ptr + t).to(tl.int64)  # the chunk's first key row
+    visible = tl.minimum((tl.load(pos_ptr + t) + 1) // RATIO, tl.load(length_ptr + t))
+    keep = offs_l < visible
+    total = tl.zeros([block_L], dtype=tl.float32)
+    if first < visible:  # blocks past the visible entries only write -inf
+        for h0 in tl.static_range(0, H, block_H):
+            heads = h0 + tl.arange(0, block_H)
+            mask_h = heads < H
+            acc = tl.zeros([block_H, block_L], dtype=tl.float32)
+            for d0 in tl.static_range(0, D, block_D):
+                offs_d = d0 + tl.arange(0, block_D)
+                mask_d = offs_d < D
+                q = tl.load(q_ptr + (t * H + heads)[:, None] * D + offs_d[None, :],
+                            mask=mask_h[:, None] & mask_d[None, :], other=0.0)  # [block_H, block_D]
+                k = tl.load(k_ptr + (start + offs_l)[None, :] * D + offs_d[:, None],
+                            mask=keep[None, :] & mask_d[:, None], other=0.0)  # [block_D, block_L]
+                if DOT_FP32:
+                    acc = tl.dot(q.to(tl.float32), k.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(q.to(tl.bfloat16), k.to(tl.bfloat16), acc)
+            w = tl.load(w_ptr + t * H + heads, mask=mask_h, other=0.0) * H_SCALE  # [block_H]
+            total += tl.sum(tl.maximum(acc, 0.0) * D_SCALE * w[:, None], axis=0)
+    tl.store(out_ptr + t * C + offs_l, tl.where(keep, total, float("-inf")), mask=offs_l < C)
+
+
+def default_config(num_tokens: int, heads: int, dim: int) -> dict:
+    """All heads (up to 64) in one tile and d in steps of up to 128, so a tile of keys is read once per head block;
+    prefill-sized batches take wider entry blocks. Any config is batch-invariant."""
+    block_h = max(16, min(64, triton.next_power_of_2(heads)))
+    block_d = max(16, min(128, triton.next_power_of_2(dim)))
+    wide = num_tokens >= 512
+    return {"block_H": block_h, "block_D": block_d, "block_L": 128 if wide else 64, "num_warps": 8 if wide else 4,
+            "num_stages": 2}
+
+
+def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start: torch.Tensor,
+                 length: torch.Tensor, positions: torch.Tensor, *, ratio: int, width: int, config: dict | None = None,
+                 dot_fp32: bool = False) -> torch.Tensor:
+    """Scores fp32 [N, width]: token t against keys[start[t] : start[t] + length[t]], -inf past them and where
+    (positions[t] + 1) // ratio <= s.
+
+    q [N, H, d] float32/bfloat16, weights [N, H] float32, keys [P, d] float32/bfloat16, start, length and
+    positions int32 [N]; all contiguous. bf16 products unless `dot_fp32`.
+    """
+    if q.dim() != 3 or keys.dim() != 2 or keys.shape[1] != q.shape[2] or weights.shape != q.shape[:2]:
+        raise ValueError(f"shapes q {list(q.shape)}, weights {list(weights.shape)}, keys {list(keys.shape)} do not "
+                         "match")
+    for name, v in (("q", q), ("keys", keys)):
+        if v.dtype not in (torch.float32, torch.bfloat16):
+            raise TypeError(f"{name} must be float32/bfloat16, got {v.dtype}")
+    if weights.dtype != torch.float32:
+        raise TypeError(f"weights must be float32, got {weights.dtype}")
+    n, h, d = q.shape
+    for name, v in (("start", start), ("length", length), ("positions", positions)):
+        if v.dtype != torch.int32 or tuple(v.shape) != (n,):
+            raise ValueError(f"{name} must be int32 [{n}], got {v.dtype} {list(v.shape)}")
+    if ratio < 1 or width < 0:
+        raise ValueError(f"ratio must be >= 1 and width >= 0, got {ratio} and {width}")
+    if not all(v.is_contiguous() for v in (q, weights, keys, start, length, positions)):
+        raise ValueError("index_scores needs contiguous inputs")
+    config = config or default_config(n, h, d)
+    out = torch.empty(n, width, dtype=torch.float32, device=q.device)
+    if n == 0 or width == 0:
+        return out
+    launch(index_scores_kernel, (n, triton.cdiv(width, config["block_L"])),
+           (q, weights, keys, start, length, positions, out, width),
+           {"H": h, "D": d, "RATIO": ratio, "D_SCALE": d**-0.5, "H_SCALE": h**-0.5, "DOT_FP32": dot_fp32,
+            "block_H": config["block_H"], "block_D": config["block_D"], "block_L": config["block_L"]},
+           config["num_warps"], config["num_stages"])
+    return out
+
+
+def index_scores_op(q: torch.Tensor, weights: torch.Tensor, keys, *, ratio: int, ctx, config: dict | None = None,
+                    dot_fp32: bool = False) -> torch.Tensor:
+    """The DSL op `index_scores` (same arguments) on the kernel: `keys` a `dsl.ops.attention.CacheView`, read flat;
+    each token finds its chunk's keys through `ctx.row_chunks`. q [N, H, d] -> fp32 [N, C], C the longest cache."""
+    dtype = torch.float32 if dot_fp32 else torch.bfloat16
+
+    def rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # per token: its keys' start and count, position
+        length, offset, _ = keys.layout(q.device)
+        chunk = ctx.row_chunks
+        return offset[chunk].int(), length[chunk].int(), ctx.positions.int()
+    start, length, positions = ctx.memo(("score rows", tuple(keys.lengths)), rows)  # every layer's, for a layout
+    return index_scores(cast(q, dtype).contiguous(), cast(weights, torch.float32).contiguous(),
+                        cast(keys.flat(), dtype).contiguous(),
+                        start, length, positions, ratio=ratio, width=max(keys.lengths, default=0), config=config,
+                        dot_fp32=dot_fp32)
+
+
+__all__ = ["default_config", "index_scores", "index_scores_kernel", "index_scores_op"]

@@ -1,0 +1,184 @@
+"""Linear for decode shapes (1 to 64 tokens) and beyond: out = x @ W.T over bf16/fp32 or fp8 32x32-block weights.
+
+The weight is the large operand, so a program owns `block_N` output features and streams their rows of W once;
+the few tokens ride along as the narrow side of the product (out^T = W x^T, "swap AB"). fp8 weights are converted
+to bf16 in registers; their power-of-two block scales multiply the activations instead (exact): a tile of
+`block_N` rows (a multiple of 32) is multiplied as block_N/32 batched products, one per 32-row scale block. For
+many tokens (`fp8_dequant_w`) the scales multiply W in registers instead and the product is one 2-D dot.
+When there are too few output tiles to fill the GPU, K is split into `split_k` fixed ranges written to a
+workspace and summed in a fixed order by a second kernel, so the result does not depend on the batch.
+`groups` runs a block-diagonal linear (wo_a): group g maps x[:, g*K:(g+1)*K] through rows g*N..(g+1)*N-1 of W.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.lang import tl, triton
+from kernels.launch import launch
+
+SCALE_BLOCK = 32
+
+
+@triton.jit(do_not_specialize=["M"])
+def linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M,
+                  N: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr, SCALE_COLS: tl.constexpr,
+                  FP8: tl.constexpr, FP8_DEQ_W: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT_K: tl.constexpr,
+                  K_PER_SPLIT: tl.constexpr,
+                  block_M: tl.constexpr, block_N: tl.constexpr, block_K: tl.constexpr):
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_z = tl.program_id(2)
+    g = pid_z // SPLIT_K
+    split = pid_z % SPLIT_K
+    offs_n = pid_n * block_N + tl.arange(0, block_N)
+    offs_m = pid_m * block_M + tl.arange(0, block_M)
+    offs_k = tl.arange(0, block_K)
+    rows = g * N + offs_n  # rows of W
+    mask_n = offs_n < N
+    mask_m = offs_m < M
+    R: tl.constexpr = max(block_N // 32, 1)  # fp8: the tile's 32-row scale blocks
+    srows = (g * N + pid_n * block_N) // 32 + tl.arange(0, R)
+    if FP8 and not FP8_DEQ_W:
+        acc = tl.zeros([R, 32, block_M], dtype=tl.float32)  # out^T tile, by scale block
+    else:
+        acc = tl.zeros([block_N, block_M], dtype=tl.float32)  # out^T tile
+    k_begin = split * K_PER_SPLIT
+    for k0 in range(0, K_PER_SPLIT, block_K):
+        ks = k_begin + k0 + offs_k
+        mask_k = ks < K
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :], mask=mask_n[:, None] & mask_k[None, :],
+                    other=0.0)  # [block_N, block_K]
+        x = tl.load(x_ptr + offs_m[None, :].to(tl.int64) * (GROUPS * K) + (g * K + ks)[:, None],
+                    mask=mask_m[None, :] & mask_k[:, None], other=0.0).to(tl.float32)  # [block_K, block_M]
+        if FP8 and FP8_DEQ_W:
+            # many tokens: scale W itself (one multiply per weight) so the product is one 2-D tensor-core dot
+            s = tl.load(s_ptr + srows[:, None] * SCALE_COLS + (ks // 32)[None, :],
+                        mask=(srows[:, None] * 32 < (g + 1) * N) & mask_k[None, :], other=0.0)  # [R, block_K]
+            sw = tl.reshape(tl.broadcast_to(s[:, None, :], [R, 32, block_K]), [block_N, block_K])
+            if DOT_FP32:
+                acc = tl.dot(w.to(tl.float32) * sw, x, acc, input_precision="ieee")
+            else:
+                acc = tl.dot((w.to(tl.float32) * sw).to(tl.bfloat16), x.to(tl.bfloat16), acc)
+        elif FP8:
+            # each 32-row block of the tile has its own row of block scales: scale a copy of x per block (a power
+            # of two, so exact) and multiply block by block, leaving W's codes to convert straight to bf16
+            s = tl.load(s_ptr + srows[:, None] * SCALE_COLS + (ks // 32)[None, :],
+                        mask=(srows[:, None] * 32 < (g + 1) * N) & mask_k[None, :], other=0.0)  # [R, block_K]
+            xs = x[None, :, :] * s[:, :, None]  # [R, block_K, block_M]
+            w3 = tl.reshape(w, [R, 32, block_K])
+            if DOT_FP32:
+                acc = tl.dot(w3.to(tl.float32), xs, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w3.to(tl.bfloat16), xs.to(tl.bfloat16), acc)
+        elif DOT_FP32:
+            acc = tl.dot(w.to(tl.float32), x, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w.to(tl.bfloat16), x.to(tl.bfloat16), acc)
+    if FP8 and not FP8_DEQ_W:
+        acc = tl.reshape(acc, [block_N, block_M])
+    out = out_ptr + split * M * (GROUPS * N)
+    tl.store(out + offs_m[None, :] * (GROUPS * N) + rows[:, None], acc, mask=mask_n[:, None] & mask_m[None, :])
+
+
+@triton.jit(do_not_specialize=["total"])
+def splitk_reduce_kernel(ws_ptr, out_ptr, total, SPLIT_K: tl.constexpr, block: tl.constexpr):
+    offs = tl.program_id(0) * block + tl.arange(0, block)
+    mask = offs < total
+    acc = tl.zeros([block], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):  # fixed order: the sum does not depend on timing or batch
+        acc += tl.load(ws_ptr + s * total + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc, mask=mask)
+
+
+SMEM_BUDGET = 200 * 1024  # of the 227 KB a block may use on sm_90 / sm_100
+
+
+def default_config(m: int, n: int, k: int, groups: int = 1, fp8: bool = False, num_sms: int = 132,
+                   x_bytes: int = 4, w_bytes: int = 2) -> dict:
+    """The heuristic tile for a token count `m` (a bucket's upper end) and a weight of `groups` x [n, k].
+
+    Decode (m <= 64): 64 output rows per program, K streamed in 256-wide stages, split-K until
+    there are two programs per SM. Larger m: 64 x 128 tiles. The pipelined W and x tiles fit `SMEM_BUDGET`.
+    """
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_n = 64 if m <= 64 else 128
+    block_k = (128 if fp8 else 256) if m <= 64 else 64  # fp8 at 256 spills: one x copy per scale block
+    stages = 3 if m <= 64 else 4
+    w_bytes = 1 if fp8 else w_bytes
+    while stages * block_k * (block_n * w_bytes + block_m * x_bytes) > SMEM_BUDGET and block_k > 64:
+        block_k //= 2
+    while stages * block_k * (block_n * w_bytes + block_m * x_bytes) > SMEM_BUDGET and stages > 2:
+        stages -= 1
+    tiles = triton.cdiv(n, block_n) * groups * triton.cdiv(m, block_m)
+    split = 1
+    while tiles * split < 2 * num_sms and k // (split * 2) >= 2 * block_k:
+        split *= 2
+    warps = 8 if fp8 and block_m >= 32 else 4  # fp8 keeps a scaled copy of x per scale block: spread it
+    config = {"block_M": block_m, "block_N": block_n, "block_K": block_k, "split_k": split,
+              "num_warps": warps, "num_stages": stages}
+    if fp8 and m > 16:
+        config["fp8_dequant_w"] = True  # W scaled in registers, one 2-D product: past 16 tokens, faster than x copies
+    return config
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, groups: int, config: dict) -> None:
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"linear needs x [M, G*K] and w [G*N, K], got {list(x.shape)} and {list(w.shape)}")
+    if w.shape[0] % groups or x.shape[1] != groups * w.shape[1]:
+        raise ValueError(f"x {list(x.shape)} and w {list(w.shape)} do not make {groups} groups")
+    if x.dtype not in (torch.float32, torch.bfloat16):
+        raise TypeError(f"x must be float32 or bfloat16, got {x.dtype}")
+    if not (x.is_contiguous() and w.is_contiguous()):
+        raise ValueError("linear needs contiguous x and w")
+    if x.device != w.device:
+        raise ValueError(f"x is on {x.device}, w on {w.device}")
+    if w.dtype == torch.float8_e4m3fn:
+        n, k = w.shape
+        want = (triton.cdiv(n, SCALE_BLOCK), triton.cdiv(k, SCALE_BLOCK))
+        if scale is None or tuple(scale.shape) != want or scale.dtype != torch.float32 or not scale.is_contiguous():
+            raise ValueError(f"an fp8 weight {list(w.shape)} needs contiguous float32 block scales {list(want)}")
+        if groups > 1 and (n // groups) % SCALE_BLOCK:
+            raise ValueError(f"fp8 groups need a multiple of 32 rows per group, got {n // groups}")
+        if config["block_N"] % SCALE_BLOCK or config["block_K"] % SCALE_BLOCK:
+            raise ValueError(f"fp8 tiles are multiples of 32 rows and columns, got {config}")
+    elif w.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"w must be bfloat16, float32 or float8_e4m3fn, got {w.dtype}")
+    elif scale is not None:
+        raise ValueError("a plain weight takes no scale")
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *, groups: int = 1,
+           config: dict | None = None, dot_fp32: bool = False) -> torch.Tensor:
+    """out [M, G*N] fp32 = x [M, G*K] @ W.T, per group g through rows g*N..(g+1)*N-1 of W [G*N, K].
+
+    x: float32 or bfloat16, contiguous. W: bfloat16 / float32, or float8_e4m3fn with `scale` float32
+    [ceil(G*N/32), ceil(K/32)] (one power-of-two scale per 32 x 32 block). Accumulates in fp32; operands are
+    rounded to bf16 unless `dot_fp32` (fp32 products, for exactness checks).
+    """
+    m = x.shape[0] if x.dim() == 2 else 0
+    n, k = w.shape[0] // groups, w.shape[1]
+    config = config or default_config(max(m, 1), n, k, groups, w.dtype == torch.float8_e4m3fn,
+                                      w_bytes=w.element_size())
+    _check(x, w, scale, groups, config)
+    out = torch.empty(m, groups * n, dtype=torch.float32, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    split, block_k = config["split_k"], config["block_K"]
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    ws = out if split == 1 else torch.empty(split, m, groups * n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, config["block_N"]), triton.cdiv(m, config["block_M"]), groups * split)
+    fp8 = w.dtype == torch.float8_e4m3fn
+    launch(linear_kernel, grid, (x, w, scale if fp8 else w, ws, m),
+           dict(N=n, K=k, GROUPS=groups, SCALE_COLS=scale.shape[1] if fp8 else 0, FP8=fp8,
+                FP8_DEQ_W=fp8 and config.get("fp8_dequant_w", False), DOT_FP32=dot_fp32,
+                SPLIT_K=split, K_PER_SPLIT=k_per_split, block_M=config["block_M"], block_N=config["block_N"],
+                block_K=block_k),
+           config["num_warps"], config["num_stages"])
+    if split > 1:
+        total = m * groups * n
+        launch(splitk_reduce_kernel, (triton.cdiv(total, 1024),), (ws, out, total), dict(SPLIT_K=split, block=1024))
+    return out
+
+
+__all__ = ["linear", "default_config", "linear_kernel", "splitk_reduce_kernel"]

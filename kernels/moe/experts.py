@@ -1,0 +1,357 @@
+"""Routed experts as two grouped GEMMs over fp4 (e2m1, a power-of-two scale per 32 inputs) or bf16 weights.
+
+Hopper has no fp4 units, so the codes are dequantized in registers. Two packed codes become a bf16 pair in one
+integer multiply and three bit operations (`_e2m1_asm`, PTX): the magnitude bits go under the bf16 exponent,
+`(code & 7) << 6`, which reads as e2m1 * 2^-126 (e = 0 lands on bf16 subnormals, exact), and one bf16x2 multiply
+by the block scale * 2^63 leaves e2m1 * scale * 2^-63, exact; the accumulator is multiplied back by 2^63 at the
+end (a power of two: the same sums). That halves GEMM 1's instructions per stage against converting through fp16
+and fp32. The even and odd input columns of a packed byte meet
+the even and odd activations in two products, so nothing is interleaved. Triton's interpreter runs no PTX: there
+(and for fp32 products) the same values come from plain integer and float operations.
+
+Routing (kernels/moe/route.py: two launches, static shapes, no host sync): the (token, slot) pairs are sorted
+by expert and laid out in blocks of `block_M` slots, each block one expert's (`rows[b*block_M + i]` = pair id or
+-1). GEMM 1 gathers each pair's token row and gives h = route_weight * silu(min(x w1, L)) * clamp(x w3, ±L) per
+pair; GEMM 2 multiplies by w2. fp4: the rows of x (a bf16 copy made first) and of h hold their even columns, then
+their odd ones, so both GEMMs load the two halves a packed byte meets contiguously (gathering x's even and odd fp32
+columns with a stride of two instead is the experts' bottleneck, bench/RESULTS.md); the k pairs of a token are summed
+at the end in slot order (`moe_sum_kernel`). A decode block holds
+one or two pairs: only the valid slots' rows of x or h are read.
+
+Split-K (decode: too few experts to fill the GPU): a GEMM's K is cut into `split_k` fixed ranges, one program
+each, whose fp32 partials are added in split order: by `moe_swiglu_kernel` before the activation (GEMM 1), by
+`moe_sum_kernel` inside each slot (GEMM 2). A pair's products depend only on its row, its expert and the config,
+not on which block or slot it lands in, so under a fixed config a token's result does not depend on the batch
+(batch-invariant runs, graphs/plan.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsl.quant import scale_to_float
+from kernels.lang import tl, triton
+from kernels.launch import launch
+from kernels.moe.route import route
+
+
+@triton.jit
+def _e2m1_asm(b):
+    # two bytes per instance -> their low and high nibbles as bf16 bits; per half: magnitude (3 bits) to bits 6..8,
+    # sign to bit 15, via one multiply by 2^6 + 2^12 of the isolated nibble (the two copies do not overlap)
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .b32 t, u;
+        prmt.b32 t, $2, 0, 0x5140;
+        and.b32 u, t, 0x000F000F;
+        mul.lo.u32 u, u, 0x1040;
+        and.b32 $0, u, 0x81C081C0;
+        and.b32 u, t, 0x00F000F0;
+        mul.lo.u32 u, u, 0x104;
+        and.b32 $1, u, 0x81C081C0;
+        }""", "=r,=r,r", [b], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=2)
+
+
+@triton.jit
+def _dequant(b, s, ASM: tl.constexpr, DOT_FP32: tl.constexpr, block_N: tl.constexpr, block_K: tl.constexpr):
+    """Packed codes b uint8 [block_N, block_K/2] and scales s [block_N, block_K/32] (fp32 powers of two, or bf16
+    scale * 2^63: `prescaled`) -> the even and odd columns' weights * 2^-63, bf16 (fp32 with DOT_FP32)."""
+    if ASM:
+        if s.dtype == tl.bfloat16:  # already the factor below
+            f = s
+        else:
+            f = (s * 9.223372036854775808e18).to(tl.bfloat16)  # scale * 2^63
+        f = tl.reshape(tl.broadcast_to(f[:, :, None], [block_N, block_K // 32, 16]), [block_N, block_K // 2])
+        lo, hi = _e2m1_asm(b)
+        return lo * f, hi * f
+    else:
+        if s.dtype == tl.bfloat16:
+            s = s.to(tl.float32) * 1.0842021724855044e-19  # * 2^-63
+        # the code as an fp16 exponent/mantissa: e2m1 * 2^-14 (e = 0 on fp16 subnormals, exact)
+        f = s * 1.7763568394002505e-15  # scale * 2^-49: with the 2^-14, the 2^-63 of the bf16 path
+        f = tl.reshape(tl.broadcast_to(f[:, :, None], [block_N, block_K // 32, 16]), [block_N, block_K // 2])
+        b = b.to(tl.int32)
+        lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * f
+        hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * f
+        if DOT_FP32:
+            return lo, hi
+        return lo.to(tl.bfloat16), hi.to(tl.bfloat16)
+
+
+@triton.jit
+def _h_column(n, N: tl.constexpr, FP4: tl.constexpr):
+    """Where GEMM 1's output column n goes in h's rows: fp4's GEMM 2 reads the even ones, then the odd ones."""
+    return (n % 2) * (N // 2) + n // 2 if FP4 else n
+
+
+@triton.jit
+def _swiglu(gate, up, route, LIMIT: tl.constexpr):
+    if LIMIT > 0:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    return gate * tl.sigmoid(gate) * up * route
+
+
+@triton.jit
+def _fp4_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, w_rows, mask_n, k_begin, K: tl.constexpr,
+                  K_PER_SPLIT: tl.constexpr, GATED: tl.constexpr, DOT_FP32: tl.constexpr, ASM: tl.constexpr,
+                  EVEN: tl.constexpr, block_M: tl.constexpr, block_N: tl.constexpr, block_K: tl.constexpr):
+    """(x w1^T, x w3^T) over inputs [k_begin, k_begin + K_PER_SPLIT) ∩ [0, K) for fp4 weights: two products per
+    weight and stage, the even and the odd input columns. The rows of x (GEMM 1) and of h (GEMM 2) hold the even
+    columns, then the odd ones (contiguous loads). Only the valid slots' rows are read: a decode block has a few.
+    EVEN: no K or N masks (block_N divides N, the splits tile K)."""
+    KP: tl.constexpr = K // 2
+    SC: tl.constexpr = K // 32
+    kh = k_begin // 2 + tl.arange(0, block_K // 2)  # packed column: inputs 2*kh (low nibble), 2*kh + 1 (high)
+    sg = k_begin // 32 + tl.arange(0, block_K // 32)
+    xa = a_ptr + a_rows[None, :] * K + kh[:, None]  # [block_K/2, block_M]; the odd columns at + K/2
+    wo = w_rows[:, None] * KP + kh[None, :]  # [block_N, block_K/2], for w1 and w3 alike
+    so = w_rows[:, None] * SC + sg[None, :]  # [block_N, block_K/32]
+    acc1 = tl.zeros([block_N, block_M], dtype=tl.float32)
+    acc3 = tl.zeros([block_N, block_M], dtype=tl.float32)
+    for _ in range(0, K_PER_SPLIT, block_K):
+        mask_k = kh < KP  # unused when EVEN
+        mask_x = valid[None, :] & (mask_k | EVEN)[:, None]
+        x_even = tl.load(xa, mask=mask_x, other=0.0).to(tl.float32)
+        x_odd = tl.load(xa + KP, mask=mask_x, other=0.0).to(tl.float32)
+        if not DOT_FP32:
+            x_even = x_even.to(tl.bfloat16)
+            x_odd = x_odd.to(tl.bfloat16)
+        for which in tl.static_range(2 if GATED else 1):
+            wp = w_ptr if which == 0 else w3_ptr
+            sp = s_ptr if which == 0 else s3_ptr
+            if EVEN:
+                b = tl.load(wp + wo)
+                s = tl.load(sp + so)
+            else:
+                b = tl.load(wp + wo, mask=mask_n[:, None] & mask_k[None, :], other=0)
+                s = tl.load(sp + so, mask=mask_n[:, None] & (sg < SC)[None, :], other=0)
+            lo, hi = _dequant(b, s, ASM, DOT_FP32, block_N, block_K)
+            if which == 0:
+                acc1 = tl.dot(lo, x_even, acc1, input_precision="ieee" if DOT_FP32 else None)
+                acc1 = tl.dot(hi, x_odd, acc1, input_precision="ieee" if DOT_FP32 else None)
+            else:
+                acc3 = tl.dot(lo, x_even, acc3, input_precision="ieee" if DOT_FP32 else None)
+                acc3 = tl.dot(hi, x_odd, acc3, input_precision="ieee" if DOT_FP32 else None)
+        xa += block_K // 2
+        wo += block_K // 2
+        so += block_K // 32
+        kh += block_K // 2
+        sg += block_K // 32
+    return acc1 * 9.223372036854775808e18, acc3 * 9.223372036854775808e18  # 2^63: the weights' 2^-63 undone
+
+
+@triton.jit
+def _plain_products(a_ptr, a_rows, valid, w_ptr, w3_ptr, w_rows, mask_n, k_begin, K: tl.constexpr,
+                    K_PER_SPLIT: tl.constexpr, GATED: tl.constexpr, DOT_FP32: tl.constexpr, block_M: tl.constexpr,
+                    block_N: tl.constexpr, block_K: tl.constexpr):
+    """(x w1^T, x w3^T) over inputs [k_begin, k_begin + K_PER_SPLIT) ∩ [0, K) for bfloat16/float32 weights."""
+    acc1 = tl.zeros([block_N, block_M], dtype=tl.float32)
+    acc3 = tl.zeros([block_N, block_M], dtype=tl.float32)
+    for k0 in range(0, K_PER_SPLIT, block_K):
+        ks = k_begin + k0 + tl.arange(0, block_K)
+        mask_k = ks < K
+        x = tl.load(a_ptr + a_rows[None, :] * K + ks[:, None], mask=valid[None, :] & mask_k[:, None],
+                    other=0.0).to(tl.float32)
+        mask_w = mask_n[:, None] & mask_k[None, :]
+        w = tl.load(w_ptr + w_rows[:, None] * K + ks[None, :], mask=mask_w, other=0.0)
+        if DOT_FP32:
+            acc1 = tl.dot(w.to(tl.float32), x, acc1, input_precision="ieee")
+        else:
+            acc1 = tl.dot(w.to(tl.bfloat16), x.to(tl.bfloat16), acc1)
+        if GATED:
+            w3 = tl.load(w3_ptr + w_rows[:, None] * K + ks[None, :], mask=mask_w, other=0.0)
+            if DOT_FP32:
+                acc3 = tl.dot(w3.to(tl.float32), x, acc3, input_precision="ieee")
+            else:
+                acc3 = tl.dot(w3.to(tl.bfloat16), x.to(tl.bfloat16), acc3)
+    return acc1, acc3
+
+
+@triton.jit
+def moe_gemm_kernel(a_ptr, rows_ptr, block_expert_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, route_ptr, out_ptr,
+                    N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, GATED: tl.constexpr, FP4: tl.constexpr,
+                    LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, ASM: tl.constexpr, SPLIT_K: tl.constexpr,
+                    K_PER_SPLIT: tl.constexpr, block_M: tl.constexpr, block_N: tl.constexpr, block_K: tl.constexpr):
+    """One expert block's [block_M slots, block_N outputs] over one K split: GEMM 1 (GATED: w1 and w3, from the
+    tokens' rows of x) or GEMM 2 (w2, from the pairs' rows of h)."""
+    pid_b = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    e = tl.load(block_expert_ptr + pid_b)
+    if e >= 0:
+        slots = pid_b * block_M + tl.arange(0, block_M)
+        pairs = tl.load(rows_ptr + slots)
+        valid = pairs >= 0
+        pairs = tl.where(valid, pairs, 0).to(tl.int64)  # empty slots compute on pair 0's row, and are not stored
+        a_rows = pairs // TOPK if GATED else pairs
+        offs_n = pid_n * block_N + tl.arange(0, block_N)
+        mask_n = offs_n < N
+        w_rows = (e * N + offs_n).to(tl.int64)
+        k_begin = split * K_PER_SPLIT
+        if FP4:
+            even = (N % block_N == 0) and (K_PER_SPLIT * SPLIT_K == K)
+            acc1, acc3 = _fp4_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, w_rows, mask_n, k_begin, K,
+                                       K_PER_SPLIT, GATED, DOT_FP32, ASM, even, block_M, block_N, block_K)
+        else:
+            acc1, acc3 = _plain_products(a_ptr, a_rows, valid, w_ptr, w3_ptr, w_rows, mask_n, k_begin, K,
+                                         K_PER_SPLIT, GATED, DOT_FP32, block_M, block_N, block_K)
+        mask_out = mask_n[:, None] & valid[None, :]
+        if GATED and SPLIT_K == 1:
+            act = _swiglu(acc1, acc3, tl.load(route_ptr + pairs)[None, :], LIMIT)
+            tl.store(out_ptr + pairs[None, :] * N + _h_column(offs_n, N, FP4)[:, None], act, mask=mask_out)
+        elif GATED:  # partials [P, SPLIT_K, 2, N]
+            out = out_ptr + ((pairs[None, :] * SPLIT_K + split) * 2) * N + offs_n[:, None]
+            tl.store(out, acc1, mask=mask_out)
+            tl.store(out + N, acc3, mask=mask_out)
+        else:  # [P, SPLIT_K, N]
+            tl.store(out_ptr + (pairs[None, :] * SPLIT_K + split) * N + offs_n[:, None], acc1, mask=mask_out)
+
+
+@triton.jit
+def moe_swiglu_kernel(ws_ptr, route_ptr, h_ptr, N: tl.constexpr, SPLIT_K: tl.constexpr, LIMIT: tl.constexpr,
+                      FP4: tl.constexpr, block_N: tl.constexpr):
+    """GEMM 1's split-K partials [P, SPLIT_K, 2, N] of one pair, added in split order, through the activation."""
+    pair = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * block_N + tl.arange(0, block_N)
+    mask = offs < N
+    gate = tl.zeros([block_N], dtype=tl.float32)
+    up = tl.zeros([block_N], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        base = ws_ptr + (pair * SPLIT_K + s) * 2 * N
+        gate += tl.load(base + offs, mask=mask, other=0.0)
+        up += tl.load(base + N + offs, mask=mask, other=0.0)
+    act = _swiglu(gate, up, tl.load(route_ptr + pair), LIMIT)
+    tl.store(h_ptr + pair * N + _h_column(offs, N, FP4), act, mask=mask)
+
+
+@triton.jit
+def moe_sum_kernel(y_ptr, out_ptr, D: tl.constexpr, TOPK: tl.constexpr, SPLIT_K: tl.constexpr,
+                   block_D: tl.constexpr):
+    """out[t] = the sum over slots, and within a slot over splits, of y [T*TOPK, SPLIT_K, D], in that order."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * block_D + tl.arange(0, block_D)
+    mask = offs < D
+    acc = tl.zeros([block_D], dtype=tl.float32)
+    for slot in tl.static_range(TOPK):
+        for s in tl.static_range(SPLIT_K):
+            acc += tl.load(y_ptr + ((t * TOPK + slot) * SPLIT_K + s) * D + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + t * D + offs, acc, mask=mask)
+
+
+def default_config(m: int, fp4: bool = True) -> dict:
+    """The heuristic tiles for a token count `m` (a bucket's upper end), the fastest of the H200 sweeps that
+    bench/RESULTS.md records. Decode (m <= 64): few experts' weights to stream, so K is split to put more programs in
+    flight (T=1: 6 experts, 216 programs for GEMM 1 unsplit): 4/2 up to 16 tokens, 2/1 up to 64, in 64 x 128 tiles
+    of block_K 128 (block_K 256 holds 200+ registers in GEMM 1: two programs per SM). Prefill: up to 512 tokens the
+    decode tiles unsplit; beyond, 64 slots a block in 128 x 64 tiles with 8 warps, so each dequantized weight tile
+    serves four times the pairs."""
+    up_split, down_split = (4, 2) if m <= 16 else (2, 1) if m <= 64 else (1, 1)
+    gemm = {"block_M": 16, "block_N": 64, "block_K": 128, "num_warps": 4, "num_stages": 3}
+    if m > 512:
+        gemm = {"block_M": 64, "block_N": 128, "block_K": 64, "num_warps": 8, "num_stages": 3}
+    return {"up": dict(gemm, split_k=up_split), "down": dict(gemm, split_k=down_split)}
+
+
+def _check(x, weights, experts, ws: list[torch.Tensor], scales: list[torch.Tensor | None]) -> bool:
+    if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
+        raise ValueError(f"x must be contiguous float32/bfloat16 [T, D], got {x.dtype} {list(x.shape)}")
+    t = x.shape[0]
+    if experts.shape != weights.shape or experts.dim() != 2 or experts.shape[0] != t:
+        raise ValueError(f"weights and experts must both be [{t}, k], got {list(weights.shape)}, {list(experts.shape)}")
+    if weights.dtype != torch.float32 or experts.dtype not in (torch.int64, torch.int32):
+        raise TypeError("weights must be float32 and experts int32/int64")
+    fp4 = ws[0].dtype == torch.uint8
+    if fp4 and len({getattr(s, "dtype", None) for s in scales}) != 1:
+        raise TypeError(f"s1, s2, s3 must share a dtype, got {[getattr(s, 'dtype', None) for s in scales]}")
+    for w, s in zip(ws, scales, strict=True):
+        if w.dim() != 3 or not w.is_contiguous() or (w.dtype == torch.uint8) != fp4:
+            raise ValueError("w1, w2, w3 must be contiguous [E, out, in] of one format")
+        if fp4:
+            e, o, half = w.shape
+            want = (e, o, triton.cdiv(2 * half, 32))
+            if s is None or tuple(s.shape) != want or s.dtype not in (torch.float32, torch.bfloat16):
+                raise ValueError(f"fp4 weight {list(w.shape)} needs scales {list(want)}: float32, or bfloat16 from "
+                                 f"`prescaled`")
+        elif w.dtype not in (torch.bfloat16, torch.float32) or s is not None:
+            raise TypeError(f"plain expert weights are bfloat16/float32 without scales, got {w.dtype}")
+    d, inter = x.shape[1], ws[0].shape[1]
+    k_mult = 2 if fp4 else 1
+    if ws[0].shape[2] * k_mult != d or ws[2].shape[1:] != ws[0].shape[1:] or ws[1].shape[1] != d \
+            or ws[1].shape[2] * k_mult != inter:
+        raise ValueError(f"expert shapes do not chain: x {list(x.shape)}, w1 {list(ws[0].shape)}, "
+                         f"w2 {list(ws[1].shape)}, w3 {list(ws[2].shape)}")
+    if fp4 and (d % 32 or inter % 32):
+        raise ValueError("fp4 experts need dims that are multiples of 32")
+    return fp4
+
+
+def prescaled(scale: torch.Tensor) -> torch.Tensor:
+    """Power-of-two scales (fp32 or ue8m0) as the bf16 factor the fp4 products multiply codes by, scale * 2^63: exact
+    for every ue8m0 scale up to 2^64, inf past it (as the kernel's own product from an fp32 scale). The kernel then
+    skips that product and its conversion, and reads 2 bytes a scale, not 4: faster at decode sizes, slower at
+    prefill ones (bench/RESULTS.md)."""
+    return (scale_to_float(scale) * 2.0**63).to(torch.bfloat16)
+
+
+def _split(gemm: dict, k: int) -> tuple[int, int]:
+    """(split count, K per split): whole block_K stages per split (the last may be shorter)."""
+    split, block_k = gemm["split_k"], gemm["block_K"]
+    if split < 1 or block_k % 32:
+        raise ValueError(f"split_k must be >= 1 and block_K a multiple of 32, got {split}, {block_k}")
+    return split, triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                w3: torch.Tensor, s1: torch.Tensor | None = None, s2: torch.Tensor | None = None,
+                s3: torch.Tensor | None = None, *, limit: float, config: dict | None = None,
+                dot_fp32: bool = False) -> torch.Tensor:
+    """sum over each token's k experts of weight * w2(silu(min(w1 x, L)) * clamp(w3 x, ±L)): x [T, D] -> fp32 [T, D].
+
+    weights fp32 [T, k], experts int [T, k]. w1, w3 [E, I, D], w2 [E, D, I]: packed fp4 (uint8, [.., in/2]) with
+    power-of-two scales [E, out, in/32] (fp32, or bf16 scale * 2^63 from `prescaled`: the same products, half the
+    scale bytes, and faster at decode), or bfloat16/float32. `config`: {"up": tiles, "down": tiles} for the
+    two GEMMs (block_M, block_N, block_K, num_warps, num_stages, split_k).
+    """
+    fp4 = _check(x, weights, experts, [w1, w2, w3], [s1, s2, s3])
+    t, topk = experts.shape
+    num_experts, inter, d = w1.shape[0], w1.shape[1], x.shape[1]
+    out = torch.empty(t, d, dtype=torch.float32, device=x.device)
+    if t == 0:
+        return out
+    config = config or default_config(t, fp4)
+    up, down = config["up"], config["down"]
+    if up["block_M"] != down["block_M"]:
+        raise ValueError("both GEMMs read one routing layout: their block_M must match")
+    (split_up, per_up), (split_down, per_down) = _split(up, d), _split(down, inter)
+    rows, block_expert = route(experts, num_experts, up["block_M"])
+    pairs, dev = t * topk, x.device
+    h = torch.empty(pairs, inter, dtype=torch.float32 if dot_fp32 else torch.bfloat16, device=dev)
+    part = h if split_up == 1 else torch.empty(pairs, split_up, 2, inter, dtype=torch.float32, device=dev)
+    y = torch.empty(pairs, split_down, d, dtype=torch.float32, device=dev)
+    # the interpreter (CPU tensors) runs no PTX; meta tensors are the AOT builder's, for the GPU
+    common = dict(TOPK=topk, FP4=fp4, LIMIT=float(limit), DOT_FP32=dot_fp32, ASM=dev.type != "cpu" and not dot_fp32,
+                  block_M=up["block_M"])
+    s1_, s2_, s3_ = (s1, s2, s3) if fp4 else (w1, w2, w3)
+    xk = x
+    if fp4:  # each row's even inputs, then its odd ones, in the products' dtype, as h is laid out for GEMM 2
+        xk = torch.cat([x[:, 0::2], x[:, 1::2]], 1).to(torch.float32 if dot_fp32 else torch.bfloat16)
+    launch(moe_gemm_kernel, (block_expert.numel(), triton.cdiv(inter, up["block_N"]), split_up),
+           (xk, rows, block_expert, w1, s1_, w3, s3_, weights, part),
+           dict(common, N=inter, K=d, GATED=True, SPLIT_K=split_up, K_PER_SPLIT=per_up, block_N=up["block_N"],
+                block_K=up["block_K"]), up["num_warps"], up["num_stages"])
+    if split_up > 1:
+        block = min(1024, triton.next_power_of_2(inter))
+        launch(moe_swiglu_kernel, (pairs, triton.cdiv(inter, block)), (part, weights, h),
+               dict(N=inter, SPLIT_K=split_up, LIMIT=float(limit), FP4=fp4, block_N=block), 4, 1)
+    launch(moe_gemm_kernel, (block_expert.numel(), triton.cdiv(d, down["block_N"]), split_down),
+           (h, rows, block_expert, w2, s2_, w2, s2_, weights, y),
+           dict(common, N=d, K=inter, GATED=False, SPLIT_K=split_down, K_PER_SPLIT=per_down,
+                block_N=down["block_N"], block_K=down["block_K"]), down["num_warps"], down["num_stages"])
+    block = min(1024, triton.next_power_of_2(d))
+    launch(moe_sum_kernel, (t, triton.cdiv(d, block)), (y, out), dict(D=d, TOPK=topk, SPLIT_K=split_down,
+                                                                       block_D=block), 4, 1)
+    return out
+
+
+__all__ = ["default_config", "moe_experts", "moe_gemm_kernel", "moe_sum_kernel", "moe_swiglu_kernel"]

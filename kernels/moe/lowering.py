@@ -1,0 +1,109 @@
+"""The MoE family's lowerings: the routed experts (experts.py, fp4 or float weights) and the gate (`moe_gate`: its
+projection on the linear family's decode GEMM in fp32 products, as the reference, since routing is discrete; then
+its scores and top-k on gate.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+import kernels.linear.linear as linear
+import kernels.moe.experts as experts
+import kernels.moe.gate as gate
+from dsl.graph import Node
+from kernels.linear.lowering import weight_format
+from kernels.lowering import PLAIN, Call, Lowering, Params, Static, Variant, meta, over_tokens, param, weight_dtype
+
+
+@dataclass(frozen=True)
+class ExpertsStatic(Static):
+    e: int  # experts
+    inter: int
+    d: int
+    topk: int
+    fmt: str  # "fp4" (packed codes, power-of-two scales per 32) | "plain"
+
+
+@dataclass(frozen=True)
+class GateStatic(Static):
+    e: int  # experts
+    d: int
+
+
+class MoeExperts(Lowering):
+    template, ops, static_type, sources = "moe_experts", ("moe_experts",), ExpertsStatic, (experts,)
+
+    def static(self, node: Node, params: Params) -> ExpertsStatic | None:
+        w1 = param(node, 3, params)
+        if w1 is None or not over_tokens(node) or w1.dim() != 3:
+            return None
+        fp4 = w1.dtype == torch.uint8
+        e, inter, k = w1.shape
+        d = 2 * k if fp4 else k
+        if not (fp4 or w1.is_floating_point()) or (fp4 and (d % 32 or inter % 32)):
+            return None
+        return ExpertsStatic(e, inter, d, int(node.inputs[2].type.shape[1]), "fp4" if fp4 else "plain")
+
+    def formats(self, static: ExpertsStatic) -> dict[int, str]:
+        if static.fmt == "fp4":
+            return {3: "raw", 4: "raw", 5: "raw", 6: "prescaled", 7: "prescaled", 8: "prescaled"}
+        return {3: "plain", 4: "plain", 5: "plain"}
+
+    def default_config(self, static: ExpertsStatic, tokens: int, variant: Variant = PLAIN,
+                       gemms: tuple[str, ...] = ()) -> dict:
+        return experts.default_config(tokens, static.fmt == "fp4")
+
+    def run(self, call: Call) -> torch.Tensor:
+        x, weights, picks, w1, w2, w3, s1, s2, s3 = call.args
+        return experts.moe_experts(x.contiguous(), weights.float().contiguous(), picks.contiguous(), w1, w2, w3, s1,
+                                   s2, s3, limit=call.attrs["limit"], config=call.config, dot_fp32=call.dot_fp32)
+
+    def trace(self, call: Call) -> None:
+        st, m = call.static, call.tokens
+        fp4, wd = st.fmt == "fp4", weight_dtype(st.fmt, call.dot_fp32)
+        w1 = meta(st.e, st.inter, st.d // 2 if fp4 else st.d, dtype=wd)
+        w2 = meta(st.e, st.d, st.inter // 2 if fp4 else st.inter, dtype=wd)
+        s1, s2 = (meta(st.e, st.inter, st.d // 32, dtype=torch.bfloat16),
+                  meta(st.e, st.d, st.inter // 32, dtype=torch.bfloat16)) if fp4 else (None, None)
+        experts.moe_experts(meta(m, st.d), meta(m, st.topk), meta(m, st.topk, dtype=torch.int64), w1, w2, w1, s1, s2,
+                            s1, limit=call.attrs["limit"], config=call.config, dot_fp32=call.dot_fp32)
+
+
+class MoeGate(Lowering):
+    """The projection's config is the tuned one (the decode GEMM's, so its source keys the cache)."""
+
+    template, ops, static_type, sources = "moe_gate", ("moe_gate",), GateStatic, (linear,)
+
+    def static(self, node: Node, params: Params) -> GateStatic | None:
+        w = param(node, 1, params)
+        if not over_tokens(node) or weight_format(w, None) != "plain" or param(node, 2, params) is None:
+            return None
+        return GateStatic(w.shape[0], w.shape[1])
+
+    def formats(self, static: GateStatic) -> dict[int, str]:
+        return {1: "fp32", 2: "fp32"}
+
+    def default_config(self, static: GateStatic, tokens: int, variant: Variant = PLAIN,
+                       gemms: tuple[str, ...] = ()) -> dict:
+        return linear.default_config(tokens, static.e, static.d, w_bytes=4)
+
+    def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+        x, w, bias = call.args
+        return self._gate(x.contiguous(), w, bias, call)
+
+    def trace(self, call: Call) -> None:
+        st = call.static
+        self._gate(meta(call.tokens, st.d), meta(st.e, st.d), meta(st.e), call)
+
+    @staticmethod
+    def _gate(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = linear.linear(x, w, config=call.config, dot_fp32=True)
+        kinds = ("topk", "func", "temp", "normalize", "scaling")
+        return gate.gate_topk(logits, bias, **{k: call.attrs[k] for k in kinds})
+
+
+MOE_EXPERTS, MOE_GATE = MoeExperts(), MoeGate()
+LOWERINGS = (MOE_EXPERTS, MOE_GATE)
+
+__all__ = ["LOWERINGS", "MOE_EXPERTS", "MOE_GATE", "ExpertsStatic", "GateStatic"]

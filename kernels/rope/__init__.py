@@ -1,0 +1,4 @@
+"""The rotary embedding family.
+
+    rope.py   interleaved rotary embedding, over tokens or compressed entries
+"""

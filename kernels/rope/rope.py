@@ -1,0 +1,82 @@
+"""Interleaved rotary embedding (`dsl.ops.rope.rope`) in one pass: out = x with the pairs (v[2i], v[2i+1]) of its
+last `rope_dim` dims rotated by position * freq_i (times YaRN's magnitude; sin negated for the inverse).
+
+x [N, ..., D] is read once and written once: each program takes `block_R` rows of D values (rows: the dims between
+the token and D, heads for q), loads them and the same tile with every column's pair partner (column j ^ 1, from
+L1), and writes x where a column is not rotated and c * x + s * partner (the partner's sign by parity) where it
+is. The angles are the reference's: fp32 position times fp32 frequency (`dsl.ops.rope._freqs_on`), then cos and
+sin, one per column a program. torch's reference makes the [N, ..., rope_dim / 2, 2, 2] products and a copy of the
+unrotated dims (`torch.cat`): about 1.5x x's bytes over the two on top of the read and the write, in six launches.
+
+Numerics: the products and the sum are those of the reference in fp32, but the compiler may fuse a product and the
+sum into one FMA (one rounding less), so results can differ from torch's in the last bit. A row's result depends
+only on the row, its position and the frequencies: any batch, padded or not.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.lang import tl, triton
+from kernels.launch import launch
+
+
+@triton.jit(do_not_specialize=["R"])
+def rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, R, D: tl.constexpr, NOPE: tl.constexpr, MAGNITUDE: tl.constexpr,
+                INVERSE: tl.constexpr, block_R: tl.constexpr, block_D: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * block_R + tl.arange(0, block_R)
+    cols = tl.arange(0, block_D)
+    mask = (rows < R)[:, None] & (cols < D)[None, :]
+    offs = (t * R + rows.to(tl.int64))[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    rotated = cols >= NOPE
+    pair = tl.where(rotated, cols - NOPE, 0) // 2
+    first = tl.where(rotated, cols - NOPE, 0) % 2 == 0  # a pair's first (even) column
+    partner = tl.load(x_ptr + offs + tl.where(first, 1, -1)[None, :], mask=mask & rotated[None, :],
+                      other=0.0).to(tl.float32)
+    angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(freq_ptr + pair, mask=rotated, other=0.0)
+    cos, sin = tl.cos(angle), tl.sin(angle)
+    if MAGNITUDE != 1.0:
+        cos, sin = cos * MAGNITUDE, sin * MAGNITUDE
+    if INVERSE:
+        sin = -sin
+    # even column: even * cos + odd * -sin; odd column: even * sin + odd * cos (the reference's order of terms)
+    xf = x.to(tl.float32)
+    out = tl.where(first[None, :], xf * cos[None, :] + partner * -sin[None, :],
+                   partner * sin[None, :] + xf * cos[None, :])
+    out = tl.where(rotated[None, :], out.to(x.dtype), x)
+    tl.store(out_ptr + offs, out, mask=mask)
+
+
+def default_config(rows: int, d: int) -> dict:
+    """`block_R` rows a program: about 4096 values (16 KB of fp32) in 4 warps, fewer where a token has fewer rows."""
+    block_d = triton.next_power_of_2(d)
+    return {"block_R": max(1, min(triton.next_power_of_2(rows), 4096 // block_d)), "num_warps": 4}
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, *, magnitude: float = 1.0,
+         inverse: bool = False, config: dict | None = None) -> torch.Tensor:
+    """x [N, ..., D] (fp32 or bf16, contiguous) with its last 2 * len(freqs) dims rotated pair by pair at positions
+    [N] (int64): a new tensor of x's shape and dtype."""
+    if x.dim() < 2 or not x.is_contiguous() or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"rope needs a contiguous float32/bfloat16 x [N, ..., D], got {x.dtype} {list(x.shape)}")
+    n, d = x.shape[0], x.shape[-1]
+    half = freqs.shape[0] if freqs.dim() == 1 else -1
+    if half < 1 or 2 * half > d or freqs.dtype != torch.float32 or not freqs.is_contiguous():
+        raise ValueError(f"rope's freqs must be contiguous float32 [rope_dim / 2] with rope_dim <= {d}, got "
+                         f"{freqs.dtype} {list(freqs.shape)}")
+    if tuple(positions.shape) != (n,) or positions.dtype != torch.int64:
+        raise ValueError(f"rope's positions must be int64 [{n}], got {positions.dtype} {list(positions.shape)}")
+    rows = x[0].numel() // d if n else 1
+    config = config or default_config(rows, d)
+    out = torch.empty_like(x)
+    if x.numel() == 0:
+        return out
+    launch(rope_kernel, (n, triton.cdiv(rows, config["block_R"])), (x, positions, freqs, out, rows),
+           dict(D=d, NOPE=d - 2 * half, MAGNITUDE=float(magnitude), INVERSE=bool(inverse), block_R=config["block_R"],
+                block_D=triton.next_power_of_2(d)), config["num_warps"], 1)
+    return out
+
+
+__all__ = ["rope", "default_config"]

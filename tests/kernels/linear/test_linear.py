@@ -1,0 +1,85 @@
+"""The decode linear (plain and grouped; bf16, fp32 and fp8 32x32-block weights) against `dsl.ops.dense`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsl.ops.dense import grouped_linear as ref_grouped_linear
+from dsl.ops.dense import linear as ref_linear
+from dsl.quant import quantize_fp8_block
+from kernels.linear.linear import default_config, linear
+from tests.kernels.cases import DECODE_TOKENS, V41_LINEARS, gen, rel_l2
+
+
+def make_weight(n: int, k: int, fmt: str, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    w = gen(n, k, seed=seed, scale=k**-0.5)
+    if fmt == "fp8":
+        q, s = quantize_fp8_block(w)
+        return q.to(device), s.to(device)
+    return w.to(torch.bfloat16 if fmt == "bf16" else torch.float32).to(device), None
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, groups: int, dot_fp32: bool) -> torch.Tensor:
+    x = x.float() if dot_fp32 else x.bfloat16().float()  # the kernel's operands: bf16 unless dot_fp32
+    x, w, s = x.cpu(), w.cpu(), None if s is None else s.cpu()
+    if groups == 1:
+        return ref_linear(x, w, s)
+    return ref_grouped_linear(x, w, s, groups=groups)
+
+
+def check(m: int, n: int, k: int, groups: int, fmt: str, device: str, config: dict | None = None,
+          dot_fp32: bool = False, tol: float = 2e-5) -> None:
+    w, s = make_weight(groups * n, k, fmt, device, seed=m + n)
+    x = gen(m, groups * k, device=device, seed=m)
+    out = linear(x, w, s, groups=groups, config=config, dot_fp32=dot_fp32)
+    assert out.shape == (m, groups * n) and out.dtype == torch.float32
+    assert rel_l2(out, reference(x, w, s, groups, dot_fp32)) < tol
+
+
+# (m, n, k, groups, fmt, config): K and N not multiples of the block, split-K, several M tiles.
+CPU_CASES = [
+    (1, 40, 96, 1, "bf16", dict(block_M=16, block_N=32, block_K=64, split_k=1, num_warps=4, num_stages=2)),
+    (5, 64, 160, 1, "fp8", dict(block_M=16, block_N=32, block_K=64, split_k=2, num_warps=4, num_stages=2)),
+    (4, 80, 96, 1, "fp8", dict(block_M=16, block_N=64, block_K=64, split_k=1, num_warps=4, num_stages=2)),
+    (2, 64, 64, 2, "fp8", dict(block_M=16, block_N=64, block_K=32, split_k=1, num_warps=4, num_stages=2)),
+    (21, 96, 80, 1, "fp8", dict(block_M=16, block_N=64, block_K=32, split_k=2, num_warps=4, num_stages=2,
+                                fp8_dequant_w=True)),
+    (3, 32, 64, 2, "fp8", dict(block_M=16, block_N=32, block_K=32, split_k=1, num_warps=4, num_stages=2)),
+    (17, 24, 48, 2, "fp32", dict(block_M=16, block_N=16, block_K=32, split_k=2, num_warps=4, num_stages=2)),
+    (2, 48, 80, 1, "bf16", None),
+]
+
+
+@pytest.mark.parametrize("m,n,k,groups,fmt,config", CPU_CASES)
+def test_linear_matches_reference(m, n, k, groups, fmt, config, device) -> None:
+    check(m, n, k, groups, fmt, device, config, dot_fp32=fmt == "fp32", tol=1e-5 if fmt == "fp32" else 2e-5)
+
+
+def test_linear_empty_input_and_bad_shapes(device) -> None:
+    w = gen(32, 64, dtype=torch.bfloat16, device=device)
+    assert linear(torch.empty(0, 64, device=device), w).shape == (0, 32)
+    with pytest.raises(ValueError):
+        linear(gen(2, 63, device=device), w)
+    with pytest.raises(ValueError):
+        q, s = quantize_fp8_block(gen(32, 64))
+        linear(gen(2, 64, device=device), q.to(device), s[:, :1].contiguous().to(device))
+
+
+def test_default_config_splits_k_only_when_tiles_are_few() -> None:
+    assert default_config(1, 32768, 1280)["split_k"] == 1
+    assert default_config(1, 512, 5120)["split_k"] > 1
+    assert default_config(1, 512, 5120, fp8=True)["block_N"] % 32 == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+@pytest.mark.parametrize("m", DECODE_TOKENS + [300])
+@pytest.mark.parametrize("name,n,k,groups", V41_LINEARS)
+def test_linear_v41_shapes(name, n, k, groups, m, fmt) -> None:
+    check(m, n, k, groups, fmt, "cuda", tol=2e-5)
+
+
+@pytest.mark.gpu
+def test_linear_fp32_products_on_gpu() -> None:
+    check(7, 512, 5120, 1, "fp32", "cuda", dot_fp32=True, tol=1e-5)
