@@ -132,8 +132,8 @@ class LLM:
                                 speculator)
         self.engine.threads = self._threads
         self.max_model_len = self.engine.max_model_len
-        # The model's many long-lived objects leave the collector's view, as vLLM does: a full collection over them
-        # mid-step cost up to 10 ms a step here. Garbage goes first, so nothing dead is frozen.
+        # The model's many long-lived objects leave the collector's view, as vLLM does, so that no full collection
+        # walks them in the middle of a step. Garbage goes first, so nothing dead is frozen.
         gc.collect()
         gc.freeze()
 

@@ -1,7 +1,7 @@
 """The engine: requests in, the scheduler and the model runner in a loop, finished requests out.
 
 The model runner works on the calling thread, where torch's thread pool is (on the cpu, small GEMMs called from a
-second thread cost up to 90 us more each: its own OpenMP team has to wake). With `async_scheduling` a helper thread
+second thread pay for waking that thread's own OpenMP team: bench/RESULTS.md). With `async_scheduling` a helper thread
 does the CPU's share meanwhile: while step n runs, it takes step n - 1's tokens (detokenizing, stop strings,
 finishing) and schedules step n + 1, whose inputs name the tokens step n is sampling as placeholders. A sequence
 that stops at step n was already scheduled in step n + 1: that row is computed and dropped. Without it, each step

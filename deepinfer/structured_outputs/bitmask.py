@@ -1,9 +1,9 @@
 """The token bitmask: one bit per vocabulary id (1 = allowed), 32 ids per int32 word, and applying it to logits.
 
 Applying sets the logits of disallowed ids to -inf in place. On CUDA, xgrammar's Triton kernel does it in one
-launch. On the CPU, `apply_bitmask_torch` does: unpacking the whole row and one masked_fill take about 100 µs at
-129280 ids whatever the mask, where xgrammar's CPU loop writes each disallowed id alone and takes about 500 µs for
-the usual mask that allows a few ids (bench/structured_outputs_bench.py; it also corrupts the heap below 16 ids).
+launch. On the CPU, `apply_bitmask_torch` does: unpacking the whole row and one masked_fill cost the same whatever the
+mask, where xgrammar's CPU loop writes each disallowed id alone, slowest for the usual mask that allows a few ids
+(bench/structured_outputs_bench.py and bench/RESULTS.md), and corrupts the heap below 16 ids.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def allow_all(bitmask: torch.Tensor, rows: Sequence[int]) -> None:
     Masks are filled on a thread of their own while the forward runs. A torch op large enough to go parallel there
     (32768 elements: 9 rows at the V4 vocabulary) starts a second OpenMP team; with more OpenMP threads than cores,
     libgomp stops spinning between parallel regions for the whole process, and every later op of the cpu target
-    waits for its worker to wake (1.5-2x slower steps: bench/RESULTS.md, 2026-11-30). numpy has no thread team.
+    waits for its worker to wake (slower steps: bench/RESULTS.md, 2026-11-30). numpy has no thread team.
     """
     bitmask.numpy()[list(rows)] = -1
 
