@@ -36,7 +36,8 @@ def plan_caches(spec: CacheSpec, args: EngineArgs, max_position_embeddings: int,
     max_model_len = args.max_model_len
     if max_model_len is None:
         max_model_len = _default_max_model_len(spec, args, budget, free, max_position_embeddings)
-    layout = CacheLayout.plan(spec, budget, args.max_num_seqs, max_model_len, args.block_size)
+    layout = CacheLayout.plan(spec, budget, args.max_num_seqs, max_model_len, args.block_size,
+                              args.enable_prefix_caching)
     logger.debug("caches: %s", layout.describe())
     return layout, max_model_len
 

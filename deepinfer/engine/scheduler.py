@@ -10,6 +10,11 @@ still compiling) keeps its place in the queue while those behind it go.
 With a speculator (deepinfer/engine/speculator.py) a decoding sequence also feeds drafts after its last token: the
 speculator's `plan` says which, within the step's budget, before the chunks are taken. A draft counts as computed
 once accepted.
+
+With prefix caching, a waiting sequence resumes where the block manager finds its prefix cached, its slot restored
+from a snapshot; a prefill chunk ends where its sequence should leave a snapshot, and one whose prompt a snapshot
+being taken covers further than its own hit waits until that snapshot is in. `cache_step` registers a step's blocks
+and snapshots once its tokens are seen.
 """
 
 from __future__ import annotations
@@ -26,13 +31,16 @@ from deepinfer.engine.speculator import Speculator
 @dataclass
 class ScheduledChunk:
     """Tokens start .. start + length - 1 of `seq` in this step; `samples` when the chunk reaches its last token.
-    The last `len(drafts)` of them are drafts to verify."""
+    The last `len(drafts)` of them are drafts to verify. `restore`: the snapshot slot the sequence's slot is restored
+    from first; `snapshot`: (position, snapshot slot) to copy the slot into once the step has reached the position."""
 
     seq: Sequence
     start: int
     length: int
     samples: bool
     drafts: list[int] = field(default_factory=list)
+    restore: int | None = None
+    snapshot: tuple[int, int] | None = None
 
 
 class Scheduler:
@@ -63,9 +71,13 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or length == 0:
                 continue  # preempted above to make room, or done once its last tokens are seen
             verified = drafts.get(seq.seq_id, [])[: budget - length]
+            snapshot = self._snapshot(seq, seq.num_computed_tokens, length, len(verified))
+            if snapshot is not None and not verified:
+                length = snapshot[0] - seq.num_computed_tokens
             if not self._make_room(seq, length + len(verified)):
+                self._drop_snapshot(seq, snapshot)
                 continue
-            chunks.append(self._take(seq, length, verified))
+            chunks.append(self._take(seq, length, verified, snapshot))
             budget -= length + len(verified)
         held: list[Sequence] = []  # not ready: back at the head of the queue, in order, after this loop
         while self.waiting and budget and len(self.running) < self.max_num_seqs:
@@ -73,17 +85,70 @@ class Scheduler:
             if self.ready is not None and not self.ready(seq):
                 held.append(self.waiting.popleft())
                 continue
-            length = min(seq.num_to_compute, budget)
             # A sequence preempted while its last token was in flight resumes once that token is seen.
-            if seq.num_inflight or not self.block_manager.can_allocate(seq, length):
+            hit = self.block_manager.lookup(seq) if not seq.num_inflight else None
+            cache = self.block_manager.prefix_cache
+            if cache is not None and cache.waits_for(seq, hit.num_tokens if hit else 0):
+                held.append(self.waiting.popleft())
+                continue
+            start = hit.num_tokens if hit else 0
+            length = min(seq.num_tokens - start, budget)
+            if seq.num_inflight or not self.block_manager.can_allocate(seq, length, hit):
                 break
+            snapshot = self._snapshot(seq, start, length, 0, hit.shared if hit else 0)
+            length = snapshot[0] - start if snapshot is not None else length
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            chunks.append(self._take(seq, length))
+            self.block_manager.allocate(seq, 0, hit)
+            if cache is not None:
+                cache.count(seq, start)
+            if seq.num_cached_tokens is None:
+                seq.num_cached_tokens = start
+            chunks.append(self._take(seq, length, snapshot=snapshot))
             budget -= length
         self.waiting.extendleft(reversed(held))
         return chunks
+
+    def _snapshot(self, seq: Sequence, start: int, length: int, num_drafts: int,
+                  shared: int = 0) -> tuple[int, int] | None:
+        """(position, snapshot slot) where a chunk of `length` tokens and `num_drafts` drafts from `start` leaves a
+        snapshot (None: nowhere). A prefill chunk is cut there; a verification's drafts may be rejected before it,
+        and then the model runner takes none."""
+        cache = self.block_manager.prefix_cache
+        if cache is None:
+            return None
+        boundary = cache.boundary(seq, start, start + length + num_drafts, shared)
+        if boundary is None:
+            return None
+        known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+        key = cache.keys(seq, boundary // cache.block_size)[-1] if boundary <= known else None
+        slot = cache.reserve_snapshot(key, boundary)
+        return None if slot is None else (boundary, slot)
+
+    def _drop_snapshot(self, seq: Sequence, snapshot: tuple[int, int] | None) -> None:
+        if snapshot is not None:
+            self._commit_snapshot(seq, snapshot, taken=False)
+
+    def _commit_snapshot(self, seq: Sequence, snapshot: tuple[int, int], taken: bool) -> None:
+        cache = self.block_manager.prefix_cache
+        boundary, slot = snapshot
+        known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
+        key = cache.keys(seq, boundary // cache.block_size)[-1] if boundary <= known else None
+        cache.commit_snapshot(slot, key, taken)
+
+    def cache_step(self, chunks: list[ScheduledChunk], taken: set[int], failed: bool) -> None:
+        """After a step's tokens are seen: register the blocks its sequences filled and the snapshots the model
+        runner took (`taken`: their seq_ids); after a failed step, forget every key."""
+        if self.block_manager.prefix_cache is None:
+            return
+        for c in chunks:
+            if c.seq.status is SequenceStatus.RUNNING:
+                self.block_manager.cache_blocks(c.seq)
+            if c.snapshot is not None:
+                self._commit_snapshot(c.seq, c.snapshot, c.seq.seq_id in taken and not failed)
+        if failed:
+            self.block_manager.prefix_cache.clear()
 
     def _drafts(self) -> dict[int, list[int]]:
         """The drafts each decoding sequence verifies this step, by seq_id (none without a speculator)."""
@@ -101,7 +166,8 @@ class Scheduler:
                 return False
         return True
 
-    def _take(self, seq: Sequence, length: int, drafts: list[int] | None = None) -> ScheduledChunk:
+    def _take(self, seq: Sequence, length: int, drafts: list[int] | None = None,
+              snapshot: tuple[int, int] | None = None) -> ScheduledChunk:
         drafts = drafts or []
         self.block_manager.allocate(seq, length + len(drafts))
         start = seq.num_computed_tokens
@@ -109,7 +175,8 @@ class Scheduler:
         samples = seq.num_computed_tokens == seq.num_tokens
         if samples:
             seq.num_inflight += 1
-        return ScheduledChunk(seq, start, length + len(drafts), samples, drafts)
+        restore, seq.restore = seq.restore, None
+        return ScheduledChunk(seq, start, length + len(drafts), samples, drafts, restore, snapshot)
 
     def preempt(self, seq: Sequence) -> None:
         """Free the caches of running `seq` and queue it first, to recompute them later."""

@@ -51,6 +51,12 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.proposal: Proposal | None = None  # drafts for the next step (speculative decoding)
+        # Prefix caching: the keys of its first full blocks, how many of its blocks are registered, the snapshot
+        # slot its next chunk restores, and the prompt tokens found cached when it first started (None: not yet).
+        self.block_keys: list[bytes] = []
+        self.num_registered_blocks = 0
+        self.restore: int | None = None
+        self.num_cached_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
