@@ -187,6 +187,8 @@ class BlockManager:
         """Return the slot and blocks of `seq`; its caches are gone (a preempted sequence recomputes them), but with
         prefix caching its full blocks stay findable until they are needed again (its last ones first)."""
         self.cache_blocks(seq)
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(seq)
         if seq.slot is not None:
             self.free_slots.append(seq.slot)
         # Freed blocks are evicted in the order freed: a sequence's last blocks go first, its chain's head stays.

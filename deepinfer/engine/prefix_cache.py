@@ -96,34 +96,47 @@ class PrefixCache:
         keys = self.keys(seq, (len(seq.prompt_token_ids) - 1) // self.block_size)
         return any(self.pending.get(key, 0) > resume for key in keys)
 
-    def boundary(self, seq: Sequence, start: int, end: int, shared: int) -> int | None:
+    def boundary(self, seq: Sequence, start: int, end: int, shared: set[int]) -> int | None:
         """The first position in (start, end] where `seq` should leave a snapshot: a multiple of `interval`, the
-        last block boundary before its prompt's last token, or `shared` (where its prompt leaves the cached chain);
-        None where there is none or it is cached already."""
+        last block boundary before its prompt's last token, one of `shared` (where its prompt leaves the cached
+        chain or another's prompt) or one a waiting sequence asked for (`ask`); None where there is none or it is
+        cached or being taken."""
         bs = self.block_size
         prompt_end = (len(seq.prompt_token_ids) - 1) // bs * bs
         known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
-        candidates = {*range((start // self.interval + 1) * self.interval, end + 1, self.interval), prompt_end, shared}
+        candidates = {*range((start // self.interval + 1) * self.interval, end + 1, self.interval), prompt_end,
+                      *shared, *seq.snapshots_asked}
         for b in sorted(p for p in candidates if start < p <= end and p % bs == 0):
-            if b > known:
+            if b > known or b in seq.snapshots_asked:
                 return b
             key = self.keys(seq, b // bs)[-1]
             if key not in self.snapshot_of and key not in self.pending:
                 return b
         return None
 
-    def reserve_snapshot(self, key: bytes | None, boundary: int) -> int | None:
-        """A snapshot slot to take a snapshot in (the least recently used one evicted if none is free), or None."""
+    def plan_snapshot(self, seq: Sequence, start: int, end: int, shared: set[int]) -> tuple[int, int] | None:
+        """(position, snapshot slot) where a chunk of `seq` covering positions start .. end - 1 leaves a snapshot,
+        the slot reserved; None: nowhere, or no slot free."""
+        boundary = self.boundary(seq, start, end, shared)
+        if boundary is None:
+            return None
+        key = self._key_at(seq, boundary)
+        seq.snapshots_asked.pop(boundary, None)
         if not self.free_snapshots:
             if not self.snapshot_lru:
+                if key is not None:
+                    self.pending.pop(key, None)
                 return None
             self._drop_snapshot(next(iter(self.snapshot_lru)))
         if key is not None:
             self.pending[key] = boundary
-        return self.free_snapshots.popleft()
+        return boundary, self.free_snapshots.popleft()
 
-    def commit_snapshot(self, slot: int, key: bytes | None, taken: bool) -> None:
-        """Register the snapshot in `slot` under `key` when it was taken (and is not a duplicate), else free it."""
+    def commit_snapshot(self, seq: Sequence, snapshot: tuple[int, int], taken: bool) -> None:
+        """Register the snapshot `plan_snapshot` gave `seq` when it was taken (and is not a duplicate), else free
+        its slot."""
+        boundary, slot = snapshot
+        key = self._key_at(seq, boundary)
         if key is not None:
             self.pending.pop(key, None)
         if taken and key is not None and key not in self.snapshot_of:
@@ -131,6 +144,42 @@ class PrefixCache:
             self.snapshot_lru[slot] = None
         else:
             self.free_snapshots.append(slot)
+
+    def shared_with(self, seq: Sequence, others: list[Sequence]) -> set[int]:
+        """Where the prompt blocks `seq` shares with each of `others`' prompts end (past its start)."""
+        bs = self.block_size
+        mine = self.keys(seq, (len(seq.prompt_token_ids) - 1) // bs)
+        ends = set()
+        for other in others:
+            if other is not seq and len(other.prompt_token_ids) > bs:
+                theirs = self.keys(other, min(len(mine), (len(other.prompt_token_ids) - 1) // bs))
+                ends.add(bs * next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), len(theirs)))
+        return ends
+
+    def ask(self, owner: Sequence, waiting: Sequence, resume: int) -> bool:
+        """Whether running `owner`, still before the end of the prompt blocks `waiting` shares with it, is asked to
+        leave a snapshot there (so that `waiting` resumes there rather than recompute them beside it)."""
+        if owner.num_computed_tokens >= len(owner.prompt_token_ids):
+            return False
+        boundary = max(self.shared_with(waiting, [owner]), default=0)
+        if boundary <= max(resume, owner.num_computed_tokens):
+            return False
+        key = self.keys(waiting, boundary // self.block_size)[-1]
+        owner.snapshots_asked[boundary] = key
+        self.pending[key] = boundary
+        return True
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` stops: the snapshots it was asked for are not coming."""
+        for key in seq.snapshots_asked.values():
+            self.pending.pop(key, None)
+        seq.snapshots_asked.clear()
+
+    def _key_at(self, seq: Sequence, boundary: int) -> bytes | None:
+        """The key of the block of `seq` ending at `boundary`, None while its tokens are not all known."""
+        if boundary > len(seq.prompt_token_ids) + len(seq.output_token_ids):
+            return None
+        return self.keys(seq, boundary // self.block_size)[-1]
 
     def register(self, key: bytes, block: int) -> None:
         """`block` holds the entries of `key` (the first block computed for a key keeps it)."""

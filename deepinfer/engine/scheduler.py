@@ -22,8 +22,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import islice
 
 from deepinfer.engine.block_manager import BlockManager
+from deepinfer.engine.prefix_cache import Hit
 from deepinfer.engine.sequence import Sequence, SequenceStatus
 from deepinfer.engine.speculator import Speculator
 
@@ -71,11 +73,13 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING or length == 0:
                 continue  # preempted above to make room, or done once its last tokens are seen
             verified = drafts.get(seq.seq_id, [])[: budget - length]
-            snapshot = self._snapshot(seq, seq.num_computed_tokens, length, len(verified))
+            start = seq.num_computed_tokens
+            snapshot = self._snapshot(seq, start, start + length + len(verified))
             if snapshot is not None and not verified:
-                length = snapshot[0] - seq.num_computed_tokens
+                length = snapshot[0] - start
             if not self._make_room(seq, length + len(verified)):
-                self._drop_snapshot(seq, snapshot)
+                if snapshot is not None:
+                    self.block_manager.prefix_cache.commit_snapshot(seq, snapshot, taken=False)
                 continue
             chunks.append(self._take(seq, length, verified, snapshot))
             budget -= length + len(verified)
@@ -87,22 +91,21 @@ class Scheduler:
                 continue
             # A sequence preempted while its last token was in flight resumes once that token is seen.
             hit = self.block_manager.lookup(seq) if not seq.num_inflight else None
-            cache = self.block_manager.prefix_cache
-            if cache is not None and cache.waits_for(seq, hit.num_tokens if hit else 0):
+            if not seq.num_inflight and self._waits(seq, hit):
                 held.append(self.waiting.popleft())
                 continue
             start = hit.num_tokens if hit else 0
             length = min(seq.num_tokens - start, budget)
             if seq.num_inflight or not self.block_manager.can_allocate(seq, length, hit):
                 break
-            snapshot = self._snapshot(seq, start, length, 0, hit.shared if hit else 0)
+            snapshot = self._snapshot(seq, start, start + length, hit)
             length = snapshot[0] - start if snapshot is not None else length
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self.block_manager.allocate(seq, 0, hit)
-            if cache is not None:
-                cache.count(seq, start)
+            if self.block_manager.prefix_cache is not None:
+                self.block_manager.prefix_cache.count(seq, start)
             if seq.num_cached_tokens is None:
                 seq.num_cached_tokens = start
             chunks.append(self._take(seq, length, snapshot=snapshot))
@@ -110,32 +113,25 @@ class Scheduler:
         self.waiting.extendleft(reversed(held))
         return chunks
 
-    def _snapshot(self, seq: Sequence, start: int, length: int, num_drafts: int,
-                  shared: int = 0) -> tuple[int, int] | None:
-        """(position, snapshot slot) where a chunk of `length` tokens and `num_drafts` drafts from `start` leaves a
-        snapshot (None: nowhere). A prefill chunk is cut there; a verification's drafts may be rejected before it,
-        and then the model runner takes none."""
+    def _snapshot(self, seq: Sequence, start: int, end: int, hit: Hit | None = None) -> tuple[int, int] | None:
+        """Where a chunk of `seq` over positions start .. end - 1 leaves a snapshot (prefix_cache.py says where),
+        among the branch points of its prompt with the cached chain and with the next sequences to start."""
         cache = self.block_manager.prefix_cache
         if cache is None:
             return None
-        boundary = cache.boundary(seq, start, start + length + num_drafts, shared)
-        if boundary is None:
-            return None
-        known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
-        key = cache.keys(seq, boundary // cache.block_size)[-1] if boundary <= known else None
-        slot = cache.reserve_snapshot(key, boundary)
-        return None if slot is None else (boundary, slot)
+        shared = {hit.shared} if hit is not None else set()
+        if start < len(seq.prompt_token_ids):
+            shared |= cache.shared_with(seq, list(islice(self.waiting, self.max_num_seqs)))
+        return cache.plan_snapshot(seq, start, end, shared)
 
-    def _drop_snapshot(self, seq: Sequence, snapshot: tuple[int, int] | None) -> None:
-        if snapshot is not None:
-            self._commit_snapshot(seq, snapshot, taken=False)
-
-    def _commit_snapshot(self, seq: Sequence, snapshot: tuple[int, int], taken: bool) -> None:
+    def _waits(self, seq: Sequence, hit: Hit | None) -> bool:
+        """Whether waiting `seq` waits for a snapshot further along its prompt than `hit`: one being taken, or one
+        it asks a running sequence that shares its prompt's blocks to leave."""
         cache = self.block_manager.prefix_cache
-        boundary, slot = snapshot
-        known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
-        key = cache.keys(seq, boundary // cache.block_size)[-1] if boundary <= known else None
-        cache.commit_snapshot(slot, key, taken)
+        if cache is None:
+            return False
+        resume = hit.num_tokens if hit else 0
+        return cache.waits_for(seq, resume) or any(cache.ask(other, seq, resume) for other in self.running)
 
     def cache_step(self, chunks: list[ScheduledChunk], taken: set[int], failed: bool) -> None:
         """After a step's tokens are seen: register the blocks its sequences filled and the snapshots the model
@@ -146,7 +142,7 @@ class Scheduler:
             if c.seq.status is SequenceStatus.RUNNING:
                 self.block_manager.cache_blocks(c.seq)
             if c.snapshot is not None:
-                self._commit_snapshot(c.seq, c.snapshot, c.seq.seq_id in taken and not failed)
+                self.block_manager.prefix_cache.commit_snapshot(c.seq, c.snapshot, c.seq.seq_id in taken and not failed)
         if failed:
             self.block_manager.prefix_cache.clear()
 
