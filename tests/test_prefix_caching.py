@@ -103,8 +103,8 @@ def mixes(draw, max_prompt: int = 100, max_tokens: int = 12) -> list[tuple[list[
        budget=st.sampled_from([None, 16]), num_snapshots=st.integers(1, 3))
 def test_prefix_caching_gives_the_same_outputs_and_logits(llm: LLM, mix, async_scheduling: bool, tokens: int,
                                                           budget: int | None, num_snapshots: int) -> None:
-    args = dict(async_scheduling=async_scheduling, max_num_batched_tokens=tokens, max_num_seqs=4,
-                budget_blocks=budget, num_snapshots=num_snapshots)
+    args = {"async_scheduling": async_scheduling, "max_num_batched_tokens": tokens, "max_num_seqs": 4,
+                "budget_blocks": budget, "num_snapshots": num_snapshots}
     plain = _generate(_engine(llm, **args), mix)
     engine = _engine(llm, enable_prefix_caching=True, **args)
     cached = _generate(engine, mix)
@@ -132,7 +132,7 @@ def test_a_preempted_sequence_resumes_from_the_cache(llm: LLM) -> None:
     rng = random.Random(3)
     mix = [([rng.randrange(VOCAB) for _ in range(70)], SamplingParams(max_tokens=60, ignore_eos=True))
            for _ in range(2)]
-    args = dict(budget_blocks=16, max_num_seqs=2, num_snapshots=3)
+    args = {"budget_blocks": 16, "max_num_seqs": 2, "num_snapshots": 3}
     plain = _generate(_engine(llm, **args), mix)
     engine = _engine(llm, enable_prefix_caching=True, **args)
     cached = _generate(engine, mix)
@@ -152,7 +152,7 @@ def drafting() -> LLM:
 def test_prefix_caching_with_drafting_gives_the_same_outputs_and_logits(drafting: LLM, mix, budget) -> None:
     """The draft layers' windows come back with the snapshot; with a snapshot due every block, verifications pass
     snapshot positions (taken only where the drafts before them were accepted)."""
-    args = dict(num_drafts=4, budget_blocks=budget, max_num_seqs=4, max_model_len=256)
+    args = {"num_drafts": 4, "budget_blocks": budget, "max_num_seqs": 4, "max_model_len": 256}
     plain = _generate(_engine(drafting, **args), mix)
     cached = _generate(_engine(drafting, enable_prefix_caching=True, interval=16, **args), mix)
     _check_same(plain[0], cached[0], plain[1], cached[1])
