@@ -52,6 +52,8 @@ def run(args: argparse.Namespace, enable: bool) -> tuple[list, dict]:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": list(range(100, 200))}] * 2, params, use_tqdm=False)  # warm-up
+    if llm.engine.prefix_cache is not None:  # the hit rate of the timed batch alone
+        llm.engine.prefix_cache.num_queried_tokens = llm.engine.prefix_cache.num_hit_tokens = 0
     requests = _requests(args, llm.compiled.config.vocab_size)
     start = time.perf_counter()
     outs = llm.generate(requests, params, use_tqdm=False)
