@@ -51,7 +51,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None)
     engine.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                        help="share and keep the blocks of prompts that start alike (off by default)")
+                        help="share and keep the blocks of prompts that start alike (on by default)")
     drafting = engine.add_mutually_exclusive_group()
     drafting.add_argument("--dspark", type=int, default=None, metavar="K",
                           help="DSpark drafting with the model's draft layers, K drafts per step (off by default)")
