@@ -28,17 +28,18 @@ def llm() -> LLM:
 
 
 def _engine(llm: LLM, num_drafts: int = 0, budget_blocks: int | None = None, num_snapshots: int = 2,
-            interval: int | None = None, **args) -> LLMEngine:
-    """An engine on `llm`'s model; with `budget_blocks`, a cache budget of the slots, that many blocks and room for
-    `num_snapshots` snapshots (when prefix caching takes its share); `interval`: snapshots every that many tokens
-    (rather than the layout's choice)."""
+            interval: int | None = None, enable_prefix_caching: bool = False, **args) -> LLMEngine:
+    """An engine on `llm`'s model, prefix caching off unless asked for; with `budget_blocks`, a cache budget of the
+    slots, that many blocks and room for `num_snapshots` snapshots (when prefix caching takes its share);
+    `interval`: snapshots every that many tokens (rather than the layout's choice)."""
     if budget_blocks is not None:
         spec = CacheSpec.from_graph(llm.compiled.graph, spare=num_drafts)
         block_size = CacheLayout.check_block_size(spec, None)
         slots = args.get("max_num_seqs", 4) + num_snapshots
         args["kv_cache_memory_bytes"] = slots * spec.slot_bytes() + budget_blocks * spec.block_bytes(block_size)
-    engine = LLMEngine(llm.compiled, llm.tokenizer, EngineArgs(max_model_len=args.pop("max_model_len", 256), **args),
-                       llm.eos_token_ids, speculator=llm.engine.speculator)
+    engine_args = EngineArgs(max_model_len=args.pop("max_model_len", 256), enable_prefix_caching=enable_prefix_caching,
+                             **args)
+    engine = LLMEngine(llm.compiled, llm.tokenizer, engine_args, llm.eos_token_ids, speculator=llm.engine.speculator)
     engine.threads = llm.engine.threads  # the cpu threads LLM chose for this machine's load
     if interval is not None:
         engine.prefix_cache.interval = interval
@@ -122,8 +123,8 @@ def test_samples_and_repeated_prompts_resume_from_the_cache(llm: LLM) -> None:
     assert outs[0].num_cached_tokens == 0 and engine.prefix_cache.num_hit_tokens == 2 * 80
     again, _ = _generate(engine, [(prompt + [5, 6], SamplingParams(max_tokens=2))])
     assert again[0].num_cached_tokens == 80
-    plain, _ = _generate(_engine(llm), [(prompt, SamplingParams(max_tokens=2))])
-    assert plain[0].num_cached_tokens == 0
+    plain, _ = _generate(_engine(llm), [(prompt, SamplingParams(max_tokens=2))] * 2)
+    assert [o.num_cached_tokens for o in plain] == [0, 0] and _engine(llm).prefix_cache is None
 
 
 def test_a_preempted_sequence_resumes_from_the_cache(llm: LLM) -> None:
@@ -156,6 +157,10 @@ def test_prefix_caching_with_drafting_gives_the_same_outputs_and_logits(drafting
     plain = _generate(_engine(drafting, **args), mix)
     cached = _generate(_engine(drafting, enable_prefix_caching=True, interval=16, **args), mix)
     _check_same(plain[0], cached[0], plain[1], cached[1])
+
+
+def test_prefix_caching_is_on_by_default() -> None:
+    assert EngineArgs().enable_prefix_caching
 
 
 def test_the_command_line_flag_reaches_the_engine() -> None:
