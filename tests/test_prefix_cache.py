@@ -3,11 +3,15 @@ block boundary continuing bit for bit without writing the shared blocks."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+
 import pytest
 import torch
 
 from deepinfer.engine import EngineArgs
 from deepinfer.engine.block_manager import BlockManager, CacheLayout
+from deepinfer.engine.memory import plan_caches
 from deepinfer.engine.prefix_cache import chain_key
 from deepinfer.engine.sequence import Sequence
 from deepinfer.sampling_params import SamplingParams
@@ -109,6 +113,19 @@ def test_the_layout_gives_snapshots_their_share_of_the_budget() -> None:
     assert plain.num_snapshots == 0 and cached.num_snapshots > 4 and cached.nbytes <= budget
     assert cached.snapshot_interval % 16 == 0 and cached.num_blocks >= 4  # one sequence of max_model_len fits
     assert "snapshot slots" in cached.describe()
+
+
+def test_a_budget_without_room_for_a_snapshot_is_reported(caplog: pytest.LogCaptureFixture) -> None:
+    slot, block = SPEC.slot_bytes(), SPEC.block_bytes(16)
+    args = EngineArgs(max_num_seqs=4, max_model_len=64, kv_cache_memory_bytes=4 * slot + 4 * block)
+    with caplog.at_level(logging.WARNING):
+        layout, _ = plan_caches(SPEC, args, max_position_embeddings=64, device="cpu")
+    assert layout.num_snapshots == 0 and "no room for a snapshot slot" in caplog.text
+    caplog.clear()
+    roomy = dataclasses.replace(args, kv_cache_memory_bytes=8 * slot + 8 * block)
+    with caplog.at_level(logging.WARNING):
+        assert plan_caches(SPEC, roomy, max_position_embeddings=64, device="cpu")[0].num_snapshots > 0
+    assert "snapshot" not in caplog.text
 
 
 @pytest.mark.parametrize("bad", ["yes", 1, None])

@@ -39,6 +39,10 @@ def plan_caches(spec: CacheSpec, args: EngineArgs, max_position_embeddings: int,
     layout = CacheLayout.plan(spec, budget, args.max_num_seqs, max_model_len, args.block_size,
                               args.enable_prefix_caching)
     logger.debug("caches: %s", layout.describe())
+    if args.enable_prefix_caching and layout.block_bytes and not layout.num_snapshots:
+        logger.warning("enable_prefix_caching: the cache budget of %d bytes leaves no room for a snapshot slot (%d "
+                       "bytes) beside the slots and blocks, so no prompt resumes from the cache; raise "
+                       "kv_cache_memory_bytes or lower max_num_seqs", budget, layout.slot_bytes)
     return layout, max_model_len
 
 
