@@ -9,8 +9,9 @@ compressor's partial groups are empty (a block is a whole number of every compre
 history are all a snapshot needs.
 
 Snapshots are taken where a sequence reaches: every `interval` tokens, the last block boundary before its prompt's
-last token (the `n` samples of a request and repeated prompts resume there) and the end of the longest cached chain
-its prompt shares (where a shared system prompt branches). This file is CPU bookkeeping; the copies are the model
+last token (the `n` samples of a request and repeated prompts resume there) and where its prompt branches from the
+cached chain, from the prompts of the next waiting sequences, or where a waiting sequence asks it to stop (`ask`): a
+shared system prompt resumes at its last full block. This file is CPU bookkeeping; the copies are the model
 runner's, and the block manager (deepinfer/engine/block_manager.py) hands blocks out through it.
 """
 
