@@ -102,6 +102,9 @@ class RequestOutput:
     seed it was sampled with, drawn by the engine when the request gave none, so any run can be reproduced.
     `prompt_logprobs`, when asked for (`SamplingParams.prompt_logprobs`), holds one entry per prompt token: None for
     the first, then the token's own log-probability followed by the most likely ones at its position.
+    `num_cached_tokens`: the prompt tokens every sample found in the prefix cache when it first started (0 without
+    prefix caching; None for a request that never started): the samples of one request share the prompt's blocks
+    besides, which the engine's counters show (`LLMEngine.prefix_cache`).
     """
 
     request_id: str
@@ -113,3 +116,4 @@ class RequestOutput:
     error: str | None = None
     seed: int | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int | None = None

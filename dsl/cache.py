@@ -238,6 +238,17 @@ class PagedCache:
         slots, positions = self._span(state, ids.shape[0], before=False, ring=self.history.shape[1])
         self.write_history_rows(slots, positions, ids[ids.shape[0] - positions.shape[0]:])
 
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Copy slot `src` into slot `dst` bit for bit: every window ring, partial group and the n-gram history (a
+        prefix cache's snapshot of a sequence, or its restore). Ring rows are addressed by position alone, so the
+        copy holds what `src` held for every position its rings keep."""
+        for _, parts in self.windows.values():
+            for part in parts:
+                part[dst] = part[src]
+        for pool in self.partials.values():
+            pool[:, dst] = pool[:, src]
+        self.history[dst] = self.history[src]
+
     def nbytes(self) -> int:
         """Bytes the pools hold."""
         tensors = [t for _, parts in self.windows.values() for t in parts]

@@ -25,6 +25,7 @@ from deepinfer.engine.engine_args import EngineArgs
 from deepinfer.engine.memory import plan_caches
 from deepinfer.engine.model_runner import ModelRunner, RowInput, StepInput, StepOutput
 from deepinfer.engine.output_processor import OutputProcessor
+from deepinfer.engine.prefix_cache import PrefixCache
 from deepinfer.engine.request import Request, RequestError, check_prompt
 from deepinfer.engine.sampler import SampleRow
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
@@ -56,12 +57,13 @@ class LLMEngine:
         spec = CacheSpec.from_graph(compiled.graph, spare=num_drafts)
         self.layout, self.max_model_len = plan_caches(spec, args, self.config.max_position_embeddings,
                                                       compiled.device)
-        cache = PagedCache(spec, self.layout.num_slots, self.layout.num_blocks, self.layout.block_size,
-                           compiled.device)
+        # prefix caching's snapshot slots follow the running sequences' slots in the pools
+        cache = PagedCache(spec, self.layout.num_slots + self.layout.num_snapshots, self.layout.num_blocks,
+                           self.layout.block_size, compiled.device)
         # a sequence whose constraint is still being prepared waits, and holds back no other
         ready = (lambda seq: constraint.is_ready(seq.seq_id)) if constraint is not None else None
-        self.scheduler = Scheduler(BlockManager(self.layout), args.max_num_seqs, args.max_num_batched_tokens,
-                                   speculator, ready=ready)
+        blocks = BlockManager(self.layout, args.enable_prefix_caching)
+        self.scheduler = Scheduler(blocks, args.max_num_seqs, args.max_num_batched_tokens, speculator, ready=ready)
         self.runner = ModelRunner(compiled, cache, eos_token_ids, args.batch_invariant, constraint,
                                   overlap_constraint=args.overlap_structured_outputs, speculator=speculator)
         # GPU targets: every decode step's bucket captured at the first capture
@@ -161,7 +163,8 @@ class LLMEngine:
             sample = SampleRow(seq.seq_id, seq.request_id, seq.index, seq.params, seq.seed, seq.prompt_token_ids,
                                list(seq.output_token_ids), seq.num_inflight - 1) if c.samples else None
             tokens = seq.token_ids(c.start, c.length - len(c.drafts)) + c.drafts
-            rows.append(RowInput(seq.seq_id, seq.slot, list(seq.block_table), c.start, tokens, sample, len(c.drafts)))
+            rows.append(RowInput(seq.seq_id, seq.slot, list(seq.block_table), c.start, tokens, sample, len(c.drafts),
+                                 c.restore, c.snapshot))
         step = StepInput(rows, self.scheduler.freed, self._finished_seqs)
         self.scheduler.freed, self._finished_seqs = [], []
         self.num_steps += bool(rows)
@@ -198,6 +201,7 @@ class LLMEngine:
                 seq.finish_reason, done = "stop", True
             if done:
                 self._finish_seq(seq)
+        self.scheduler.cache_step(chunks, out.snapshots, failed=out.error is not None)
 
     def _finish_seq(self, seq) -> None:
         self.scheduler.finish(seq)
@@ -242,3 +246,8 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The prefix cache's bookkeeping and counters (`hit_rate`), None when prefix caching is off."""
+        return self.scheduler.block_manager.prefix_cache

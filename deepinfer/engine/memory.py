@@ -36,8 +36,13 @@ def plan_caches(spec: CacheSpec, args: EngineArgs, max_position_embeddings: int,
     max_model_len = args.max_model_len
     if max_model_len is None:
         max_model_len = _default_max_model_len(spec, args, budget, free, max_position_embeddings)
-    layout = CacheLayout.plan(spec, budget, args.max_num_seqs, max_model_len, args.block_size)
+    layout = CacheLayout.plan(spec, budget, args.max_num_seqs, max_model_len, args.block_size,
+                              args.enable_prefix_caching)
     logger.debug("caches: %s", layout.describe())
+    if args.enable_prefix_caching and layout.block_bytes and not layout.num_snapshots:
+        logger.warning("enable_prefix_caching: the cache budget of %d bytes leaves no room for a snapshot slot (%d "
+                       "bytes) beside the slots and blocks, so no prompt resumes from the cache; raise "
+                       "kv_cache_memory_bytes or lower max_num_seqs", budget, layout.slot_bytes)
     return layout, max_model_len
 
 

@@ -34,7 +34,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class RowInput:
     """One sequence's chunk: tokens from position `start`, in its `slot` with its `block_table`; the last
-    `num_drafts` of them are drafts to verify (speculative decoding)."""
+    `num_drafts` of them are drafts to verify (speculative decoding). Prefix caching: `restore` is the snapshot slot
+    the sequence resumes from at `start`; `snapshot` (position, snapshot slot) asks for the slot to be copied there
+    after the step, if the sequence kept every token up to the position."""
 
     seq_id: int
     slot: int
@@ -43,6 +45,8 @@ class RowInput:
     token_ids: list[int]
     sample: SampleRow | None
     num_drafts: int = 0
+    restore: int | None = None
+    snapshot: tuple[int, int] | None = None
 
 
 @dataclass
@@ -56,13 +60,15 @@ class StepInput:
 class StepOutput:
     """Per sampled row, in order: its tokens (one, or with drafts the accepted ones and the target's next) and,
     when asked for, their log-probabilities; `error` if the step failed; `ended`: sequences the token constraint
-    ends (see TokenConstraint.accept); `proposals`: the next drafts of each drafting sequence, by seq_id."""
+    ends (see TokenConstraint.accept); `proposals`: the next drafts of each drafting sequence, by seq_id;
+    `snapshots`: the sequences whose asked-for snapshot was taken."""
 
     token_ids: list[list[int]]
     logprobs: list[list[dict[int, Logprob] | None]]
     error: str | None = None
     ended: dict[int, str | None] = field(default_factory=dict)
     proposals: dict[int, Proposal] = field(default_factory=dict)
+    snapshots: set[int] = field(default_factory=set)
 
 
 class ModelRunner:
@@ -128,7 +134,17 @@ class ModelRunner:
             out.ended.update(self.constraint.accept([d.row for d in draws], tokens) or {})
         if self.speculator is not None:
             out.proposals.update(self.speculator.propose(draws, tokens, self.constraint))
+        self._snapshots(rows, batch, out)
         return {d.row.seq_id: s for d, s in zip(draws, sampled, strict=True)}
+
+    def _snapshots(self, rows: list[RowInput], batch: list[tuple[SequenceState, list[int]]], out: StepOutput) -> None:
+        """Copy the slots asked for into their snapshot slots, where the sequence kept every token up to the
+        position (rejected drafts may end it before): the rings then still hold that position's windows, as a
+        step's tokens past it are at most the rings' spare positions."""
+        for row, (state, _) in zip(rows, batch, strict=True):
+            if row.snapshot is not None and state.num_tokens >= row.snapshot[0]:
+                self.cache.copy_slot(row.slot, row.snapshot[1])
+                out.snapshots.add(row.seq_id)
 
     def _draws(self, rows: list[RowInput], batch: list[tuple[SequenceState, list[int]]]) -> list[Draw]:
         """The sampled rows of the step, with their outputs so far and where their logits rows start."""
@@ -157,9 +173,13 @@ class ModelRunner:
         return self.compiled.step(batch, batch_invariant=self.batch_invariant, num_logits=num_logits)
 
     def _state(self, row: RowInput) -> SequenceState:
-        """The sequence's state: fresh when it starts (or restarts after preemption) at position 0."""
+        """The sequence's state: fresh when it starts (or restarts after preemption) at position 0, or from the
+        snapshot it resumes from."""
         state = self.states.get(row.seq_id)
-        if row.start == 0:
+        if row.restore is not None:
+            self.cache.copy_slot(row.restore, row.slot)
+            state = self.states[row.seq_id] = SequenceState(row.start, cache=self.cache, slot=row.slot)
+        elif row.start == 0:
             state = self.states[row.seq_id] = SequenceState(cache=self.cache, slot=row.slot)
         elif state is None or state.num_tokens != row.start:
             raise RuntimeError(f"sequence {row.seq_id} continues at token {row.start} but its cache holds "

@@ -63,5 +63,7 @@ class Request:
             outputs = [CompletionOutput(index=s.index, text=s.text, token_ids=s.output_token_ids,
                                         cumulative_logprob=s.cumulative_logprob, logprobs=s.logprobs,
                                         finish_reason=s.finish_reason, stop_reason=s.stop_reason) for s in self.seqs]
+        started = [s.num_cached_tokens for s in self.seqs if s.num_cached_tokens is not None]
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                             outputs=outputs, finished=True, metrics=self.metrics, error=self.error, seed=self.seed)
+                             outputs=outputs, finished=True, metrics=self.metrics, error=self.error, seed=self.seed,
+                             num_cached_tokens=min(started) if started else None)

@@ -51,6 +51,14 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.proposal: Proposal | None = None  # drafts for the next step (speculative decoding)
+        # Prefix caching: the keys of its first full blocks, how many of its blocks are registered, the snapshot
+        # slot its next chunk restores, the prompt tokens found cached when it first started (None: not yet), and
+        # the positions waiting sequences asked it to leave snapshots at, with their keys.
+        self.block_keys: list[bytes] = []
+        self.snapshots_asked: dict[int, bytes] = {}
+        self.num_registered_blocks = 0
+        self.restore: int | None = None
+        self.num_cached_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:
