@@ -23,7 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from deepinfer.config import DeepseekV41Config
-from deepinfer.models.weights import WeightSpec, expected_weights
+from deepinfer.models.weights import ExpertShard, WeightSpec, expected_weights
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -249,18 +249,24 @@ def check_finite(tensors: dict[str, torch.Tensor], where: str = "checkpoint") ->
 # --- public API -----------------------------------------------------------------------------------------------
 
 
-def load_checkpoint(path: str | os.PathLike, config: DeepseekV41Config | None = None) -> dict[str, torch.Tensor]:
+def load_checkpoint(path: str | os.PathLike, config: DeepseekV41Config | None = None,
+                    shard: ExpertShard | None = None) -> dict[str, torch.Tensor]:
     """Read every tensor of a V4.1 checkpoint under its canonical name, check it against `config` and check that
     every value is finite.
 
     `path` is a model directory, an index file or a single `.safetensors` file; `config` defaults to the
-    directory's `config.json`. Raises `CheckpointError` naming the file or tensors at fault.
+    directory's `config.json`. With `shard` only that rank's routed experts are read (and expected), besides every
+    other tensor. Raises `CheckpointError` naming the file or tensors at fault.
     """
     path = os.fspath(path)
     if config is None:
         config = DeepseekV41Config.from_pretrained(path if os.path.isdir(path) else os.path.dirname(path))
-    tensors = _read_tensors(_weight_map(path))
+    weight_map = _weight_map(path)
     specs = expected_weights(config)
+    if shard is not None:
+        weight_map = {n: f for n, f in weight_map.items() if shard.holds(canonical_name(n) or n, config)}
+        specs = {n: spec for n, spec in specs.items() if shard.holds(n, config)}
+    tensors = _read_tensors(weight_map)
     check_weights(tensors, specs, where=f"checkpoint {path}")
     check_finite(tensors, where=f"checkpoint {path}")
     for name, t in tensors.items():

@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from tqdm import tqdm
@@ -98,6 +98,16 @@ class LLM:
     cores left idle (deepinfer/cpu_threads.py), for compiling and generating; the model, its size and the threads
     are logged in one line.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        """`expert_parallel_size` above 1 makes an LLM of several ranks (deepinfer/distributed/): the one that starts
+        them, or, in a process that is a rank (spawned, or started by torchrun), that rank's."""
+        kind = cls
+        if cls is LLM and kwargs.get("expert_parallel_size", 1) != 1:
+            from deepinfer.distributed import parallel_llm_class
+
+            kind = parallel_llm_class()
+        return super().__new__(kind)
 
     def __init__(self, model: str | os.PathLike | DeepseekV41Flash | None = None, target: str = DEFAULT_TARGET,
                  tokenizer: str | None = None, constraint: TokenConstraint | None = None,
@@ -204,10 +214,7 @@ class LLM:
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                       use_tqdm: bool = False) -> Iterator[tuple[int, RequestOutput]]:
         """As `generate`, but yields (input index, output) as each request finishes, in the order they finish."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        elif not isinstance(prompts, Sequence):
-            raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+        prompts = _prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         arrival = time.time()
         finished, index = False, {}
@@ -277,3 +284,12 @@ class LLM:
         from deepinfer.beam_search import beam_search
 
         return beam_search(self, [prompts] if isinstance(prompts, (str, dict)) else list(prompts), params, use_tqdm)
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> Sequence[PromptType]:
+    """One prompt or a sequence of them, as a sequence."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+    return prompts

@@ -55,6 +55,9 @@ class EngineArgs:
     - `overlap_structured_outputs`: fill the structured-output masks on a CPU thread while the forward runs, rather
       than after it (the masks are the same either way).
     - `seed`: draws the seed of every request that brings none (reported in its output).
+    - `expert_parallel_size`: ranks (one device each) the routed experts are split over; attention is data-parallel,
+      each rank running its own share of the requests (deepinfer/distributed/). 1: one device, no ranks.
+    - `data_parallel_size`: ranks running requests; None: `expert_parallel_size`, the only value allowed.
     """
 
     max_num_seqs: int = 32
@@ -67,6 +70,8 @@ class EngineArgs:
     batch_invariant: bool = True
     overlap_structured_outputs: bool = True
     seed: int = 0
+    expert_parallel_size: int = 1
+    data_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -91,6 +96,12 @@ class EngineArgs:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")  # noqa: TRY004
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not _is_int(self.expert_parallel_size) or self.expert_parallel_size < 1:
+            raise ValueError(f"expert_parallel_size must be an integer >= 1, got {self.expert_parallel_size!r}")
+        if self.data_parallel_size not in (None, self.expert_parallel_size):
+            raise ValueError(f"data_parallel_size={self.data_parallel_size!r} must equal expert_parallel_size="
+                             f"{self.expert_parallel_size}: every rank holds a share of the experts and runs a share "
+                             "of the requests")
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any], caller: str = "LLM()", other_names: Iterable[str] = ()) -> EngineArgs:
@@ -108,7 +119,7 @@ class EngineArgs:
                 if value not in (None, 1):
                     raise ValueError(f"{name}={value!r}: DeepInfer does not split layers across devices; "
                                      "expert_parallel_size is the way to use several devices (experts split across "
-                                     "them, attention data-parallel), planned and not built yet")
+                                     "them, attention data-parallel)")
                 continue
             valid = sorted(names | set(other_names) | set(VLLM_OPTIONS_WITHOUT_EFFECT))
             close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
