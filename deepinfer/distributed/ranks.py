@@ -58,10 +58,18 @@ def join(info: RankInfo, device: str, init_method: str = "env://") -> RankInfo:
     return info
 
 
+def leave() -> None:
+    """Leave the process group: this process is no rank any more."""
+    global _current
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _current = None
+
+
 def from_torchrun() -> RankInfo:
     """The rank torchrun started this process as."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     return RankInfo(rank, world, int(os.environ.get("LOCAL_RANK", rank)))
 
 
-__all__ = ["COLLECTIVE_TIMEOUT", "RankInfo", "current", "from_torchrun", "join", "started_by_torchrun"]
+__all__ = ["COLLECTIVE_TIMEOUT", "RankInfo", "current", "from_torchrun", "join", "leave", "started_by_torchrun"]

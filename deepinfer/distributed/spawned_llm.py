@@ -25,6 +25,7 @@ from deepinfer.config import DeepseekV41Config
 from deepinfer.engine import EngineArgs
 from deepinfer.inputs import PromptType
 from deepinfer.llm import LLM, _prompt_list, check_target
+from deepinfer.models.weights import ExpertShard
 from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tokenizer import load_tokenizer
@@ -62,11 +63,14 @@ class SpawnedLLM(LLM):
             raise FileNotFoundError(f"model {path!r}: no such directory (a checkpoint directory holds config.json "
                                     "and model.safetensors)")
         self.model_dir, self.config = path, DeepseekV41Config.from_pretrained(path)
+        world_size = self.engine_args.expert_parallel_size
+        for count in (self.config.n_routed_experts, self.config.dspark_n_routed_experts * bool(speculative_config)):
+            ExpertShard(0, world_size).experts(count)  # raises before any rank starts when they do not split
         self.tokenizer = load_tokenizer(tokenizer or path)
         self._failure: str | None = None
         build = {"model": path, "target": target, "tokenizer": tokenizer, "speculative_config": speculative_config,
                  "device": device, "fp8_activations": fp8_activations, **kwargs}
-        self._start(self.engine_args.expert_parallel_size, build)
+        self._start(world_size, build)
 
     def _start(self, world_size: int, build: dict[str, Any]) -> None:
         from deepinfer.distributed.worker import run_rank
@@ -156,8 +160,9 @@ def _death(rank: int, exitcode: int) -> str:
 
 
 def format_error(e: BaseException) -> str:
-    """A rank's exception in one line, then its traceback."""
-    return f"{type(e).__name__}: {e}\n{''.join(traceback.format_exception(e))}"
+    """A rank's exception in one line (its traceback goes to the rank's stderr)."""
+    traceback.print_exception(e)
+    return f"{type(e).__name__}: {e}"
 
 
 __all__ = ["RankFailedError", "SpawnedLLM", "format_error"]

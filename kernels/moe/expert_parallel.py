@@ -49,7 +49,7 @@ class ExpertParallelExperts:
         back = self._all_to_all(done, send, recv)  # [N * k, D] in `order`
         per_pair = torch.empty_like(back)
         per_pair[order] = back
-        return sum_in_expert_order(per_pair.view(n, k, -1), experts, x)
+        return sum_in_expert_order(per_pair.view(n, k, x.shape[1]), experts, x)
 
     def _exchange_counts(self, send: list[int], device: torch.device) -> list[int]:
         counts = torch.tensor(send, dtype=torch.int64, device=device)
