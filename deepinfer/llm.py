@@ -122,6 +122,8 @@ class LLM:
         options = {"drafting": True} if speculative else {}
         if fp8_activations:
             options["fp8_activations"] = True
+        if self.engine_args.engram_storage is not None:
+            options["engram_storage"] = self.engine_args.engram_storage
         if device != "cpu":
             if get_target(target).runtime != INTERPRETER:
                 raise ValueError(f"device={device!r} runs the cpu target's torch code on that device; target "

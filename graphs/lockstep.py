@@ -52,8 +52,7 @@ class LockstepRuntime:
         while (agreed := self._agree(kind)) != kind:
             self._idle(agreed)
         graph = self._graph(draft)
-        kernels = dict(self.inner.kernels) if batch_invariant else {}
-        kernels["moe_experts"] = self._experts[batch_invariant]
+        kernels = self.inner.implementations(batch_invariant) | {"moe_experts": self._experts[batch_invariant]}
         try:
             return interpret(graph, {"input_ids": input_ids}, self.inner.params, ctx, kernels)
         except Exception as e:  # the others wait in this forward's all-to-alls: nothing can run after it

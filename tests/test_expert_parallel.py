@@ -98,11 +98,11 @@ def test_drafting_on_two_ranks_gives_one_process_s_outputs() -> None:
 
 def test_four_ranks_give_one_process_s_outputs() -> None:
     """A small fixture with Engram layers whose tokens each pick all 4 experts: one a rank, every token's four
-    outputs summed from four ranks in the reference's order."""
+    outputs summed from four ranks in the reference's order; the ranks keep the Engram tables in host memory."""
     path = fixture_dir("v41-smooth-engram")
     prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 17, 9, 2, 12)]
-    want = LLM(path, max_num_seqs=4).generate(prompts, PARAMS, use_tqdm=False)
-    four = LLM(path, expert_parallel_size=4, max_num_seqs=4)
+    want = LLM(path, max_num_seqs=4, engram_storage="device").generate(prompts, PARAMS, use_tqdm=False)
+    four = LLM(path, expert_parallel_size=4, max_num_seqs=4, engram_storage="host")
     try:
         same(four.generate(prompts, PARAMS, use_tqdm=False), want)
     finally:

@@ -58,6 +58,8 @@ class EngineArgs:
     - `expert_parallel_size`: ranks (one device each) the routed experts are split over; attention is data-parallel,
       each rank running its own share of the requests (deepinfer/distributed/). 1: one device, no ranks.
     - `data_parallel_size`: ranks running requests; None: `expert_parallel_size`, the only value allowed.
+    - `engram_storage`: "host" keeps the Engram tables in host memory, each forward's rows fetched while the first
+      layers run; "device" with the other weights; None: host when they take over half of a GPU's free memory.
     """
 
     max_num_seqs: int = 32
@@ -72,6 +74,7 @@ class EngineArgs:
     seed: int = 0
     expert_parallel_size: int = 1
     data_parallel_size: int | None = None
+    engram_storage: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -102,6 +105,9 @@ class EngineArgs:
             raise ValueError(f"data_parallel_size={self.data_parallel_size!r} must equal expert_parallel_size="
                              f"{self.expert_parallel_size}: every rank holds a share of the experts and runs a share "
                              "of the requests")
+        if self.engram_storage not in (None, "host", "device"):
+            raise ValueError(f"engram_storage must be 'host', 'device' or None (chosen by size), "
+                             f"got {self.engram_storage!r}")
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any], caller: str = "LLM()", other_names: Iterable[str] = ()) -> EngineArgs:
