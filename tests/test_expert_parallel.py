@@ -8,6 +8,8 @@ import dataclasses
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,6 +17,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.cli import main
 from deepinfer.default_model import default_checkpoint
 from deepinfer.distributed import ranks
 from deepinfer.distributed.rank_llm import RankLLM
@@ -194,3 +197,15 @@ def test_routed_outputs_are_summed_in_ascending_expert_order(rank_of_one) -> Non
     for j in range(k):
         by_slot += invariant_moe_experts(x, weights[:, j:j + 1], experts[:, j:j + 1], w1, w2, w3, limit=7.0)
     assert torch.allclose(by_slot, want, rtol=1e-5, atol=1e-3) and not torch.equal(by_slot, want)
+
+
+def test_torchrun_runs_the_command_line_on_two_ranks(capsys: pytest.CaptureFixture[str]) -> None:
+    """`torchrun --nproc-per-node 2 -m deepinfer generate ...` prints what one process prints (rank 0 alone)."""
+    flags = ["generate", "def fib(n):", "import os", "class A:", "--max-tokens", "5", "--temperature", "0.8",
+             "--no-progress"]
+    assert main(flags) == 0
+    want = capsys.readouterr().out
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "deepinfer", *flags]
+    got = subprocess.run(torchrun, capture_output=True, text=True, timeout=300, check=False)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout == want and want.count("Completion:") == 3

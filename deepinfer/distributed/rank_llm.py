@@ -10,6 +10,7 @@ rank with their single-device request ids, in input order. So `generate` returns
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -45,6 +46,8 @@ class RankLLM(LLM):
                                       f"device: target='cpu', device='cuda'); target {target!r}'s plans do not "
                                       "split their experts yet")
         self.rank_info = info
+        if info.rank != 0:  # the model's line once, from rank 0
+            logging.getLogger("deepinfer.llm").setLevel(logging.WARNING)
         self._shard = ExpertShard(info.rank, info.world_size)
         self._num_requests = 0
         super().__init__(model, target, *args, device=info.device(device), **kwargs)
@@ -53,7 +56,8 @@ class RankLLM(LLM):
         self.compiled.runtime = LockstepRuntime(self.compiled.runtime)
 
     def _load(self, model: Any, tokenizer: str | None) -> Any:
-        """This rank's share of the model: every weight but the other ranks' routed experts, which it never reads."""
+        """This rank's share of the model: every weight but the other ranks' routed experts, which it never reads
+        (rank 0 under a progress bar)."""
         from deepinfer.default_model import default_checkpoint
         from deepinfer.models import DeepseekV41Flash
         from deepinfer.tokenizer import load_tokenizer
@@ -67,7 +71,7 @@ class RankLLM(LLM):
         if not isinstance(path, (str, os.PathLike)) or not os.path.isdir(path):
             return super()._load(model, tokenizer)  # the same errors as one device's
         self.tokenizer = load_tokenizer(tokenizer or path)
-        network = DeepseekV41Flash.from_pretrained(path, self._shard)
+        network = DeepseekV41Flash.from_pretrained(path, self._shard, progress=self._shard.rank == 0)
         network.tokenizer = self.tokenizer
         return network
 

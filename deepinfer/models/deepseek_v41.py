@@ -37,13 +37,14 @@ class DeepseekV41Flash:
         self._params: dict[str, torch.Tensor] | None = None
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, shard: ExpertShard | None = None) -> DeepseekV41Flash:
+    def from_pretrained(cls, path: str | os.PathLike, shard: ExpertShard | None = None,
+                        progress: bool = False) -> DeepseekV41Flash:
         """Load `config.json` and the safetensors weights of a model directory (memory-mapped); with `shard`, of the
-        routed experts only that rank's."""
+        routed experts only that rank's; `progress`: under a progress bar."""
         from deepinfer.checkpoint import load_checkpoint
 
         config = DeepseekV41Config.from_pretrained(path)
-        return cls(config, load_checkpoint(path, config, shard), model_dir=os.fspath(path), shard=shard)
+        return cls(config, load_checkpoint(path, config, shard, progress), model_dir=os.fspath(path), shard=shard)
 
     def graph(self, dspark: bool = False) -> Graph:
         """The text model as a DSL graph: `input_ids` [N] -> `logits` [rows, vocab] (fp32).
