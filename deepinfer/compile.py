@@ -52,7 +52,7 @@ def compile(model: DeepseekV41Flash, target: str = DEFAULT_TARGET, *, dot_fp32: 
     params = model.params()
     host = choose_storage(params, torch.device(device), engram_storage) == "host"
     params = {name: t if host and is_engram_table(name) else _for_cpu(t).to(device) for name, t in params.items()}
-    overrides = HostEngramRows(graph, params, torch.device(device)).overrides() if host else None
+    overrides = HostEngramRows.from_graph(graph, params, torch.device(device)).overrides() if host else None
     runtime = Interpreter(graph, params, device, invariant_references(), draft_graph, overrides)
     return CompiledModel(model.config, graph, spec.name, runtime, draft_graph, model.model_dir)
 

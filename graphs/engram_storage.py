@@ -53,22 +53,28 @@ class FetchStats:
 
 
 class HostEngramRows:
-    """The `engram_ngrams` and `engram_hash_rows` implementations (`overrides()`) of a graph whose Engram tables are
-    host tensors in `params`, the forward running on `device`."""
+    """Fetches Engram table rows kept in host memory for forwards on `device`; `layers` are each Engram layer's
+    (hash attrs, table, scale) in layer order. `overrides()` are the graph's `engram_ngrams` and `engram_hash_rows`
+    implementations over it."""
 
-    def __init__(self, graph: Graph, params: dict[str, torch.Tensor], device: torch.device) -> None:
-        names = {value: name for name, value in graph.params.items()}
-        if any(node.op == "engram_rows" for node in graph.nodes):
-            raise ValueError("host Engram storage needs each layer's hash and rows fused (engram_hash_rows): run the "
-                             "graph through dsl.passes.run_passes first")
-        self.layers = [(node.attrs, params[names[node.inputs[1]]],
-                        None if node.inputs[2] is None else params[names[node.inputs[2]]])
-                       for node in graph.nodes if node.op == "engram_hash_rows"]
-        self.device = device
+    def __init__(self, layers: list[tuple[dict, torch.Tensor, torch.Tensor | None]], device: torch.device) -> None:
+        self.layers, self.device = layers, device
         self.stats = FetchStats()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="engram-fetch")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pending: deque[tuple[torch.Tensor, Future]] = deque()
+
+    @classmethod
+    def from_graph(cls, graph: Graph, params: dict[str, torch.Tensor], device: torch.device) -> HostEngramRows:
+        """The Engram layers of `graph` (hash and rows fused: `dsl.passes.run_passes`) over the tables in `params`."""
+        names = {value: name for name, value in graph.params.items()}
+        if any(node.op == "engram_rows" for node in graph.nodes):
+            raise ValueError("host Engram storage needs each layer's hash and rows fused (engram_hash_rows): run the "
+                             "graph through dsl.passes.run_passes first")
+        layers = [(node.attrs, params[names[node.inputs[1]]],
+                   None if node.inputs[2] is None else params[names[node.inputs[2]]])
+                  for node in graph.nodes if node.op == "engram_hash_rows"]
+        return cls(layers, device)
 
     def overrides(self) -> dict[str, Callable]:
         return {"engram_ngrams": self.ngrams, "engram_hash_rows": self.hash_rows}
@@ -78,8 +84,7 @@ class HostEngramRows:
         ngrams = engram_ngrams(ids, token_map, n=n, pad_id=pad_id, ctx=ctx)
         self._pending.clear()
         for attrs, table, scale in self.layers:
-            rows = engram_hash(ngrams, **attrs).to("cpu")  # [N, cols]: a GPU waits here for the n-grams only
-            self._pending.append((table, self._worker.submit(self._fetch, rows, table, scale)))
+            self.submit(engram_hash(ngrams, **attrs), table, scale)  # a GPU waits here for the n-grams only
         return ngrams
 
     def hash_rows(self, ngrams: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None = None,
@@ -87,17 +92,25 @@ class HostEngramRows:
         """This layer's rows [N, cols, d] (fp32), once its fetch is done."""
         if not self._pending or self._pending[0][0] is not table:
             raise RuntimeError("an Engram layer ran without its rows fetched at engram_ngrams (layers out of order)")
+        return self.take(ngrams.shape[0])
+
+    def submit(self, rows: torch.Tensor, table: torch.Tensor, scale: torch.Tensor | None) -> None:
+        """Start fetching the rows [N, cols] of `table` (host) to the device, after those already started."""
+        self._pending.append((table, self._worker.submit(self._fetch, rows.to("cpu"), table, scale)))
+
+    def take(self, n: int) -> torch.Tensor:
+        """The earliest started fetch's rows [n, cols, d] (fp32) on the device, once it is done."""
+        table, fetch = self._pending.popleft()
         start = time.perf_counter()
-        codes, scales = self._pending.popleft()[1].result()
+        codes, scales = fetch.result()
         self.stats.wait_s += time.perf_counter() - start
         if self._stream is not None:
             for t in (codes, scales):
                 if t is not None:
                     t.record_stream(torch.cuda.current_stream(self.device))
-        n, d = ngrams.shape[0], table.shape[-1]
         if table.dtype != torch.float8_e4m3fn or scales is None:
-            return codes.float().reshape(n, -1, d)
-        return dequantize_fp8_group(codes, scales).reshape(n, -1, d)
+            return codes.float().reshape(n, -1, table.shape[-1])
+        return dequantize_fp8_group(codes, scales).reshape(n, -1, table.shape[-1])
 
     def _fetch(self, rows: torch.Tensor, table: torch.Tensor,
                scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
