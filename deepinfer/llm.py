@@ -86,8 +86,9 @@ class LLM:
     directory holding tokenizer.json (default: the model's, else the V4 tokenizer).
     Every other keyword is an engine argument (`EngineArgs`: `max_model_len`, `max_num_seqs`,
     `max_num_batched_tokens`, `kv_cache_memory_bytes`, `gpu_memory_utilization`, `block_size`, `async_scheduling`,
-    `batch_invariant`, `seed`); an unknown one is a TypeError naming the closest valid name, and the few vLLM
-    options without effect here are accepted with a log line (`VLLM_OPTIONS_WITHOUT_EFFECT`). `constraint` replaces
+    `batch_invariant`, `seed`, `expert_parallel_size`, `engram_storage`); an unknown one is a TypeError naming the
+    closest valid name, and the few vLLM options without effect here are accepted with a log line
+    (`VLLM_OPTIONS_WITHOUT_EFFECT`). `constraint` replaces
     the token-constraint hook (`deepinfer.engine.TokenConstraint`); by default it is structured outputs, built on
     the first request that asks for them (`SamplingParams(structured_outputs=...)`). `speculative_config` turns on
     DSpark drafting, e.g. `{"method": "dspark", "num_speculative_tokens": 5}` (`deepinfer.engine.SpeculativeConfig`
@@ -96,7 +97,8 @@ class LLM:
     targets) rounds the inputs of the fp8-weight linears to e4m3 for the fp8 tensor cores (`deepinfer.compile`):
     faster prefill, not the reference's exact products. On the cpu target the thread count is chosen from the
     cores left idle (deepinfer/cpu_threads.py), for compiling and generating; the model, its size and the threads
-    are logged in one line.
+    are logged in one line. `expert_parallel_size=N` (N > 1) runs N ranks, the routed experts split over them and
+    the requests too, with the outputs of one device (deepinfer/distributed/).
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Self:

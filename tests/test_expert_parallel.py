@@ -61,6 +61,7 @@ def test_two_ranks_give_one_process_s_outputs(embedded) -> None:
         want = one.generate(PROMPTS, PARAMS, use_tqdm=False)
         same(two.generate(PROMPTS, PARAMS, use_tqdm=False), want)
     assert [o.request_id for o in want] == ["5", "6", "7", "8", "9"]
+    assert two.max_model_len == one.max_model_len
 
 
 def test_a_bad_request_fails_alone_on_any_rank(embedded) -> None:

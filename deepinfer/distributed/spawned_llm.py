@@ -86,7 +86,7 @@ class SpawnedLLM(LLM):
                        for r in range(world_size)]
         for p in self._ranks:
             p.start()
-        self._collect()  # every rank built its LLM
+        self.max_model_len = self._collect()  # every rank built its LLM; rank 0 says what its engine holds
 
     def iter_generate(self, prompts: PromptType | Sequence[PromptType],
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -1,7 +1,8 @@
 """The body of a rank process spawned by `SpawnedLLM` (deepinfer/distributed/spawned_llm.py).
 
 It joins the group, builds its `RankLLM`, says so, then runs each call it is given until told to stop (None). Every
-answer is (rank, error or None, value): rank 0's value is the call's outputs. An exception is reported with its
+answer is (rank, error or None, value): rank 0's value is the engine's max_model_len once built, then each call's
+outputs. An exception is reported with its
 traceback and ends the process with code 1; its departure ends the other ranks' collectives at once.
 """
 
@@ -32,7 +33,7 @@ def run_rank(rank: int, world_size: int, port: int, build: dict[str, Any], comma
         from deepinfer.distributed.rank_llm import RankLLM
 
         llm = RankLLM(**build)
-        results.put((rank, None, None))
+        results.put((rank, None, llm.max_model_len))
         while (command := commands.get()) is not None:
             prompts, params = command
             outputs = llm.generate(prompts, params, use_tqdm=False)
