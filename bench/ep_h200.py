@@ -3,6 +3,7 @@
     python bench/ep_h200.py                       # both parts; JSON to $OUT (or /tmp) as ep_h200.json
     python bench/ep_h200.py --part ranks          # RankLLM (NCCL, world size 1) against LLM: bitwise, time a call
     python bench/ep_h200.py --part engram --rows 256000000
+    python bench/ep_h200.py --part gpus           # on a host of several GPUs: spawned NCCL ranks against one GPU
 
 ranks: the embedded checkpoint on the cpu target's runtime on the GPU (target cpu, device cuda), one NCCL rank; the
 same batch through `LLM` and through `RankLLM`, outputs compared bitwise, calls timed alternately (median), with the
@@ -101,6 +102,22 @@ def part_ranks(repeats: int) -> dict:
             "moe_layers_per_forward": sum(n.op == "moe_experts" for n in rank.compiled.graph.nodes)}
 
 
+def part_gpus(repeats: int) -> dict:
+    """`LLM(..., expert_parallel_size=<GPUs>, device="cuda")` (NCCL ranks it spawns) against one GPU, bitwise."""
+    world = torch.cuda.device_count() if DEVICE == "cuda" else 2
+    prompts = [{"prompt_token_ids": list(range(100 + i, 140 + 7 * i))} for i in range(32)]
+    params = [SamplingParams(max_tokens=32, temperature=0.8 if i % 2 else 0, seed=i, ignore_eos=True)
+              for i in range(32)]
+    want = LLM(default_checkpoint(), device=DEVICE, max_num_seqs=64).generate(prompts, params, use_tqdm=False)
+    spawned = LLM(default_checkpoint(), device=DEVICE, max_num_seqs=64, expert_parallel_size=world)
+    got = spawned.generate(prompts, params, use_tqdm=False)
+    seconds = _median_s(lambda: spawned.generate(prompts, params, use_tqdm=False), repeats)
+    spawned.close()
+    return {"world_size": world, "seconds_per_call": seconds,
+            "bitwise": all(dataclasses.replace(g, metrics=None) == dataclasses.replace(w, metrics=None)
+                           for g, w in zip(got, want, strict=True))}
+
+
 def _busy(ms: float) -> None:
     """Keep the GPU busy for about `ms` (bf16 4096^3 matmuls, calibrated once)."""
     a = torch.randn(4096, 4096, device=DEVICE, dtype=torch.bfloat16)
@@ -151,7 +168,8 @@ def part_engram(rows: int, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("ranks", "engram", "both"), default="both")
+    parser.add_argument("--part", choices=("ranks", "engram", "both", "gpus"), default="both",
+                        help="gpus: spawned NCCL ranks, one per GPU, against one GPU (a host of several GPUs)")
     parser.add_argument("--rows", type=int, default=256_000_000, help="rows of the host table (256 B each + scales)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -162,6 +180,9 @@ def main() -> None:
     if args.part in ("ranks", "both"):
         results["ranks"] = part_ranks(args.repeats)
         print(json.dumps(results["ranks"], indent=1), flush=True)
+    if args.part == "gpus":
+        results["gpus"] = part_gpus(args.repeats)
+        print(json.dumps(results["gpus"], indent=1), flush=True)
     if args.part in ("engram", "both"):
         results["engram"] = part_engram(args.rows, args.repeats)
         print(json.dumps(results["engram"], indent=1), flush=True)

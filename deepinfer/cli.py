@@ -318,3 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, DeviceUnavailableError):
             raise SystemExit(f"deepinfer: error: {e}") from None
         raise
+    finally:
+        from deepinfer.distributed import ranks
+
+        ranks.leave()  # a rank leaves its group before exiting (gloo's threads must not outlive the interpreter)

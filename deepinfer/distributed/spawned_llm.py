@@ -98,7 +98,14 @@ class SpawnedLLM(LLM):
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         for commands in self._commands:
             commands.put((prompts, params_list))
-        outputs = self._collect()
+        try:
+            outputs = self._collect()
+        except RankFailedError:
+            raise
+        except BaseException:  # interrupted: the ranks' answers to this call would reach the next one
+            self.close()
+            self._failure = "a call was interrupted while the ranks ran it"
+            raise
         yield from enumerate(outputs)
 
     def _collect(self) -> Any:
@@ -119,14 +126,14 @@ class SpawnedLLM(LLM):
 
     def _fail(self, errors: dict[int, str]) -> None:
         """Gather what the ranks say for a moment, stop them all, and raise naming the rank(s) at fault."""
-        deadline = time.time() + _GRACE_S
-        while time.time() < deadline and not all(p.exitcode is not None for p in self._ranks):
+        deadline, settled = time.time() + _GRACE_S, False
+        while not settled:  # until every rank has exited (or the grace is over) and nothing is left to read
             try:
                 rank, error, _ = self._results.get(timeout=_POLL_S)
                 if error is not None:
                     errors.setdefault(rank, error)
             except queue.Empty:
-                pass
+                settled = time.time() > deadline or all(p.exitcode is not None for p in self._ranks)
         self.close()
         parts = [_death(r, p.exitcode) for r, p in enumerate(self._ranks) if r not in errors and p.exitcode]
         parts += [f"rank {r} failed: {errors[r]}" for r in sorted(errors)]
@@ -143,6 +150,8 @@ class SpawnedLLM(LLM):
             if p.is_alive():
                 p.kill()
                 p.join()
+        for q in [*self._commands, self._results]:
+            q.close()
         self._failure = self._failure or "closed"
 
     def __del__(self) -> None:

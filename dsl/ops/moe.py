@@ -95,7 +95,7 @@ invariant("moe_gate")(padded(moe_gate))
 
 
 def invariant_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float,
-                      weight: torch.Tensor | None = None) -> torch.Tensor:
+                     weight: torch.Tensor | None = None) -> torch.Tensor:
     """`swiglu_expert` with `invariant_linear` and the invariant silu."""
     gate, up = invariant_linear(x, w1), invariant_linear(x, w3)
     if limit > 0:
