@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 
 from deepinfer.config import DeepseekV41Config
 from deepinfer.engine import EngineArgs
+from deepinfer.engine.spec_decode import SpeculativeConfig
 from deepinfer.inputs import PromptType
 from deepinfer.llm import LLM, _prompt_list, check_target
 from deepinfer.models.weights import ExpertShard
@@ -51,6 +52,7 @@ class SpawnedLLM(LLM):
 
         self.engine_args = EngineArgs.from_kwargs(kwargs, "LLM()", ["model", "target", "tokenizer", "constraint",
                                                                     "speculative_config", "device", "fp8_activations"])
+        SpeculativeConfig.from_dict(speculative_config)  # a bad one is refused here, before any rank starts
         if constraint is not None:
             raise ValueError("constraint: a custom token constraint cannot be sent to the ranks' processes; "
                              "structured outputs (the default) run on every rank")
