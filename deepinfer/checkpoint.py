@@ -21,9 +21,10 @@ import struct
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from deepinfer.config import DeepseekV41Config
-from deepinfer.models.weights import WeightSpec, expected_weights
+from deepinfer.models.weights import ExpertShard, WeightSpec, expected_weights
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -135,17 +136,19 @@ def _weight_map(path: str) -> dict[str, str]:
     return {name: files[shard] for name, shard in weight_map.items()}
 
 
-def _read_tensors(weight_map: dict[str, str]) -> dict[str, torch.Tensor]:
-    """Canonical name -> tensor, read with safetensors."""
+def _read_tensors(weight_map: dict[str, str], progress: bool = False) -> dict[str, torch.Tensor]:
+    """Canonical name -> tensor, read with safetensors (under a progress bar over the tensors when `progress`)."""
     by_file: dict[str, list[str]] = {}
     for name, file in weight_map.items():
         by_file.setdefault(file, []).append(name)
     out: dict[str, torch.Tensor] = {}
     stored_as: dict[str, str] = {}
+    bar = tqdm(total=len(weight_map), desc="Loading weights", unit="tensor", disable=not progress)
     for file, names in by_file.items():  # headers were checked by `_weight_map`
         try:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for name in names:
+                    bar.update(1)
                     canonical = canonical_name(name)
                     if canonical is None:
                         continue
@@ -157,6 +160,7 @@ def _read_tensors(weight_map: dict[str, str]) -> dict[str, torch.Tensor]:
             raise
         except Exception as e:  # safetensors raises its own error types for malformed files
             raise CheckpointError(f"cannot read {file}: {type(e).__name__}: {e}") from None
+    bar.close()
     return out
 
 
@@ -249,18 +253,25 @@ def check_finite(tensors: dict[str, torch.Tensor], where: str = "checkpoint") ->
 # --- public API -----------------------------------------------------------------------------------------------
 
 
-def load_checkpoint(path: str | os.PathLike, config: DeepseekV41Config | None = None) -> dict[str, torch.Tensor]:
+def load_checkpoint(path: str | os.PathLike, config: DeepseekV41Config | None = None,
+                    shard: ExpertShard | None = None, progress: bool = False) -> dict[str, torch.Tensor]:
     """Read every tensor of a V4.1 checkpoint under its canonical name, check it against `config` and check that
     every value is finite.
 
     `path` is a model directory, an index file or a single `.safetensors` file; `config` defaults to the
-    directory's `config.json`. Raises `CheckpointError` naming the file or tensors at fault.
+    directory's `config.json`. With `shard` only that rank's routed experts are read (and expected), besides every
+    other tensor; `progress` shows a bar over the tensors read. Raises `CheckpointError` naming the file or tensors
+    at fault.
     """
     path = os.fspath(path)
     if config is None:
         config = DeepseekV41Config.from_pretrained(path if os.path.isdir(path) else os.path.dirname(path))
-    tensors = _read_tensors(_weight_map(path))
+    weight_map = _weight_map(path)
     specs = expected_weights(config)
+    if shard is not None:
+        weight_map = {n: f for n, f in weight_map.items() if shard.holds(canonical_name(n) or n, config)}
+        specs = {n: spec for n, spec in specs.items() if shard.holds(n, config)}
+    tensors = _read_tensors(weight_map, progress)
     check_weights(tensors, specs, where=f"checkpoint {path}")
     check_finite(tensors, where=f"checkpoint {path}")
     for name, t in tensors.items():

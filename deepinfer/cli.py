@@ -41,6 +41,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              f"(default: {DEFAULT_TARGET})")
     parser.add_argument("--fp8-activations", action="store_true",
                         help="GPU targets: e4m3 inputs for the fp8-weight linears (faster prefill, not exact)")
+    parser.add_argument("--device", default="cpu",
+                        help="where the cpu target's torch code runs: cpu, or cuda (each rank its own GPU)")
     engine = parser.add_argument_group("engine (EngineArgs; defaults as there)")
     engine.add_argument("--max-model-len", type=int, default=None, help="bound on prompt plus completion tokens")
     engine.add_argument("--max-num-seqs", type=int, default=None, help="sequences running at once")
@@ -52,6 +54,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None)
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
                         help="share and keep the blocks of prompts that start alike (on by default)")
+    engine.add_argument("--expert-parallel-size", type=int, default=None,
+                        help="ranks the routed experts are split over, each running a share of the requests "
+                             "(default: torchrun's WORLD_SIZE, else 1)")
+    engine.add_argument("--engram-storage", choices=("host", "device"), default=None,
+                        help="where the Engram tables live (default: host when they do not fit the device)")
     drafting = engine.add_mutually_exclusive_group()
     drafting.add_argument("--dspark", type=int, default=None, metavar="K",
                           help="DSpark drafting with the model's draft layers, K drafts per step (off by default)")
@@ -62,7 +69,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
-             "gpu_memory_utilization", "async_scheduling", "batch_invariant", "enable_prefix_caching")
+             "gpu_memory_utilization", "async_scheduling", "batch_invariant", "enable_prefix_caching",
+             "expert_parallel_size", "engram_storage")
     return {k: getattr(args, k) for k in names if getattr(args, k) is not None}
 
 
@@ -70,6 +78,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """LLM's keyword arguments from the engine flags (`add_engine_flags`)."""
     kwargs = {"model": args.model, "target": args.target, "fp8_activations": args.fp8_activations,
               **engine_kwargs(args)}
+    if args.device != "cpu":
+        kwargs["device"] = args.device
     if args.dspark is not None:
         kwargs["speculative_config"] = {"method": "dspark", "num_speculative_tokens": args.dspark}
     elif args.speculative_config is not None:
@@ -235,17 +245,45 @@ def _run(args: argparse.Namespace, todo: list, results: ResultsFile | None) -> t
     return outputs, time.perf_counter() - start
 
 
+def _torchrun_rank(args: argparse.Namespace) -> int:
+    """Under torchrun, join the ranks (expert parallelism over WORLD_SIZE unless --expert-parallel-size says) and
+    return this one; else 0. Every rank runs every request with the others; rank 0 alone prints and writes."""
+    from deepinfer.distributed import ranks
+
+    if not ranks.started_by_torchrun():
+        return 0
+    info = ranks.join(ranks.from_torchrun(), args.device)
+    if args.expert_parallel_size is None:
+        args.expert_parallel_size = info.world_size
+    return info.rank
+
+
+def _skip_done(todo: list, failed: list[dict[str, Any]], done: set) -> tuple[list, list[dict[str, Any]]]:
+    """The requests and failed lines an earlier run has not finished (on every rank: rank 0's file's ids)."""
+    from deepinfer.distributed import ranks
+
+    if ranks.current() is not None:
+        import torch.distributed as dist
+
+        shared = [done]
+        dist.broadcast_object_list(shared, src=0)
+        done = shared[0]
+    return [(line, p) for line, p in todo if line.id not in done], [r for r in failed if r["id"] not in done]
+
+
 def generate(args: argparse.Namespace) -> int:
     """`deepinfer generate`: print the completions, or append them to --output as they finish."""
     _check_paths(args)
+    rank = _torchrun_rank(args)
     todo, failed = _requests(args)
-    results = ResultsFile(args.output) if args.output else None
-    if results is not None:  # the ids an earlier run finished are skipped
-        todo = [(line, p) for line, p in todo if line.id not in results.done]
-        failed = [record for record in failed if record["id"] not in results.done]
+    results = ResultsFile(args.output) if args.output and rank == 0 else None
+    todo, failed = _skip_done(todo, failed, results.done if results is not None else set())
+    if results is not None:
         for record in failed:
             results.write(record)
     outputs, elapsed = _run(args, todo, results) if todo else ({}, 0.0)
+    if rank != 0:
+        return 0
     if results is None:
         for record in failed:
             print(f"Prompt: {record['prompt']!r}\nError: {record['error']}\n")
@@ -282,3 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         if isinstance(e, DeviceUnavailableError):
             raise SystemExit(f"deepinfer: error: {e}") from None
         raise
+    finally:
+        from deepinfer.distributed import ranks
+
+        ranks.leave()  # a rank leaves its group before exiting (gloo's threads must not outlive the interpreter)

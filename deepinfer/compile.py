@@ -12,6 +12,7 @@ from deepinfer.models.deepseek_v41 import DeepseekV41Flash
 from dsl.ops import invariant_references
 from dsl.passes import run_passes
 from graphs.compiled_model import CompiledModel
+from graphs.engram_storage import HostEngramRows, choose_storage, is_engram_table
 from graphs.interpreter import Interpreter
 from kernels.targets import DEFAULT_TARGET, PLAN, built_targets, get_target
 
@@ -20,7 +21,7 @@ Compiled = CompiledModel[DeepseekV41Config]
 
 def compile(model: DeepseekV41Flash, target: str = DEFAULT_TARGET, *, dot_fp32: bool = False,  # noqa: A001 - public name
             buckets: tuple[int, ...] | None = None, drafting: bool = False, device: str = "cpu",
-            fp8_activations: bool = False) -> Compiled:
+            fp8_activations: bool = False, engram_storage: str | None = None) -> Compiled:
     """Lower `model` for `target` and return a `CompiledModel` ready to run.
 
     GPU targets (kernels/targets.py) build cubins ahead of time, on any machine (no GPU needed): `.save(dir)` writes
@@ -31,20 +32,28 @@ def compile(model: DeepseekV41Flash, target: str = DEFAULT_TARGET, *, dot_fp32: 
     code runs ("cuda": the references on a GPU, eagerly; for comparisons and the engine there). `fp8_activations`
     (GPU targets): linears over fp8 weights round their inputs to e4m3 with a power-of-two scale per token and
     multiply on the fp8 tensor cores (kernels/linear/fp8.py), trading accuracy for speed at prefill sizes
-    (bench/RESULTS.md has both).
+    (bench/RESULTS.md has both). `engram_storage` (the cpu target's runtime): "host" keeps the Engram tables in
+    host memory and fetches each forward's rows while the first layers run (graphs/engram_storage.py), "device"
+    moves them with the other weights; None: host where they take more than half of a GPU's free memory.
     """
     spec = get_target(target)
     if not spec.is_built:
         raise NotImplementedError(f"target {target!r} ({spec.description}) has no kernels in this build yet; "
                                   f"built targets: {', '.join(t.name for t in built_targets())}")
     if spec.runtime == PLAN:
+        if engram_storage == "host":
+            raise NotImplementedError(f"engram_storage='host': target {target!r}'s plans keep the Engram tables on "
+                                      "the device; host storage runs on the cpu target's runtime (any device)")
         return _compile_plan(model, spec.name, dot_fp32, buckets, drafting, fp8_activations)
     if fp8_activations:
         raise ValueError("fp8_activations is a GPU target's kernel path; the cpu target runs the exact references")
     graph = run_passes(model.graph(dspark=drafting))
     draft_graph = run_passes(model.draft_graph()) if drafting else None
-    params = {name: _for_cpu(t).to(device) for name, t in model.params().items()}
-    runtime = Interpreter(graph, params, device, invariant_references(), draft_graph)
+    params = model.params()
+    host = choose_storage(params, torch.device(device), engram_storage) == "host"
+    params = {name: t if host and is_engram_table(name) else _for_cpu(t).to(device) for name, t in params.items()}
+    overrides = HostEngramRows.from_graph(graph, params, torch.device(device)).overrides() if host else None
+    runtime = Interpreter(graph, params, device, invariant_references(), draft_graph, overrides)
     return CompiledModel(model.config, graph, spec.name, runtime, draft_graph, model.model_dir)
 
 

@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from tqdm import tqdm
@@ -86,8 +86,9 @@ class LLM:
     directory holding tokenizer.json (default: the model's, else the V4 tokenizer).
     Every other keyword is an engine argument (`EngineArgs`: `max_model_len`, `max_num_seqs`,
     `max_num_batched_tokens`, `kv_cache_memory_bytes`, `gpu_memory_utilization`, `block_size`, `async_scheduling`,
-    `batch_invariant`, `seed`); an unknown one is a TypeError naming the closest valid name, and the few vLLM
-    options without effect here are accepted with a log line (`VLLM_OPTIONS_WITHOUT_EFFECT`). `constraint` replaces
+    `batch_invariant`, `seed`, `expert_parallel_size`, `engram_storage`); an unknown one is a TypeError naming the
+    closest valid name, and the few vLLM options without effect here are accepted with a log line
+    (`VLLM_OPTIONS_WITHOUT_EFFECT`). `constraint` replaces
     the token-constraint hook (`deepinfer.engine.TokenConstraint`); by default it is structured outputs, built on
     the first request that asks for them (`SamplingParams(structured_outputs=...)`). `speculative_config` turns on
     DSpark drafting, e.g. `{"method": "dspark", "num_speculative_tokens": 5}` (`deepinfer.engine.SpeculativeConfig`
@@ -96,8 +97,19 @@ class LLM:
     targets) rounds the inputs of the fp8-weight linears to e4m3 for the fp8 tensor cores (`deepinfer.compile`):
     faster prefill, not the reference's exact products. On the cpu target the thread count is chosen from the
     cores left idle (deepinfer/cpu_threads.py), for compiling and generating; the model, its size and the threads
-    are logged in one line.
+    are logged in one line. `expert_parallel_size=N` (N > 1) runs N ranks, the routed experts split over them and
+    the requests too, with the outputs of one device (deepinfer/distributed/).
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Self:
+        """`expert_parallel_size` above 1 makes an LLM of several ranks (deepinfer/distributed/): the one that starts
+        them, or, in a process that is a rank (spawned, or started by torchrun), that rank's."""
+        kind = cls
+        if cls is LLM and kwargs.get("expert_parallel_size", 1) != 1:
+            from deepinfer.distributed import parallel_llm_class
+
+            kind = parallel_llm_class()
+        return super().__new__(kind)
 
     def __init__(self, model: str | os.PathLike | DeepseekV41Flash | None = None, target: str = DEFAULT_TARGET,
                  tokenizer: str | None = None, constraint: TokenConstraint | None = None,
@@ -112,6 +124,8 @@ class LLM:
         options = {"drafting": True} if speculative else {}
         if fp8_activations:
             options["fp8_activations"] = True
+        if self.engine_args.engram_storage is not None:
+            options["engram_storage"] = self.engine_args.engram_storage
         if device != "cpu":
             if get_target(target).runtime != INTERPRETER:
                 raise ValueError(f"device={device!r} runs the cpu target's torch code on that device; target "
@@ -204,10 +218,7 @@ class LLM:
                       sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                       use_tqdm: bool = False) -> Iterator[tuple[int, RequestOutput]]:
         """As `generate`, but yields (input index, output) as each request finishes, in the order they finish."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        elif not isinstance(prompts, Sequence):
-            raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+        prompts = _prompt_list(prompts)
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         arrival = time.time()
         finished, index = False, {}
@@ -277,3 +288,12 @@ class LLM:
         from deepinfer.beam_search import beam_search
 
         return beam_search(self, [prompts] if isinstance(prompts, (str, dict)) else list(prompts), params, use_tqdm)
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> Sequence[PromptType]:
+    """One prompt or a sequence of them, as a sequence."""
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+    return prompts

@@ -20,12 +20,19 @@ from dsl.interpret import interpret
 
 class Interpreter:
     def __init__(self, graph: Graph, params: dict[str, torch.Tensor], device: torch.device | str,
-                 kernels: dict[str, Callable], draft_graph: Graph | None = None) -> None:
-        """`params` are used as they are (on `device` already); `kernels`: the batch-invariant implementations."""
+                 kernels: dict[str, Callable], draft_graph: Graph | None = None,
+                 overrides: dict[str, Callable] | None = None) -> None:
+        """`params` are used as they are (on `device` already, but for host-stored Engram tables); `kernels`: the
+        batch-invariant implementations; `overrides`: implementations used in either mode (host Engram rows)."""
         self.graph, self.draft_graph = graph, draft_graph
         self._params = params
         self.device = torch.device(device)
         self.kernels = kernels
+        self.overrides = overrides or {}
+
+    def implementations(self, batch_invariant: bool) -> dict[str, Callable]:
+        """The ops run other than by their reference: the batch-invariant ones when asked for, the overrides."""
+        return {**(self.kernels if batch_invariant else {}), **self.overrides}
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
@@ -39,7 +46,7 @@ class Interpreter:
         graph = self.draft_graph if draft else self.graph
         if graph is None:
             raise RuntimeError("this model was compiled without DSpark drafting: compile(..., drafting=True)")
-        return interpret(graph, {"input_ids": input_ids}, self._params, ctx, self.kernels if batch_invariant else None)
+        return interpret(graph, {"input_ids": input_ids}, self._params, ctx, self.implementations(batch_invariant))
 
     def sampling(self) -> contextlib.AbstractContextManager:
         """Launches as they are: logits on a CUDA device sample on Triton's JIT, on the CPU with torch."""

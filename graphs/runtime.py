@@ -18,6 +18,11 @@ import torch
 from dsl.context import ForwardContext
 
 
+class FatalRuntimeError(RuntimeError):
+    """A run that leaves nothing able to run after it (a rank of several failed or is gone): the engine stops rather
+    than failing the step's requests and going on."""
+
+
 class Runtime(Protocol):
     """A model's main graph (and its DSpark draft graph, where compiled with drafting) with its weights on a device."""
 
@@ -51,4 +56,4 @@ class Runtime(Protocol):
         ...
 
 
-__all__ = ["Runtime"]
+__all__ = ["FatalRuntimeError", "Runtime"]

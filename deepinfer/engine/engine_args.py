@@ -62,6 +62,11 @@ class EngineArgs:
       the hit. On by default: on the cpu target 64 requests sharing a 2,000-token prefix run many times faster
       with it, and prompts that share nothing pay a prefill chunk cut every `snapshot_interval` tokens
       (bench/RESULTS.md).
+    - `expert_parallel_size`: ranks (one device each) the routed experts are split over; attention is data-parallel,
+      each rank running its own share of the requests (deepinfer/distributed/). 1: one device, no ranks.
+    - `data_parallel_size`: ranks running requests; None: `expert_parallel_size`, the only value allowed.
+    - `engram_storage`: "host" keeps the Engram tables in host memory, each forward's rows fetched while the first
+      layers run; "device" with the other weights; None: host when they take over half of a GPU's free memory.
     """
 
     max_num_seqs: int = 32
@@ -75,6 +80,9 @@ class EngineArgs:
     overlap_structured_outputs: bool = True
     seed: int = 0
     enable_prefix_caching: bool = True
+    expert_parallel_size: int = 1
+    data_parallel_size: int | None = None
+    engram_storage: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -99,6 +107,15 @@ class EngineArgs:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")  # noqa: TRY004
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not _is_int(self.expert_parallel_size) or self.expert_parallel_size < 1:
+            raise ValueError(f"expert_parallel_size must be an integer >= 1, got {self.expert_parallel_size!r}")
+        if self.data_parallel_size not in (None, self.expert_parallel_size):
+            raise ValueError(f"data_parallel_size={self.data_parallel_size!r} must equal expert_parallel_size="
+                             f"{self.expert_parallel_size}: every rank holds a share of the experts and runs a share "
+                             "of the requests")
+        if self.engram_storage not in (None, "host", "device"):
+            raise ValueError(f"engram_storage must be 'host', 'device' or None (chosen by size), "
+                             f"got {self.engram_storage!r}")
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any], caller: str = "LLM()", other_names: Iterable[str] = ()) -> EngineArgs:
@@ -116,7 +133,7 @@ class EngineArgs:
                 if value not in (None, 1):
                     raise ValueError(f"{name}={value!r}: DeepInfer does not split layers across devices; "
                                      "expert_parallel_size is the way to use several devices (experts split across "
-                                     "them, attention data-parallel), planned and not built yet")
+                                     "them, attention data-parallel)")
                 continue
             valid = sorted(names | set(other_names) | set(VLLM_OPTIONS_WITHOUT_EFFECT))
             close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)

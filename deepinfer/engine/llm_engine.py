@@ -78,17 +78,24 @@ class LLMEngine:
         self.num_steps = 0
         self.threads: int | None = None  # torch's thread count while running (the cpu target's choice), else as is
 
-    def add_request(self, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None) -> str:
+    def draw_seed(self, params: object) -> int:
+        """The seed of a request with these params: its own, else the next of the engine's draws (`args.seed`)."""
+        own = params.seed if isinstance(params, SamplingParams) else None
+        return own if own is not None else self._seeds.getrandbits(63)
+
+    def add_request(self, prompt: PromptType, params: SamplingParams, arrival_time: float | None = None,
+                    seed: int | None = None) -> str:
         """Queue a request; returns its id. A request that cannot run (a malformed prompt, parameters that are not
-        a SamplingParams, ...) finishes at once with its error; nothing of it is queued."""
+        a SamplingParams, ...) finishes at once with its error; nothing of it is queued. `seed`: one drawn by
+        `draw_seed` already (several ranks draw every request's seed, then each queues its share)."""
         request_id = str(next(self._ids))
         metrics = RequestMetrics(arrival_time=time.time() if arrival_time is None else arrival_time)
+        # Seeds are drawn at submission, in order, so they do not depend on how requests are batched or fail.
+        seed = self.draw_seed(params) if seed is None else seed
         if not isinstance(params, SamplingParams):
             params, error = SamplingParams(), f"sampling params must be a SamplingParams, got {type(params).__name__}"
         else:
             error = None
-        # Seeds are drawn at submission, in order, so they do not depend on how requests are batched or fail.
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(request_id, prompt if isinstance(prompt, str) else None, [], params, seed, metrics)
         self.requests[request_id] = request
         try:

@@ -27,6 +27,7 @@ from deepinfer.sampler import as_allowed
 from dsl.cache import PagedCache
 from dsl.context import SequenceState
 from graphs.compiled_model import RunnableModel
+from graphs.runtime import FatalRuntimeError
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +95,8 @@ class ModelRunner:
         out = StepOutput([], [])
         try:
             tokens = self._execute(rows, out)
+        except FatalRuntimeError:
+            raise  # no step can run after it (a rank of several is gone): the engine stops
         except Exception as e:  # a failing step fails its requests, not the engine
             logger.exception("a step of %d sequences failed", len(rows))
             self.failed.update(row.seq_id for row in rows)

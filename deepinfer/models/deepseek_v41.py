@@ -13,6 +13,7 @@ import torch
 
 from deepinfer.config import DeepseekV41Config
 from deepinfer.models.engram_layout import compressed_token_map, engram_layers
+from deepinfer.models.weights import ExpertShard
 from dsl.builder import GraphBuilder
 from dsl.graph import Graph, Value
 from dsl.ops.rope import rope_params
@@ -27,20 +28,23 @@ class DeepseekV41Flash:
     """The V4.1-Flash text model: config, weights (canonical checkpoint names) and its DSL declaration."""
 
     def __init__(self, config: DeepseekV41Config, weights: dict[str, torch.Tensor], model_dir: str | None = None,
-                 tokenizer=None) -> None:
+                 tokenizer=None, shard: ExpertShard | None = None) -> None:
         self.config = config
         self.weights = weights
         self.model_dir = model_dir
         self.tokenizer = tokenizer
+        self.shard = shard  # one rank's share of the routed experts (expert parallelism); None: all of them
         self._params: dict[str, torch.Tensor] | None = None
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike) -> DeepseekV41Flash:
-        """Load `config.json` and the safetensors weights of a model directory (memory-mapped)."""
+    def from_pretrained(cls, path: str | os.PathLike, shard: ExpertShard | None = None,
+                        progress: bool = False) -> DeepseekV41Flash:
+        """Load `config.json` and the safetensors weights of a model directory (memory-mapped); with `shard`, of the
+        routed experts only that rank's; `progress`: under a progress bar."""
         from deepinfer.checkpoint import load_checkpoint
 
         config = DeepseekV41Config.from_pretrained(path)
-        return cls(config, load_checkpoint(path, config), model_dir=os.fspath(path))
+        return cls(config, load_checkpoint(path, config, shard, progress), model_dir=os.fspath(path), shard=shard)
 
     def graph(self, dspark: bool = False) -> Graph:
         """The text model as a DSL graph: `input_ids` [N] -> `logits` [rows, vocab] (fp32).
@@ -61,7 +65,8 @@ class DeepseekV41Flash:
 
     def params(self) -> dict[str, torch.Tensor]:
         """The graph's parameters: checkpoint weights plus what the declaration derives from them (stacked
-        experts, Engram's compressed token map, the one-hot first collapse). Computed once."""
+        experts, of this rank's share when `shard` is set; Engram's compressed token map, the one-hot first
+        collapse). Computed once."""
         if self._params is not None:
             return self._params
         params = dict(self.weights)
@@ -72,9 +77,10 @@ class DeepseekV41Flash:
         for block in blocks:
             prefix = f"{block}.ffn.experts"
             count = cfg.n_routed_experts if block.startswith("layers") else cfg.dspark_n_routed_experts
+            held = range(count) if self.shard is None else self.shard.experts(count)
             for w in ("w1", "w2", "w3"):
                 for kind in ("weight", "scale"):
-                    names = [f"{prefix}.{j}.{w}.{kind}" for j in range(count)]
+                    names = [f"{prefix}.{j}.{w}.{kind}" for j in held]
                     if names[0] in params:
                         params[f"{prefix}.{w}.{kind}"] = torch.stack([_uniform(params.pop(n)) for n in names])
         if cfg.engram_layer_ids:

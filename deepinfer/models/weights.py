@@ -16,6 +16,7 @@ hyper-connections). `embed` and `head` are shared with the backbone and not stor
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ import torch
 from deepinfer.config import DeepseekV41Config
 
 QUANT_BLOCK = 32
+_ROUTED_EXPERT = re.compile(r"^(layers|mtp)\.\d+\.ffn\.experts\.(\d+)\.")  # `layers.3.ffn.experts.17.w1.weight`
 
 
 @dataclass(frozen=True)
@@ -168,3 +170,27 @@ def expected_weights(config: DeepseekV41Config) -> dict[str, WeightSpec]:
     for i in range(c.num_nextn_predict_layers):
         specs |= {f"mtp.{i}.{k}": v for k, v in _draft_layer(c, i).items()}
     return specs
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """Rank `rank` of `world_size`: it holds a contiguous 1 / world_size of every MoE layer's routed experts."""
+
+    rank: int
+    world_size: int
+
+    def experts(self, num_experts: int) -> range:
+        """The expert ids this rank holds of a layer of `num_experts` (which the ranks must divide evenly)."""
+        if num_experts % self.world_size:
+            raise ValueError(f"{num_experts} routed experts do not split evenly over expert_parallel_size="
+                             f"{self.world_size}: choose a size that divides every MoE layer's expert count")
+        share = num_experts // self.world_size
+        return range(self.rank * share, (self.rank + 1) * share)
+
+    def holds(self, name: str, config: DeepseekV41Config) -> bool:
+        """Whether this rank loads the checkpoint tensor `name` (canonical): all but other ranks' routed experts."""
+        m = _ROUTED_EXPERT.match(name)
+        if m is None:
+            return True
+        total = config.n_routed_experts if m[1] == "layers" else config.dspark_n_routed_experts
+        return int(m[2]) in self.experts(total)

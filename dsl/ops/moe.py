@@ -94,8 +94,8 @@ def _sum_experts(expert, x: torch.Tensor, weights: torch.Tensor, experts: torch.
 invariant("moe_gate")(padded(moe_gate))
 
 
-def _invariant_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float,
-                      weight: torch.Tensor | None = None) -> torch.Tensor:
+def invariant_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float,
+                     weight: torch.Tensor | None = None) -> torch.Tensor:
     """`swiglu_expert` with `invariant_linear` and the invariant silu."""
     gate, up = invariant_linear(x, w1), invariant_linear(x, w3)
     if limit > 0:
@@ -106,11 +106,11 @@ def _invariant_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: t
 
 @invariant("swiglu")
 def invariant_swiglu(x: torch.Tensor, w1, w2, w3, s1=None, s2=None, s3=None, *, limit: float) -> torch.Tensor:
-    return _invariant_expert(x.float(), weight_values(w1, s1), weight_values(w2, s2), weight_values(w3, s3), limit)
+    return invariant_expert(x.float(), weight_values(w1, s1), weight_values(w2, s2), weight_values(w3, s3), limit)
 
 
 @invariant("moe_experts")
 def invariant_moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1, w2, w3, s1=None, s2=None,
                           s3=None, *, limit: float) -> torch.Tensor:
     """An expert sees 1 to N rows as the batch goes, each row alike."""
-    return _sum_experts(_invariant_expert, x, weights, experts, ((w1, s1), (w2, s2), (w3, s3)), limit)
+    return _sum_experts(invariant_expert, x, weights, experts, ((w1, s1), (w2, s2), (w3, s3)), limit)

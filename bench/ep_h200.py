@@ -1,0 +1,196 @@
+"""On one GPU: the distributed path at world size 1 against the plain path, and Engram rows fetched from host memory.
+
+    python bench/ep_h200.py                       # both parts; JSON to $OUT (or /tmp) as ep_h200.json
+    python bench/ep_h200.py --part ranks          # RankLLM (NCCL, world size 1) against LLM: bitwise, time a call
+    python bench/ep_h200.py --part engram --rows 256000000
+    python bench/ep_h200.py --part gpus           # on a host of several GPUs: spawned NCCL ranks against one GPU
+
+ranks: the embedded checkpoint on the cpu target's runtime on the GPU (target cpu, device cuda), one NCCL rank; the
+same batch through `LLM` and through `RankLLM`, outputs compared bitwise, calls timed alternately (median), with the
+rounds of agreement a call makes and the time of one agreement (all_reduce) and of one MoE exchange (the two
+all_to_all_single of a decode step's 64 x 6 pairs) at world size 1.
+
+engram: one host table of `--rows` rows x 256 fp8 codes with fp32 scales per 32 (a real Engram layer's table is
+about 384M rows, 110 GB with those scales), filled, so its pages are resident; per case (decode 64 tokens, prefill
+8192), 24 random rows a token (3 n-gram sizes x 8 heads) fetched by `HostEngramRows` alone (its fetch time), then
+again while the GPU is kept busy for `--before-ms` (the layers before the first Engram layer: layer 0, from the
+slice's per-layer times in bench/RESULTS.md), the wait left at the layer being what the overlap did not hide; the
+same rows gathered from a device table for comparison, and the embedded model's tokens with host and device storage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.default_model import default_checkpoint
+from deepinfer.distributed import ranks
+from deepinfer.distributed.rank_llm import RankLLM
+from graphs.engram_storage import HostEngramRows
+
+CASES = {"decode B=64": (64, 4.2), "prefill 8192": (8192, 30.7)}  # tokens, ms of layer 0 (RESULTS.md slice / 4)
+COLS, DIM = 24, 256
+DEVICE = "cuda"  # --device cpu runs the same code on the cpu (gloo): a check of the script, not of its figures
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def _join() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks.join(ranks.RankInfo(0, 1, 0), DEVICE, f"tcp://127.0.0.1:{port}")
+
+
+def _median_s(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync()
+        start = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def part_ranks(repeats: int) -> dict:
+    _join()
+    prompts = [{"prompt_token_ids": list(range(100 + i, 140 + 7 * i))} for i in range(32)]
+    params = [SamplingParams(max_tokens=32, temperature=0.8 if i % 2 else 0, seed=i, ignore_eos=True)
+              for i in range(32)]
+    plain = LLM(default_checkpoint(), device=DEVICE, max_num_seqs=64)
+    rank = RankLLM(default_checkpoint(), device=DEVICE, max_num_seqs=64)
+    want, got = plain.generate(prompts, params, use_tqdm=False), rank.generate(prompts, params, use_tqdm=False)
+    bitwise = all(dataclasses.replace(g, metrics=None) == dataclasses.replace(w, metrics=None)
+                  for g, w in zip(got, want, strict=True))
+    runtime = rank.compiled.runtime
+    rounds_before, steps_before = runtime.num_rounds, rank.engine.num_steps
+    times = {"plain": [], "rank": []}
+    for _ in range(repeats):  # alternating, so drift hits both
+        times["plain"].append(_median_s(lambda: plain.generate(prompts, params, use_tqdm=False), 1))
+        times["rank"].append(_median_s(lambda: rank.generate(prompts, params, use_tqdm=False), 1))
+    plain_s, rank_s = statistics.median(times["plain"]), statistics.median(times["rank"])
+    wants = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+    agree_s = _median_s(lambda: [dist.all_reduce(wants) for _ in range(100)], 5) / 100
+    pairs = torch.randn(64 * 6, 5120 + 2, device=DEVICE)  # a decode step's 64 tokens x top 6: x, weight, expert id
+    back = torch.empty_like(pairs)
+
+    def exchange() -> None:  # one MoE layer's two exchanges (counts first, as the op sends them)
+        counts = torch.tensor([pairs.shape[0]], device=DEVICE)
+        dist.all_to_all_single(torch.empty_like(counts), counts)
+        dist.all_to_all_single(back, pairs, [pairs.shape[0]], [pairs.shape[0]])
+        dist.all_to_all_single(back[:, :-2].contiguous(), pairs[:, :-2].contiguous())
+
+    exchange_s = _median_s(lambda: [exchange() for _ in range(100)], 5) / 100
+    ranks.leave()
+    return {"bitwise": bitwise, "plain_s": plain_s, "rank_s": rank_s, "overhead": rank_s / plain_s - 1,
+            "steps_per_call": (rank.engine.num_steps - steps_before) / repeats,
+            "rounds_per_call": (runtime.num_rounds - rounds_before) / repeats,
+            "agree_us": agree_s * 1e6, "moe_exchange_us": exchange_s * 1e6,
+            "moe_layers_per_forward": sum(n.op == "moe_experts" for n in rank.compiled.graph.nodes)}
+
+
+def part_gpus(repeats: int) -> dict:
+    """`LLM(..., expert_parallel_size=<GPUs>, device="cuda")` (NCCL ranks it spawns) against one GPU, bitwise."""
+    world = torch.cuda.device_count() if DEVICE == "cuda" else 2
+    prompts = [{"prompt_token_ids": list(range(100 + i, 140 + 7 * i))} for i in range(32)]
+    params = [SamplingParams(max_tokens=32, temperature=0.8 if i % 2 else 0, seed=i, ignore_eos=True)
+              for i in range(32)]
+    want = LLM(default_checkpoint(), device=DEVICE, max_num_seqs=64).generate(prompts, params, use_tqdm=False)
+    spawned = LLM(default_checkpoint(), device=DEVICE, max_num_seqs=64, expert_parallel_size=world)
+    got = spawned.generate(prompts, params, use_tqdm=False)
+    seconds = _median_s(lambda: spawned.generate(prompts, params, use_tqdm=False), repeats)
+    spawned.close()
+    return {"world_size": world, "seconds_per_call": seconds,
+            "bitwise": all(dataclasses.replace(g, metrics=None) == dataclasses.replace(w, metrics=None)
+                           for g, w in zip(got, want, strict=True))}
+
+
+def _busy(ms: float) -> None:
+    """Keep the GPU busy for about `ms` (bf16 4096^3 matmuls, calibrated once)."""
+    a = torch.randn(4096, 4096, device=DEVICE, dtype=torch.bfloat16)
+    one = _median_s(lambda: a @ a, 5) * 1e3
+    for _ in range(max(1, round(ms / one))):
+        a @ a
+
+
+def part_engram(rows: int, repeats: int) -> dict:
+    start = time.perf_counter()
+    table = torch.empty(rows, DIM, dtype=torch.uint8).fill_(0x38).view(torch.float8_e4m3fn)
+    scale = torch.ones(rows, DIM // 32)
+    out: dict = {"rows": rows, "table_gb": (table.nbytes + scale.nbytes) / 1e9,
+                 "fill_s": time.perf_counter() - start}
+    fetcher = HostEngramRows([({}, table, scale)], torch.device(DEVICE))
+    device_rows = min(rows, 16 << 20)
+    device_table, device_scale = table[:device_rows].to(DEVICE), scale[:device_rows].to(DEVICE)
+    for name, (tokens, before_ms) in CASES.items():
+        ids = torch.randint(0, rows, (tokens, COLS))
+        alone, waits, fetches = [], [], []
+        for _ in range(repeats):
+            s0 = fetcher.stats.fetch_s
+            fetcher.submit(ids, table, scale)
+            fetcher.take(tokens)
+            alone.append(fetcher.stats.fetch_s - s0)
+            s0, w0 = fetcher.stats.fetch_s, fetcher.stats.wait_s
+            fetcher.submit(ids, table, scale)
+            _busy(before_ms)
+            fetcher.take(tokens)
+            _sync()
+            fetches.append(fetcher.stats.fetch_s - s0)
+            waits.append(fetcher.stats.wait_s - w0)
+        local = (ids % device_rows).to(DEVICE).reshape(-1)
+        gather_s = _median_s(lambda local=local: (device_table.index_select(0, local),
+                                                  device_scale.index_select(0, local)), repeats)
+        fetch, wait = statistics.median(fetches), statistics.median(waits)
+        out[name] = {"tokens": tokens, "mb": tokens * COLS * (DIM + DIM // 32 * 4) / 1e6,
+                     "fetch_alone_ms": statistics.median(alone) * 1e3, "fetch_overlapped_ms": fetch * 1e3,
+                     "before_ms": before_ms, "wait_ms": wait * 1e3, "hidden": 1 - wait / max(fetch, 1e-12),
+                     "device_gather_ms": gather_s * 1e3}
+    prompts = ["def fib(n):", {"prompt_token_ids": list(range(100, 400))}]
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=1, logprobs=2)
+    host = LLM(default_checkpoint(), device=DEVICE, engram_storage="host").generate(prompts, params, use_tqdm=False)
+    dev = LLM(default_checkpoint(), device=DEVICE, engram_storage="device").generate(prompts, params, use_tqdm=False)
+    out["model_bitwise"] = all(h.outputs == d.outputs for h, d in zip(host, dev, strict=True))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("ranks", "engram", "both", "gpus"), default="both",
+                        help="gpus: spawned NCCL ranks, one per GPU, against one GPU (a host of several GPUs)")
+    parser.add_argument("--rows", type=int, default=256_000_000, help="rows of the host table (256 B each + scales)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    args = parser.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    results = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu"}
+    if args.part in ("ranks", "both"):
+        results["ranks"] = part_ranks(args.repeats)
+        print(json.dumps(results["ranks"], indent=1), flush=True)
+    if args.part == "gpus":
+        results["gpus"] = part_gpus(args.repeats)
+        print(json.dumps(results["gpus"], indent=1), flush=True)
+    if args.part in ("engram", "both"):
+        results["engram"] = part_engram(args.rows, args.repeats)
+        print(json.dumps(results["engram"], indent=1), flush=True)
+    path = os.path.join(os.environ.get("OUT", "/tmp"), "ep_h200.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The interpreter as one rank of several (expert parallelism): every rank runs each forward together.
+
+Each rank runs its own requests (data-parallel attention), but the routed experts are split over the ranks
+(kernels/moe/expert_parallel.py): every MoE layer of a forward is an all-to-all that every rank must join. So the
+ranks agree before each forward: a rank that wants to run a graph, or has nothing to run (`finish`), says so in one
+small all_reduce; the first graph anyone wants runs on every rank, on its own tokens for those that want it and as an
+idle pass (each MoE layer with zero rows, serving the others) for the rest, and the agreement repeats until every
+rank has run what it wanted and every rank is finished. The graph's kind includes batch-invariant mode, which the
+experts' arithmetic follows on whichever rank they run.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dsl.context import ForwardContext
+from dsl.graph import Graph
+from dsl.interpret import interpret
+from graphs.interpreter import Interpreter
+from graphs.runtime import FatalRuntimeError
+from kernels.moe.expert_parallel import ExpertParallelExperts
+
+# The kinds of forward the ranks agree on: (draft graph, batch-invariant)
+KINDS = ((False, True), (False, False), (True, True), (True, False))
+
+
+class LockstepRuntime:
+    """Runs `inner`'s graphs as rank `dist.get_rank(group)` of `group`, the routed experts split over the ranks."""
+
+    def __init__(self, inner: Interpreter, group: dist.ProcessGroup | None = None) -> None:
+        self.inner, self.group = inner, group
+        self.device = inner.device
+        self.rank = dist.get_rank(group)
+        self._experts = {invariant: ExpertParallelExperts(group, invariant) for invariant in (True, False)}
+        self.num_rounds = self.num_idle = 0  # agreements made and idle passes run, for the bookkeeping's cost
+
+    @property
+    def params(self) -> dict[str, torch.Tensor]:
+        return self.inner.params
+
+    def ready(self) -> None:
+        self.inner.ready()
+
+    def run(self, input_ids: torch.Tensor, ctx: ForwardContext, batch_invariant: bool,
+            draft: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's forward, once every rank runs the same graph (idle passes first where others want others)."""
+        kind = KINDS.index((draft, batch_invariant))
+        while (agreed := self._agree(kind)) != kind:
+            self._idle(agreed)
+        graph = self._graph(draft)
+        kernels = self.inner.implementations(batch_invariant) | {"moe_experts": self._experts[batch_invariant]}
+        try:
+            return interpret(graph, {"input_ids": input_ids}, self.inner.params, ctx, kernels)
+        except Exception as e:  # the others wait in this forward's all-to-alls: nothing can run after it
+            raise FatalRuntimeError(f"rank {self.rank}: a forward failed: {type(e).__name__}: {e}") from e
+
+    def finish(self) -> None:
+        """Serve the other ranks' forwards until every rank has nothing left to run."""
+        while (agreed := self._agree(None)) is not None:
+            self._idle(agreed)
+
+    def _agree(self, kind: int | None) -> int | None:
+        """The first kind of forward any rank wants now (None: no rank wants one)."""
+        wants = torch.zeros(len(KINDS), dtype=torch.int32, device=self.device)
+        if kind is not None:
+            wants[kind] = 1
+        try:
+            dist.all_reduce(wants, op=dist.ReduceOp.MAX, group=self.group)
+        except Exception as e:
+            raise FatalRuntimeError(f"rank {self.rank}: the ranks cannot agree on the next forward (another rank "
+                                    f"failed or is gone): {type(e).__name__}: {e}") from e
+        self.num_rounds += 1
+        chosen = torch.nonzero(wants).flatten().tolist()
+        return chosen[0] if chosen else None
+
+    def _idle(self, kind: int) -> None:
+        """Every MoE layer of the `kind` forward with zero rows of this rank's own: its experts serve the others."""
+        draft, invariant = KINDS[kind]
+        graph, experts = self._graph(draft), self._experts[invariant]
+        names = {value: name for name, value in graph.params.items()}
+        self.num_idle += 1
+        try:
+            for node in graph.nodes:
+                if node.op != "moe_experts":
+                    continue
+                stored = [None if v is None else self.inner.params[names[v]] for v in node.inputs[3:]]
+                width = stored[1].shape[1]  # w2 [E / ranks, D, I]: the hidden size
+                none = torch.empty(0, width, device=self.device)
+                experts(none, none[:, :1], none[:, :1].long(), *stored, **node.attrs)
+        except Exception as e:
+            raise FatalRuntimeError(f"rank {self.rank}: serving another rank's forward failed: "
+                                    f"{type(e).__name__}: {e}") from e
+
+    def _graph(self, draft: bool) -> Graph:
+        graph = self.inner.draft_graph if draft else self.inner.graph
+        if graph is None:
+            raise RuntimeError("this model was compiled without DSpark drafting: compile(..., drafting=True)")
+        return graph
+
+    def sampling(self) -> AbstractContextManager:
+        return self.inner.sampling()
+
+    def capture_ahead(self, tokens: int) -> None:
+        self.inner.capture_ahead(tokens)
+
+    def save(self, path: str | Path, model_config: dict, model_dir: str | None) -> None:
+        self.inner.save(path, model_config, model_dir)
+
+
+__all__ = ["KINDS", "LockstepRuntime"]
