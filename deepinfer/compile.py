@@ -20,7 +20,7 @@ Compiled = CompiledModel[DeepseekV41Config]
 
 def compile(model: DeepseekV41Flash, target: str = DEFAULT_TARGET, *, dot_fp32: bool = False,  # noqa: A001 - public name
             buckets: tuple[int, ...] | None = None, drafting: bool = False, device: str = "cpu",
-            fp8_activations: bool = False) -> Compiled:
+            fp8_activations: bool = False, replay: bool = False) -> Compiled:
     """Lower `model` for `target` and return a `CompiledModel` ready to run.
 
     GPU targets (kernels/targets.py) build cubins ahead of time, on any machine (no GPU needed): `.save(dir)` writes
@@ -31,17 +31,22 @@ def compile(model: DeepseekV41Flash, target: str = DEFAULT_TARGET, *, dot_fp32: 
     code runs ("cuda": the references on a GPU, eagerly; for comparisons and the engine there). `fp8_activations`
     (GPU targets): linears over fp8 weights round their inputs to e4m3 with a power-of-two scale per token and
     multiply on the fp8 tensor cores (kernels/triton/linear_fp8.py), trading accuracy for speed at prefill sizes
-    (bench/RESULTS.md has both).
+    (bench/RESULTS.md has both). `replay` builds the graph for bounded replay (`swa_replay_tokens`,
+    deepinfer/replay.py): the decoder layers run from each sequence's `replay_from` on; the cpu target only.
     """
     spec = get_target(target)
     if not spec.is_built:
         raise NotImplementedError(f"target {target!r} ({spec.description}) has no kernels in this build yet; "
                                   f"built targets: {', '.join(t.name for t in built_targets())}")
+    if replay and spec.runtime == PLAN:
+        raise ValueError(f"swa_replay_tokens (bounded replay) runs on the cpu target only: the GPU plan runtime of "
+                         f"target {target!r} (graphs/plan_runtime.py) has no row selection at the decoder boundary; "
+                         "leave swa_replay_tokens None there")
     if spec.runtime == PLAN:
         return _compile_plan(model, spec.name, dot_fp32, buckets, drafting, fp8_activations)
     if fp8_activations:
         raise ValueError("fp8_activations is a GPU target's kernel path; the cpu target runs the exact references")
-    graph = run_passes(model.graph(dspark=drafting))
+    graph = run_passes(model.graph(dspark=drafting, replay=replay))
     draft_graph = run_passes(model.draft_graph()) if drafting else None
     params = {name: _for_cpu(t).to(device) for name, t in model.params().items()}
     runtime = Interpreter(graph, params, device, BATCH_INVARIANT_KERNELS, draft_graph)
