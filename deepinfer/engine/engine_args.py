@@ -55,6 +55,10 @@ class EngineArgs:
     - `overlap_structured_outputs`: fill the structured-output masks on a CPU thread while the forward runs, rather
       than after it (the masks are the same either way).
     - `seed`: draws the seed of every request that brings none (reported in its output).
+    - `swa_replay_tokens`: bounded replay (deepinfer/replay.py): every prefill (each chunk, and the recompute after a
+      preemption) runs the decoder layers over only the last `swa_replay_tokens` tokens it prefills, their windows
+      cut to those tokens; a defined approximation of the exact forward, on the cpu target. None (the default):
+      exact. At least `sliding_window + num_speculative_tokens + 1` (DeepSeek uses 140 for V4.1).
     """
 
     max_num_seqs: int = 32
@@ -67,6 +71,7 @@ class EngineArgs:
     batch_invariant: bool = True
     overlap_structured_outputs: bool = True
     seed: int = 0
+    swa_replay_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -91,6 +96,9 @@ class EngineArgs:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")  # noqa: TRY004
         if not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.swa_replay_tokens is not None and (not _is_int(self.swa_replay_tokens) or self.swa_replay_tokens < 1):
+            raise ValueError(f"swa_replay_tokens must be an integer >= 1 or None (exact prefill), "
+                             f"got {self.swa_replay_tokens!r}")
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any], caller: str = "LLM()", other_names: Iterable[str] = ()) -> EngineArgs:

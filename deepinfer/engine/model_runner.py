@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 @dataclass
 class RowInput:
     """One sequence's chunk: tokens from position `start`, in its `slot` with its `block_table`; the last
-    `num_drafts` of them are drafts to verify (speculative decoding)."""
+    `num_drafts` of them are drafts to verify (speculative decoding). `replay_from`: in bounded replay, the first
+    position the decoder layers run at (`SequenceState.replay_from`)."""
 
     seq_id: int
     slot: int
@@ -43,6 +44,7 @@ class RowInput:
     token_ids: list[int]
     sample: SampleRow | None
     num_drafts: int = 0
+    replay_from: int = 0
 
 
 @dataclass
@@ -164,7 +166,7 @@ class ModelRunner:
         elif state is None or state.num_tokens != row.start:
             raise RuntimeError(f"sequence {row.seq_id} continues at token {row.start} but its cache holds "
                                f"{None if state is None else state.num_tokens}")
-        state.slot, state.block_table = row.slot, row.block_table
+        state.slot, state.block_table, state.replay_from = row.slot, row.block_table, row.replay_from
         return state
 
     def _resolve(self, row: RowInput) -> list[int]:
