@@ -182,3 +182,20 @@ def test_replay_is_refused_where_it_cannot_run() -> None:
     replay = LLM(str(fixture_dir("v41-tiny")), max_num_seqs=2, swa_replay_tokens=20)
     out = replay.generate({"prompt_token_ids": prompt("v41-tiny")}, SamplingParams(prompt_logprobs=1), use_tqdm=False)
     assert "prompt_logprobs are not computed with swa_replay_tokens=20" in out[0].error
+
+
+def test_drafting_leaves_replayed_outputs_unchanged() -> None:
+    # The embedded checkpoint's DSpark features come from layers 4, 6 and 7, around its first decoder layer (5): the
+    # boundary takes layer 4's to the kept rows, so the draft layers' main keys cover the kept positions.
+    from deepinfer.default_model import trained_model
+
+    model, ids = trained_model(), list(range(400, 600))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(model, max_num_seqs=1, swa_replay_tokens=134)
+    drafting = LLM(model, max_num_seqs=1, swa_replay_tokens=134,
+                   speculative_config={"method": "dspark", "num_speculative_tokens": 5})
+    a, b = (llm.generate({"prompt_token_ids": ids}, params, use_tqdm=False)[0] for llm in (plain, drafting))
+    assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert sum(b.metrics.drafts_accepted) > 0
+    with pytest.raises(ValueError, match=r"swa_replay_tokens=133 is below .* = 128 \+ 5 \+ 1 = 134"):
+        LLM(model, swa_replay_tokens=133, speculative_config={"method": "dspark", "num_speculative_tokens": 5})
