@@ -106,7 +106,8 @@ def project(full: dict, kept: dict) -> dict:
     exact = other + encoder + first_exact + decoder_exact
     replay = other + encoder + first_replay + decoder_replay
     return {"exact_ms": exact, "replay_ms": replay, "saved": 1 - replay / exact,
-            "decoder_half_exact_ms": first_exact + decoder_exact, "decoder_half_replay_ms": first_replay + decoder_replay}
+            "decoder_half_exact_ms": first_exact + decoder_exact,
+            "decoder_half_replay_ms": first_replay + decoder_replay}
 
 
 def measure(step, executor, parts, caches: Caches, tokens: int, keep: int, vocab: int, device: str) -> dict:

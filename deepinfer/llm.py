@@ -87,9 +87,9 @@ class LLM:
     directory holding tokenizer.json (default: the model's, else the V4 tokenizer).
     Every other keyword is an engine argument (`EngineArgs`: `max_model_len`, `max_num_seqs`,
     `max_num_batched_tokens`, `kv_cache_memory_bytes`, `gpu_memory_utilization`, `block_size`, `async_scheduling`,
-    `batch_invariant`, `seed`, `swa_replay_tokens`); an unknown one is a TypeError naming the closest valid name, and the few vLLM
-    options without effect here are accepted with a log line (`VLLM_OPTIONS_WITHOUT_EFFECT`). `constraint` replaces
-    the token-constraint hook (`deepinfer.engine.TokenConstraint`); by default it is structured outputs, built on
+    `batch_invariant`, `seed`, `swa_replay_tokens`); an unknown one is a TypeError naming the closest valid name, and
+    the few vLLM options without effect here are accepted with a log line (`VLLM_OPTIONS_WITHOUT_EFFECT`).
+    `constraint` replaces the token-constraint hook (`deepinfer.engine.TokenConstraint`); by default it is structured outputs, built on
     the first request that asks for them (`SamplingParams(structured_outputs=...)`). `speculative_config` turns on
     DSpark drafting, e.g. `{"method": "dspark", "num_speculative_tokens": 5}` (`deepinfer.engine.SpeculativeConfig`
     lists the keys); off by default. Outputs are the same with and without it (greedy or seeded, in batch-invariant

@@ -4,6 +4,9 @@ The decoder layers (from the first layer of compress ratio 1 on) read the compre
 own only their sliding windows, so a prefill can run them over each sequence's last `swa_replay_tokens` tokens
 (`SequenceState.replay_from`, dsl/ops/replay.py): the boundary layer's compressor and indexer keys still run over
 every token, from its full-length input. A defined approximation, not the exact forward; off by default.
+The boundary takes the DSpark features of the target layers before it to the kept rows with the streams, so the
+target layers may lie on both sides of it (the embedded checkpoint's do), and the draft layers' main keys cover the
+kept positions, which hold every window a draft reads.
 """
 
 from __future__ import annotations
