@@ -186,6 +186,11 @@ def sm90_step(model: DeepseekV41Flash, artifact: str | None, device: str, cuda_g
     """The sm90 target: the saved artifact (or a fresh compile) run by its CompiledModel, its static segments replayed
     as CUDA graphs or not; on a machine without a GPU, the same plan through the executor with its Triton kernels
     under the interpreter."""
+    return sm90_runner(model, artifact, device, cuda_graphs)[0]
+
+
+def sm90_runner(model: DeepseekV41Flash, artifact: str | None, device: str, cuda_graphs: bool = True):
+    """(`sm90_step`'s step, the executor of its main graph, for timers: bench/node_timing.py)."""
     if device == "cuda":
         try:
             compiled = deepinfer.load(artifact, model) if artifact else None
@@ -194,7 +199,7 @@ def sm90_step(model: DeepseekV41Flash, artifact: str | None, device: str, cuda_g
             compiled = None
         compiled = compiled or deepinfer.compile(model, target="sm90")
         compiled.runtime.cuda_graphs = cuda_graphs
-        return compiled.step
+        return compiled.step, compiled.runtime.executors()[0]
     from graphs.executor import Executor
     from graphs.passes import make_plan
 
@@ -207,7 +212,7 @@ def sm90_step(model: DeepseekV41Flash, artifact: str | None, device: str, cuda_g
         logits = executor.run({"input_ids": ids}, ctx)["logits"]
         ctx.commit()
         return logits
-    return step
+    return step, executor
 
 
 # ---- measuring ------------------------------------------------------------------------------------------------------

@@ -59,6 +59,9 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
                              "(default: torchrun's WORLD_SIZE, else 1)")
     engine.add_argument("--engram-storage", choices=("host", "device"), default=None,
                         help="where the Engram tables live (default: host when they do not fit the device)")
+    engine.add_argument("--swa-replay-tokens", type=int, default=None, metavar="K",
+                        help="bounded replay: prefill the decoder layers over each prompt's last K tokens only "
+                             "(an approximation; off by default; DeepSeek uses 140)")
     drafting = engine.add_mutually_exclusive_group()
     drafting.add_argument("--dspark", type=int, default=None, metavar="K",
                           help="DSpark drafting with the model's draft layers, K drafts per step (off by default)")
@@ -70,7 +73,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes",
              "gpu_memory_utilization", "async_scheduling", "batch_invariant", "enable_prefix_caching",
-             "expert_parallel_size", "engram_storage")
+             "expert_parallel_size", "engram_storage", "swa_replay_tokens")
     return {k: getattr(args, k) for k in names if getattr(args, k) is not None}
 
 

@@ -21,7 +21,7 @@ Compiled = CompiledModel[DeepseekV41Config]
 
 def compile(model: DeepseekV41Flash, target: str = DEFAULT_TARGET, *, dot_fp32: bool = False,  # noqa: A001 - public name
             buckets: tuple[int, ...] | None = None, drafting: bool = False, device: str = "cpu",
-            fp8_activations: bool = False, engram_storage: str | None = None) -> Compiled:
+            fp8_activations: bool = False, engram_storage: str | None = None, replay: bool = False) -> Compiled:
     """Lower `model` for `target` and return a `CompiledModel` ready to run.
 
     GPU targets (kernels/targets.py) build cubins ahead of time, on any machine (no GPU needed): `.save(dir)` writes
@@ -34,12 +34,18 @@ def compile(model: DeepseekV41Flash, target: str = DEFAULT_TARGET, *, dot_fp32: 
     multiply on the fp8 tensor cores (kernels/linear/fp8.py), trading accuracy for speed at prefill sizes
     (bench/RESULTS.md has both). `engram_storage` (the cpu target's runtime): "host" keeps the Engram tables in
     host memory and fetches each forward's rows while the first layers run (graphs/engram_storage.py), "device"
-    moves them with the other weights; None: host where they take more than half of a GPU's free memory.
+    moves them with the other weights; None: host where they take more than half of a GPU's free memory. `replay`
+    builds the graph for bounded replay (`swa_replay_tokens`, deepinfer/replay.py): the decoder layers run from each
+    sequence's `replay_from` on; the cpu target only.
     """
     spec = get_target(target)
     if not spec.is_built:
         raise NotImplementedError(f"target {target!r} ({spec.description}) has no kernels in this build yet; "
                                   f"built targets: {', '.join(t.name for t in built_targets())}")
+    if replay and spec.runtime == PLAN:
+        raise ValueError(f"swa_replay_tokens (bounded replay) runs on the cpu target only: the GPU plan runtime of "
+                         f"target {target!r} (graphs/plan_runtime.py) has no row selection at the decoder boundary; "
+                         "leave swa_replay_tokens None there")
     if spec.runtime == PLAN:
         if engram_storage == "host":
             raise NotImplementedError(f"engram_storage='host': target {target!r}'s plans keep the Engram tables on "
@@ -47,7 +53,7 @@ def compile(model: DeepseekV41Flash, target: str = DEFAULT_TARGET, *, dot_fp32: 
         return _compile_plan(model, spec.name, dot_fp32, buckets, drafting, fp8_activations)
     if fp8_activations:
         raise ValueError("fp8_activations is a GPU target's kernel path; the cpu target runs the exact references")
-    graph = run_passes(model.graph(dspark=drafting))
+    graph = run_passes(model.graph(dspark=drafting, replay=replay))
     draft_graph = run_passes(model.draft_graph()) if drafting else None
     params = model.params()
     host = choose_storage(params, torch.device(device), engram_storage) == "host"

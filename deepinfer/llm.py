@@ -29,6 +29,7 @@ from deepinfer.engine.spec_decode import DSparkSpeculator, SpeculativeConfig
 from deepinfer.inputs import PromptType
 from deepinfer.model_card import describe_model
 from deepinfer.outputs import RequestOutput
+from deepinfer.replay import check_replay_tokens
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured_outputs.constraint import StructuredOutputConstraint
 from deepinfer.tokenizer import load_tokenizer
@@ -86,9 +87,9 @@ class LLM:
     directory holding tokenizer.json (default: the model's, else the V4 tokenizer).
     Every other keyword is an engine argument (`EngineArgs`: `max_model_len`, `max_num_seqs`,
     `max_num_batched_tokens`, `kv_cache_memory_bytes`, `gpu_memory_utilization`, `block_size`, `async_scheduling`,
-    `batch_invariant`, `seed`, `expert_parallel_size`, `engram_storage`); an unknown one is a TypeError naming the
-    closest valid name, and the few vLLM options without effect here are accepted with a log line
-    (`VLLM_OPTIONS_WITHOUT_EFFECT`). `constraint` replaces
+    `batch_invariant`, `seed`, `enable_prefix_caching`, `swa_replay_tokens`, `expert_parallel_size`,
+    `engram_storage`); an unknown one is a TypeError naming the closest valid name, and the few vLLM options without
+    effect here are accepted with a log line (`VLLM_OPTIONS_WITHOUT_EFFECT`). `constraint` replaces
     the token-constraint hook (`deepinfer.engine.TokenConstraint`); by default it is structured outputs, built on
     the first request that asks for them (`SamplingParams(structured_outputs=...)`). `speculative_config` turns on
     DSpark drafting, e.g. `{"method": "dspark", "num_speculative_tokens": 5}` (`deepinfer.engine.SpeculativeConfig`
@@ -121,7 +122,11 @@ class LLM:
         check_target(target, device)
         network = self._load(model, tokenizer)
         self.config, self.model_dir = network.config, network.model_dir
+        replay = self.engine_args.swa_replay_tokens
+        check_replay_tokens(self.config, replay, speculative.num_speculative_tokens if speculative else 0)
         options = {"drafting": True} if speculative else {}
+        if replay is not None:
+            options["replay"] = True
         if fp8_activations:
             options["fp8_activations"] = True
         if self.engine_args.engram_storage is not None:

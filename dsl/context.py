@@ -12,6 +12,7 @@ number of sequences; otherwise they go chunk by chunk.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -85,10 +86,11 @@ class ForwardContext:
 
     As host ints: `starts` (each chunk's first position) and `lengths`; as tensors on the device: `chunk_starts`,
     `chunk_lengths`, `chunk_rows` (each chunk's first row) [B] and `row_chunks` [N] (each row's chunk).
+    `visible_from` (None: 0 for each): per chunk the first position its windows see.
     """
 
     def __init__(self, states: list[SequenceState], lengths: list[int], device: torch.device | str = "cpu",
-                 logit_rows: torch.Tensor | None = None) -> None:
+                 logit_rows: torch.Tensor | None = None, visible_from: list[int] | None = None) -> None:
         self.chunks: list[Chunk] = []
         start = 0
         for state, length in zip(states, lengths, strict=True):
@@ -107,6 +109,8 @@ class ForwardContext:
         self.positions, self.row_chunks = both[:start], both[start: 2 * start]
         self.chunk_starts, self.chunk_lengths, self.chunk_rows = both[2 * start:].view(3, len(self.chunks))
         self.logit_rows = logit_rows
+        self.visible_from = visible_from
+        self._logits_kept: torch.Tensor | None = None  # which logit rows the decoder view keeps (`full_logits`)
         self._memo: dict = {}
 
     def memo(self, key: tuple, make: Callable[[], Any]) -> Any:
@@ -148,6 +152,62 @@ class ForwardContext:
         if cache is None or any(s.cache is not cache for s in states) or len({s.slot for s in states}) < len(states):
             return None
         return PagedBatch(self, cache)
+
+    def window_kept(self, window: int) -> list[int]:
+        """Per chunk, how many of the positions just before it a window of `window` (which keeps `window - 1`) shows
+        it: at most `window - 1`, none before the chunk's `visible_from`."""
+        floors = self.visible_from or [0] * len(self.chunks)
+        return [max(0, min(s - f, window - 1)) for s, f in zip(self.starts, floors, strict=True)]
+
+    def _replayed(self) -> list[int]:
+        """Per chunk, its leading rows that lie before its sequence's `replay_from`."""
+        return [min(max(c.state.replay_from - c.start_pos, 0), c.length) for c in self.chunks]
+
+    def replay_rows(self, window: int) -> torch.Tensor | None:
+        """The rows [M] the decoder layers run over (see `decoder_view`); None where they are all N."""
+        view = self.decoder_view(window)
+        return None if view is self else self.memo(("replay rows",), lambda: host_to(torch.cat(
+            [torch.arange(c.start + d, c.start + c.length) for c, d in zip(self.chunks, self._replayed(),
+                                                                           strict=True)]), self.device))
+
+    def decoder_view(self, window: int) -> ForwardContext:
+        """This forward as the decoder layers see it in bounded replay: each chunk's rows from its sequence's
+        `replay_from` on (a chunk wholly before it keeps none), at their positions, with windows of up to `window`
+        seeing nothing before `replay_from`, and the logit rows among them. Itself where that changes nothing."""
+        def make() -> ForwardContext:
+            drops = self._replayed()
+            floors = [c.state.replay_from for c in self.chunks]
+            if not any(drops) and all(f == 0 or s - f >= window - 1 for s, f in zip(self.starts, floors, strict=True)):
+                return self
+            states = [dataclasses.replace(c.state, num_tokens=c.start_pos + d) for c, d in zip(self.chunks, drops,
+                                                                                               strict=True)]
+            view = ForwardContext(states, [c.length - d for c, d in zip(self.chunks, drops, strict=True)],
+                                  self.device, visible_from=floors)
+            view.logit_rows, self._logits_kept = self._kept_logit_rows(drops)
+            return view
+        return self.memo(("decoder view", window), make)
+
+    def _kept_logit_rows(self, drops: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The decoder view's logit rows (None: all its rows), and which of this forward's logit rows they are
+        (a mask over them; None where every one is kept)."""
+        wanted = self.logit_rows if self.logit_rows is not None else torch.arange(self.num_tokens, device=self.device)
+        drop = to_device(drops, self.device)
+        chunk = self.row_chunks[wanted]
+        kept = wanted - self.chunk_rows[chunk] >= drop[chunk]  # [R]
+        if self.logit_rows is None:
+            return None, kept
+        return (wanted - torch.cumsum(drop, 0)[chunk])[kept], kept
+
+    def full_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits over every logit row of the forward from the graph's output `logits`, which in bounded replay holds
+        only the decoder view's: the rows the view dropped (all of a chunk wholly before its `replay_from`) are NaN:
+        not computed, as no sample reads them."""
+        kept = self._logits_kept
+        if kept is None or logits.shape[0] == kept.shape[0]:
+            return logits
+        out = logits.new_full((kept.shape[0], *logits.shape[1:]), float("nan"))
+        out[kept] = logits
+        return out
 
     def commit(self) -> None:
         """Advance every sequence past the tokens of this forward; call once, after the forward."""

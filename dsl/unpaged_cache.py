@@ -17,10 +17,13 @@ if TYPE_CHECKING:
 
 
 def _extend(state: SequenceState, key: str, values: torch.Tensor) -> None:
-    """Set positions num_tokens .. num_tokens + len(values) - 1 of the per-position cache `key`."""
+    """Set positions num_tokens .. num_tokens + len(values) - 1 of the per-position cache `key`. Positions before
+    them that no forward wrote (a decoder layer's, before `replay_from` in bounded replay) hold zeros: none reads
+    them."""
     prev = state.caches.get(key)
     kept = prev[: state.num_tokens] if prev is not None else values[:0]
-    state.caches[key] = torch.cat([kept, values])
+    gap = values.new_zeros(state.num_tokens - kept.shape[0], *values.shape[1:])
+    state.caches[key] = torch.cat([kept, gap, values])
 
 
 def _before(state: SequenceState, key: str, count: int) -> torch.Tensor:

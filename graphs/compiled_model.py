@@ -104,13 +104,14 @@ class CompiledModel(Generic[ConfigT]):
         Returns fp32 logits [num_seqs, vocab] after each chunk's last token, or [total tokens, vocab] for every
         token when `all_logits`, or after the last `num_logits[i]` tokens of chunk i, in order. Every chunk must
         hold at least one token. With `batch_invariant` each row's logits are bitwise independent of the batch and
-        of chunking, at some cost.
+        of chunking, at some cost. In bounded replay (a graph compiled with `replay`; `SequenceState.replay_from`)
+        the rows of a chunk wholly before its sequence's `replay_from` are not computed: NaN.
         """
         self.runtime.ready()
         states, lengths, ids = self._chunks(batch)
         rows = None if all_logits else host_to(_logit_rows(lengths, num_logits), self.device)
         ctx = ForwardContext(states, lengths, self.device, logit_rows=rows)
-        logits = self.runtime.run(ids, ctx, batch_invariant)["logits"]
+        logits = ctx.full_logits(self.runtime.run(ids, ctx, batch_invariant)["logits"])
         ctx.commit()
         return logits
 

@@ -67,6 +67,10 @@ class EngineArgs:
     - `data_parallel_size`: ranks running requests; None: `expert_parallel_size`, the only value allowed.
     - `engram_storage`: "host" keeps the Engram tables in host memory, each forward's rows fetched while the first
       layers run; "device" with the other weights; None: host when they take over half of a GPU's free memory.
+    - `swa_replay_tokens`: bounded replay (deepinfer/replay.py): every prefill (each chunk, and the recompute after a
+      preemption) runs the decoder layers over only the last `swa_replay_tokens` tokens it prefills, their windows
+      cut to those tokens; a defined approximation of the exact forward, on the cpu target. None (the default):
+      exact. At least `sliding_window + num_speculative_tokens + 1` (DeepSeek uses 140 for V4.1).
     """
 
     max_num_seqs: int = 32
@@ -83,6 +87,7 @@ class EngineArgs:
     expert_parallel_size: int = 1
     data_parallel_size: int | None = None
     engram_storage: str | None = None
+    swa_replay_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -116,6 +121,9 @@ class EngineArgs:
         if self.engram_storage not in (None, "host", "device"):
             raise ValueError(f"engram_storage must be 'host', 'device' or None (chosen by size), "
                              f"got {self.engram_storage!r}")
+        if self.swa_replay_tokens is not None and (not _is_int(self.swa_replay_tokens) or self.swa_replay_tokens < 1):
+            raise ValueError(f"swa_replay_tokens must be an integer >= 1 or None (exact prefill), "
+                             f"got {self.swa_replay_tokens!r}")
 
     @classmethod
     def from_kwargs(cls, kwargs: dict[str, Any], caller: str = "LLM()", other_names: Iterable[str] = ()) -> EngineArgs:

@@ -10,6 +10,7 @@ is scheduled, run and processed in turn on the calling thread.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -34,6 +35,7 @@ from deepinfer.engine.speculator import Speculator
 from deepinfer.engine.token_constraint import TokenConstraint
 from deepinfer.inputs import PromptType, parse_prompt
 from deepinfer.outputs import RequestMetrics, RequestOutput
+from deepinfer.replay import check_replay_tokens
 from deepinfer.sampling_params import SamplingParams
 from dsl.cache import CacheSpec, PagedCache
 from graphs.compiled_model import RunnableModel
@@ -46,13 +48,24 @@ class LLMEngine:
     `constraint`: the token constraint (None: none); `speculator`: speculative decoding (None: off)."""
 
     def __init__(self, compiled: RunnableModel[DeepseekV41Config], tokenizer, args: EngineArgs,
-                 eos_token_ids: tuple[int, ...], constraint: TokenConstraint | None = None, speculator: Speculator | None = None) -> None:
+                 eos_token_ids: tuple[int, ...], constraint: TokenConstraint | None = None,
+                 speculator: Speculator | None = None) -> None:
+        if args.swa_replay_tokens is not None and args.enable_prefix_caching:
+            # A hit resumes at a snapshot where the replayed rows of an uncached prefill may start earlier: the two
+            # would not give the same outputs, so bounded replay runs without the cache.
+            logger.info("swa_replay_tokens=%d: prefix caching is off (the two are not combined)",
+                        args.swa_replay_tokens)
+            args = dataclasses.replace(args, enable_prefix_caching=False)
         self.args, self.config = args, compiled.config
         self.constraint, self.speculator = constraint, speculator
         if speculator is not None and args.async_scheduling:
             logger.info("speculative decoding schedules each step after the last one's tokens are seen: "
                         "async_scheduling is off")
         num_drafts = speculator.num_speculative_tokens if speculator is not None else 0
+        check_replay_tokens(self.config, args.swa_replay_tokens, num_drafts)
+        if args.swa_replay_tokens is not None and not any(n.op == "decoder_context" for n in compiled.graph.nodes):
+            raise ValueError("swa_replay_tokens needs a model compiled for bounded replay: "
+                             "deepinfer.compile(model, replay=True)")
         # Rejected drafts are taken back: every ring keeps that many more positions.
         spec = CacheSpec.from_graph(compiled.graph, spare=num_drafts)
         self.layout, self.max_model_len = plan_caches(spec, args, self.config.max_position_embeddings,
@@ -104,6 +117,10 @@ class LLMEngine:
             request.prompt, request.prompt_token_ids = parse_prompt(self.tokenizer, prompt)
             check_prompt(request.prompt_token_ids, self.config.vocab_size, self.max_model_len)
             logits_processors.resolve(params, self.tokenizer, self.config.vocab_size)
+            if self.args.swa_replay_tokens is not None and params.prompt_logprobs is not None:
+                raise RequestError(f"prompt_logprobs are not computed with swa_replay_tokens="
+                                   f"{self.args.swa_replay_tokens}: bounded replay skips the decoder layers over the "
+                                   "prompt's earlier tokens; leave swa_replay_tokens None to have them")
             seqs = request.make_sequences(self.max_model_len)
         except ValueError as e:  # RequestError and the params' own checks against this model
             logger.warning("request %s failed: %s", request_id, e)
@@ -171,11 +188,21 @@ class LLMEngine:
                                list(seq.output_token_ids), seq.num_inflight - 1) if c.samples else None
             tokens = seq.token_ids(c.start, c.length - len(c.drafts)) + c.drafts
             rows.append(RowInput(seq.seq_id, seq.slot, list(seq.block_table), c.start, tokens, sample, len(c.drafts),
-                                 c.restore, c.snapshot))
+                                 c.restore, c.snapshot, self._replay_from(c)))
         step = StepInput(rows, self.scheduler.freed, self._finished_seqs)
         self.scheduler.freed, self._finished_seqs = [], []
         self.num_steps += bool(rows)
         return step
+
+    def _replay_from(self, c: ScheduledChunk) -> int:
+        """Bounded replay: the first position of the chunk's prefill that the decoder layers run at, the last
+        `swa_replay_tokens` before the prefill's end (0: off). A prefill ends at the sequence's last known token; a
+        decode or verification chunk ends at its first token, so all of its rows run."""
+        keep = self.args.swa_replay_tokens
+        if keep is None:
+            return 0
+        end = c.start + c.length - len(c.drafts) if c.samples else c.seq.num_tokens
+        return max(0, end - keep)
 
     def _postprocess(self, chunks: list[ScheduledChunk], out: StepOutput) -> None:
         if out.error is not None:

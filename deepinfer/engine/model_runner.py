@@ -37,7 +37,8 @@ class RowInput:
     """One sequence's chunk: tokens from position `start`, in its `slot` with its `block_table`; the last
     `num_drafts` of them are drafts to verify (speculative decoding). Prefix caching: `restore` is the snapshot slot
     the sequence resumes from at `start`; `snapshot` (position, snapshot slot) asks for the slot to be copied there
-    after the step, if the sequence kept every token up to the position."""
+    after the step, if the sequence kept every token up to the position. `replay_from`: in bounded replay, the first
+    position the decoder layers run at (`SequenceState.replay_from`)."""
 
     seq_id: int
     slot: int
@@ -48,6 +49,7 @@ class RowInput:
     num_drafts: int = 0
     restore: int | None = None
     snapshot: tuple[int, int] | None = None
+    replay_from: int = 0
 
 
 @dataclass
@@ -187,7 +189,7 @@ class ModelRunner:
         elif state is None or state.num_tokens != row.start:
             raise RuntimeError(f"sequence {row.seq_id} continues at token {row.start} but its cache holds "
                                f"{None if state is None else state.num_tokens}")
-        state.slot, state.block_table = row.slot, row.block_table
+        state.slot, state.block_table, state.replay_from = row.slot, row.block_table, row.replay_from
         return state
 
     def _resolve(self, row: RowInput) -> list[int]:

@@ -14,6 +14,7 @@ import torch
 from deepinfer.config import DeepseekV41Config
 from deepinfer.models.engram_layout import compressed_token_map, engram_layers
 from deepinfer.models.weights import ExpertShard
+from deepinfer.replay import boundary_layer
 from dsl.builder import GraphBuilder
 from dsl.graph import Graph, Value
 from dsl.ops.rope import rope_params
@@ -46,13 +47,16 @@ class DeepseekV41Flash:
         config = DeepseekV41Config.from_pretrained(path)
         return cls(config, load_checkpoint(path, config, shard, progress), model_dir=os.fspath(path), shard=shard)
 
-    def graph(self, dspark: bool = False) -> Graph:
+    def graph(self, dspark: bool = False, replay: bool = False) -> Graph:
         """The text model as a DSL graph: `input_ids` [N] -> `logits` [rows, vocab] (fp32).
 
         With `dspark` it also writes every token's DSpark main keys into the draft layers' windows and outputs
-        them as `draft_keys` [N, draft layers, head_dim].
+        them as `draft_keys` [N, draft layers, head_dim]. With `replay` (bounded replay, deepinfer/replay.py) the
+        decoder layers run over the rows of each sequence from its `replay_from` on: the boundary layer's
+        compressor first runs over every row, then `replay_rows` and `decoder_context` (dsl/ops/replay.py) take the
+        streams, the DSpark features so far and the context to those rows.
         """
-        return _Declaration(self.config, self.params()).build(dspark)
+        return _Declaration(self.config, self.params()).build(dspark, replay)
 
     def draft_graph(self) -> Graph:
         """The DSpark draft layers as a DSL graph over blocks, one block per chunk of the forward: `input_ids` [N]
@@ -120,6 +124,7 @@ class _Declaration:
         self.index_keys: Value | None = None  # the current indexer keys
         self.topk: Value | None = None  # the latest index source's selection
         self.candidates: Value | None = None
+        self.compressed_early: int | None = None  # the boundary layer, whose compressor ran before the boundary
 
     def p(self, name: str) -> Value:
         t = self.weights.get(name)
@@ -133,8 +138,9 @@ class _Declaration:
     def linear(self, x: Value, module: str) -> Value:
         return self.b.linear(x, self.p(f"{module}.weight"), self.scale(module))
 
-    def build(self, dspark: bool = False) -> Graph:
+    def build(self, dspark: bool = False, replay: bool = False) -> Graph:
         cfg, b = self.cfg, self.b
+        boundary = boundary_layer(cfg) if replay else None
         ids = b.input("input_ids", (num_tokens,), "int64")
         h = b.broadcast_streams(b.embedding(ids, self.p("embed.weight")), copies=cfg.hc_mult)
         ngrams = None
@@ -147,6 +153,10 @@ class _Declaration:
         for layer in range(cfg.num_hidden_layers):
             if layer in engram:
                 h = self.engram(h, ngrams, layer, engram[layer])
+            if layer == boundary:
+                pre, features = self.replay_boundary(h, pre, features, layer)
+                h = b.replay_rows(h, window=cfg.sliding_window)
+                b.decoder_context(window=cfg.sliding_window)
             if layer in cfg.dspark_target_layer_ids:
                 features.append(b.hc_mean(h))  # the streams entering the layer's attention
             h, pre = self.block(h, pre, f"layers.{layer}", lambda x, layer=layer: self.attention(x, layer))
@@ -155,6 +165,26 @@ class _Declaration:
         if dspark:
             self.main_keys(features)
         return b.graph
+
+    def replay_boundary(self, h: Value, pre: Value, features: list[Value], layer: int) -> tuple[Value, list[Value]]:
+        """Before the boundary: the boundary layer's compressor over every row, from the attention input it has in the
+        exact forward; then the per-token values the decoder layers read (the collapse weights, DSpark features,
+        index picks and candidates so far), each taken to the decoder rows."""
+        b, cfg = self.b, self.cfg
+        x = b.rms_norm(b.hc_collapse(h, pre), self.p(f"layers.{layer}.attn_norm.weight"), eps=cfg.rms_norm_eps)
+        self.compress(x, layer, self.rope(layer))
+        self.compressed_early = layer
+
+        def rows(v: Value) -> Value:
+            return b.replay_rows(v, window=cfg.sliding_window)
+        self.topk = None if self.topk is None else rows(self.topk)
+        self.candidates = None if self.candidates is None else rows(self.candidates)
+        return (pre if layer == 0 else rows(pre)), [rows(f) for f in features]
+
+    def rope(self, layer: int) -> dict:
+        """Layer `layer`'s rope: `compress` for compressed layers, `main` for window-only ones."""
+        name = "compress" if self.cfg.compress_ratios[layer] else "main"
+        return {"params": rope_params(self.cfg.rope_parameters[name]), "rope_dim": self.cfg.qk_rope_head_dim}
 
     def main_keys(self, features: list[Value]) -> None:
         """DSpark's main keys: the target layers' features projected (`main_proj`, `main_norm`), then per draft
@@ -217,14 +247,12 @@ class _Declaration:
 
     def attention(self, x: Value, layer: int) -> Value:
         b, cfg, name = self.b, self.cfg, f"layers.{layer}.attn"
-        ratio, eps = cfg.compress_ratios[layer], cfg.rms_norm_eps
-        rope = {"params": rope_params(cfg.rope_parameters["compress" if ratio else "main"]),
-                "rope_dim": cfg.qk_rope_head_dim}
+        ratio, rope = cfg.compress_ratios[layer], self.rope(layer)
         q, kv, qr = self.qkv(x, name, rope, with_qr=True)
         window = b.kv_window_append(kv, layer=layer, window=cfg.sliding_window)
         compressed = topk = None
         if ratio:
-            if layer in cfg.kv_source_layer_ids:
+            if layer in cfg.kv_source_layer_ids and layer != self.compressed_early:
                 self.compress(x, layer, rope)
             if layer in cfg.index_source_layer_ids:
                 self.select(x, qr, layer, rope)

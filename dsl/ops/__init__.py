@@ -9,6 +9,7 @@ from dsl.ops import (  # noqa: F401
     hyper,
     indexer,
     moe,
+    replay,
     rope,
     rounding,
 )

@@ -110,8 +110,9 @@ def _cache_type(x: TensorType, **attrs) -> tuple[TensorType]:
 
 
 def _window_view(kv: torch.Tensor, layer: int, window: int, ctx: ForwardContext) -> CacheView:
-    """Per chunk: the last `window - 1` entries the window of `layer` holds before it, then the chunk's kv [N, D]."""
-    kept = [min(s, window - 1) for s in ctx.starts]
+    """Per chunk: the last `window - 1` entries the window of `layer` holds before it (none before the chunk's
+    `visible_from`), then the chunk's kv [N, D]."""
+    kept = ctx.window_kept(window)
     lengths = [k + n for k, n in zip(kept, ctx.lengths, strict=True)]
     first = [s - k for s, k in zip(ctx.starts, kept, strict=True)]
     batch = ctx.paged
@@ -139,7 +140,8 @@ def _window_layout(ctx: ForwardContext, window: int, total_kept: int) -> tuple[t
     """The batched window view's index tensors, shared by every window of size `window`: per chunk [B] its length,
     offset in the view and first position; per kept entry [total_kept] its slot, position and row in the view; per
     token [N] its row."""
-    kept = ctx.chunk_starts.clamp(max=window - 1)
+    seen = ctx.chunk_starts if ctx.visible_from is None else ctx.chunk_starts - to_device(ctx.visible_from, ctx.device)
+    kept = seen.clamp(min=0, max=window - 1)  # [B]: positions each chunk sees before it
     length, first = kept + ctx.chunk_lengths, ctx.chunk_starts - kept
     offset = torch.cumsum(length, 0) - length
     base = offset - first  # [B]: row of position 0 in each chunk's part of the view

@@ -1,10 +1,11 @@
 """The batch-invariant reference of `sparse_attention`: every query over the same number of keys in a fixed order.
 
 Attention reduces over every key of its softmax, so a query's sum must not follow how many keys its neighbours have:
-causal, a query's keys are the `window_size` positions up to its own, oldest first (masked before position 0), then
-its `topk` picks (masked where -1), so every query of the forward has `window + index_topk` keys and all of them go
-through one `bmm` (which rounds each batch element alike whatever the batch). A draft block (not causal) attends to
-its sequence's whole view, whose length depends on the sequence alone: blocks of equal view length share a `bmm`.
+causal, a query's keys are the `window_size` positions up to its own, oldest first (masked before the view's first
+position: 0, or where bounded replay cuts the window), then its `topk` picks (masked where -1), so every query of the
+forward has `window + index_topk` keys and all of them go through one `bmm` (which rounds each batch element alike
+whatever the batch). A draft block (not causal) attends to its sequence's whole view, whose length depends on the
+sequence alone: blocks of equal view length share a `bmm`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def invariant_sparse_attention(q: torch.Tensor, window: CacheView, sink: torch.T
     first = torch.repeat_interleave(torch.tensor(window.first, device=dev), lengths)
     wanted = ctx.positions.to(dev)[:, None] - window_size + 1 + torch.arange(window_size, device=dev)  # [N, W]
     index = offset[:, None] + (wanted - first[:, None]).clamp(min=0)  # [N, W] rows of the pool
-    mask = wanted >= 0
+    mask = wanted >= first[:, None]
     picked = None
     if compressed is not None and topk is not None:  # only the picked entries are read
         picks = topk.to(dev)

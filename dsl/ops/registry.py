@@ -25,18 +25,20 @@ class OpDef:
     uses_context: bool = False
     invariant: Callable | None = None
     invariant_anywhere: bool = False
+    sets_context: bool = False  # the reference returns the context every later node runs in (no outputs)
 
 
 OPS: dict[str, OpDef] = {}
 
 
-def op(name: str, infer: Callable, num_outputs: int = 1, uses_context: bool = False) -> Callable:
+def op(name: str, infer: Callable, num_outputs: int = 1, uses_context: bool = False,
+       sets_context: bool = False) -> Callable:
     """Register the decorated function as the reference of op `name`."""
 
     def register(fn: Callable) -> Callable:
         if name in OPS:
             raise ValueError(f"op {name!r} is defined twice")
-        OPS[name] = OpDef(name, fn, infer, num_outputs, uses_context)
+        OPS[name] = OpDef(name, fn, infer, num_outputs, uses_context, sets_context=sets_context)
         return fn
 
     return register
