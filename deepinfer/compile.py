@@ -14,7 +14,7 @@ from dsl.passes import run_passes
 from graphs.compiled_model import CompiledModel
 from graphs.engram_storage import HostEngramRows, choose_storage, is_engram_table
 from graphs.interpreter import Interpreter
-from kernels.targets import DEFAULT_TARGET, PLAN, built_targets, get_target
+from kernels.targets import DEFAULT_TARGET, PLAN, get_built_target
 
 Compiled = CompiledModel[DeepseekV41Config]
 
@@ -38,10 +38,7 @@ def compile(model: DeepseekV41Flash, target: str = DEFAULT_TARGET, *, dot_fp32: 
     builds the graph for bounded replay (`swa_replay_tokens`, deepinfer/replay.py): the decoder layers run from each
     sequence's `replay_from` on; the cpu target only.
     """
-    spec = get_target(target)
-    if not spec.is_built:
-        raise NotImplementedError(f"target {target!r} ({spec.description}) has no kernels in this build yet; "
-                                  f"built targets: {', '.join(t.name for t in built_targets())}")
+    spec = get_built_target(target)
     if replay and spec.runtime == PLAN:
         raise ValueError(f"swa_replay_tokens (bounded replay) runs on the cpu target only: the GPU plan runtime of "
                          f"target {target!r} (graphs/plan_runtime.py) has no row selection at the decoder boundary; "

@@ -33,7 +33,7 @@ from deepinfer.replay import check_replay_tokens
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured_outputs.constraint import StructuredOutputConstraint
 from deepinfer.tokenizer import load_tokenizer
-from kernels.targets import DEFAULT_TARGET, INTERPRETER, built_targets, get_target
+from kernels.targets import DEFAULT_TARGET, INTERPRETER, get_built_target, get_target
 
 if TYPE_CHECKING:
     from deepinfer.beam_search import BeamSearchOutput, BeamSearchParams
@@ -54,11 +54,7 @@ class DeviceUnavailableError(RuntimeError):
 
 def check_target(target: str, device: str = "cpu") -> None:
     """Raise at once, before any loading or compiling, when `target` cannot run here (the message says why)."""
-    record = get_target(target)
-    if not record.is_built:
-        built = ", ".join(t.name for t in built_targets())
-        raise NotImplementedError(f"target {target!r} ({record.description}) has no kernels in this build yet; "
-                                  f"built targets: {built}")
+    record = get_built_target(target)
     if record.runtime == INTERPRETER:
         if device != "cpu" and torch.device(device).type == "cuda" and not torch.cuda.is_available():
             raise DeviceUnavailableError(f"device={device!r}: torch sees no CUDA GPU on this machine")
@@ -131,12 +127,13 @@ class LLM:
             options["fp8_activations"] = True
         if self.engine_args.engram_storage is not None:
             options["engram_storage"] = self.engine_args.engram_storage
+        interpreted = get_target(target).runtime == INTERPRETER
         if device != "cpu":
-            if get_target(target).runtime != INTERPRETER:
+            if not interpreted:
                 raise ValueError(f"device={device!r} runs the cpu target's torch code on that device; target "
                                  f"{target!r} chooses its own")
             options["device"] = device
-        self._threads, threads = choose_cpu_threads() if get_target(target).runtime == INTERPRETER and device == "cpu" else (None, "")
+        self._threads, threads = choose_cpu_threads() if interpreted and device == "cpu" else (None, "")
         logger.info("model: %s; target %s%s", describe_model(network, embedded=model is None), target,
                     f", {threads}" if threads else "")
         with cpu_threads(self._threads):

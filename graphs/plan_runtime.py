@@ -91,10 +91,9 @@ class PlanRuntime:
 
     def executors(self) -> tuple[Executor, Executor | None]:
         """(the main graph's executor, the draft graph's or None), made on first use with the cubins' launcher."""
-        if self.device.type == "cuda":
-            self._check_gpu()
         if self._executors is None:
             if self.device.type == "cuda":
+                self._check_gpu()
                 self.launcher = CubinLauncher(self.specs, self.cubins)
             main = Executor(self.graph, self.plan, self._host_params, self.device, cuda_graphs=self._cuda_graphs)
             draft = None

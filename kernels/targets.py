@@ -74,6 +74,17 @@ def get_target(name: str | Target) -> Target:
     return target
 
 
+def get_built_target(name: str | Target) -> Target:
+    """The record of target `name`, which this build compiles for; NotImplementedError naming the built targets for
+    a target the table has but this build does not (ValueError for a name it does not know)."""
+    target = get_target(name)
+    if not target.is_built:
+        built = ", ".join(t.name for t in built_targets())
+        raise NotImplementedError(f"target {target.name!r} ({target.description}) has no kernels in this build yet; "
+                                  f"built targets: {built}")
+    return target
+
+
 def built_targets() -> list[Target]:
     """The targets `compile` builds for, in table order."""
     return [t for t in TARGETS.values() if t.is_built]
@@ -90,4 +101,4 @@ def target_of_capability(capability: tuple[int, int]) -> Target | None:
 
 
 __all__ = ["DEFAULT_GPU_TARGET", "DEFAULT_TARGET", "INTERPRETER", "PLAN", "TARGETS", "Target", "built_targets",
-           "cubin_targets", "get_target", "target_of_capability"]
+           "cubin_targets", "get_built_target", "get_target", "target_of_capability"]
