@@ -17,6 +17,7 @@ from dsl.context import ForwardContext, SequenceState
 from dsl.graph import Graph
 from dsl.transfer import host_to, to_device
 from graphs.runtime import Runtime
+from graphs.segments import StepSegment
 
 
 class ModelConfig(Protocol):
@@ -126,6 +127,12 @@ class CompiledModel(Generic[ConfigT]):
         states, lengths, ids = self._chunks(batch)
         out = self.runtime.run(ids, ForwardContext(states, lengths, self.device), batch_invariant, draft=True)
         return out["hidden"], out["logits"]
+
+    def graph_segments(self, num_tokens: int, draft: bool = False) -> list[StepSegment]:
+        """The segments of a decode step of `num_tokens` tokens (of the draft pass when `draft`), in order, each with
+        `.captured` (replayed as one CUDA graph) and `.nodes` (its nodes' names, "index:op"): what the target's
+        runtime does with the graph, read without running it (no GPU needed)."""
+        return self.runtime.graph_segments(num_tokens, draft)
 
     def capture_ahead(self, tokens: int) -> None:
         """The most tokens a decode step of the engine runs: a GPU target captures every decode bucket's CUDA graphs

@@ -16,6 +16,8 @@ import torch
 from dsl.context import ForwardContext
 from dsl.graph import Graph
 from dsl.interpret import interpret
+from graphs.runtime import select_graph
+from graphs.segments import StepSegment, step_segments
 
 
 class Interpreter:
@@ -43,10 +45,15 @@ class Interpreter:
 
     def run(self, input_ids: torch.Tensor, ctx: ForwardContext, batch_invariant: bool,
             draft: bool = False) -> dict[str, torch.Tensor]:
-        graph = self.draft_graph if draft else self.graph
-        if graph is None:
-            raise RuntimeError("this model was compiled without DSpark drafting: compile(..., drafting=True)")
-        return interpret(graph, {"input_ids": input_ids}, self._params, ctx, self.implementations(batch_invariant))
+        return interpret(self._graph(draft), {"input_ids": input_ids}, self._params, ctx,
+                         self.implementations(batch_invariant))
+
+    def graph_segments(self, num_tokens: int, draft: bool = False) -> list[StepSegment]:
+        """Every node of a step runs eagerly, one by one: one segment, not captured."""
+        return step_segments(self._graph(draft), num_tokens, captured=False)
+
+    def _graph(self, draft: bool) -> Graph:
+        return select_graph(self.graph, self.draft_graph, draft)
 
     def sampling(self) -> contextlib.AbstractContextManager:
         """Launches as they are: logits on a CUDA device sample on Triton's JIT, on the CPU with torch."""

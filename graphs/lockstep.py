@@ -22,6 +22,7 @@ from dsl.graph import Graph
 from dsl.interpret import interpret
 from graphs.interpreter import Interpreter
 from graphs.runtime import FatalRuntimeError
+from graphs.segments import StepSegment
 from kernels.moe.expert_parallel import ExpertParallelExperts
 
 # The kinds of forward the ranks agree on: (draft graph, batch-invariant)
@@ -106,6 +107,9 @@ class LockstepRuntime:
 
     def capture_ahead(self, tokens: int) -> None:
         self.inner.capture_ahead(tokens)
+
+    def graph_segments(self, num_tokens: int, draft: bool = False) -> list[StepSegment]:
+        return self.inner.graph_segments(num_tokens, draft)
 
     def save(self, path: str | Path, model_config: dict, model_dir: str | None) -> None:
         self.inner.save(path, model_config, model_dir)

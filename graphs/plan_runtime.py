@@ -30,6 +30,8 @@ from graphs.capture import CudaGraphs
 from graphs.executor import Executor
 from graphs.launcher import CubinLauncher
 from graphs.plan import Plan
+from graphs.runtime import select_graph
+from graphs.segments import StepSegment, step_segments
 from kernels.launch import use_launcher
 from kernels.targets import cubin_targets, get_target
 
@@ -88,6 +90,14 @@ class PlanRuntime:
 
     def ready(self) -> None:
         self.executors()
+
+    def graph_segments(self, num_tokens: int, draft: bool = False) -> list[StepSegment]:
+        """How a step of `num_tokens` tokens runs the main graph (the draft graph when `draft`): its CUDA-graph
+        segments where graphs are on, and the nodes between them (graphs/segments.py)."""
+        return step_segments(self._graph(draft), num_tokens, self._cuda_graphs)
+
+    def _graph(self, draft: bool) -> Graph:
+        return select_graph(self.graph, self.draft_graph, draft)
 
     def executors(self) -> tuple[Executor, Executor | None]:
         """(the main graph's executor, the draft graph's or None), made on first use with the cubins' launcher."""

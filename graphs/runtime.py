@@ -16,11 +16,22 @@ from typing import Protocol
 import torch
 
 from dsl.context import ForwardContext
+from dsl.graph import Graph
+from graphs.segments import StepSegment
 
 
 class FatalRuntimeError(RuntimeError):
     """A run that leaves nothing able to run after it (a rank of several failed or is gone): the engine stops rather
     than failing the step's requests and going on."""
+
+
+def select_graph(graph: Graph, draft_graph: Graph | None, draft: bool) -> Graph:
+    """The main graph, or the DSpark draft graph when `draft` (an error naming the fix where there is none)."""
+    if not draft:
+        return graph
+    if draft_graph is None:
+        raise RuntimeError("this model was compiled without DSpark drafting: compile(..., drafting=True)")
+    return draft_graph
 
 
 class Runtime(Protocol):
@@ -43,6 +54,11 @@ class Runtime(Protocol):
         `batch_invariant`, every row's values are bitwise independent of the other rows and their number."""
         ...
 
+    def graph_segments(self, num_tokens: int, draft: bool = False) -> list[StepSegment]:
+        """How a step of `num_tokens` tokens runs the graph: the stretches replayed as CUDA graphs and the nodes run
+        one by one between them, in order (graphs/segments.py)."""
+        ...
+
     def sampling(self) -> AbstractContextManager:
         """What the engine samples in (the launcher the sampling kernel's launches go to)."""
         ...
@@ -56,4 +72,4 @@ class Runtime(Protocol):
         ...
 
 
-__all__ = ["FatalRuntimeError", "Runtime"]
+__all__ = ["FatalRuntimeError", "Runtime", "select_graph"]

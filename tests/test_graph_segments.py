@@ -1,0 +1,79 @@
+"""`CompiledModel.graph_segments(num_tokens=N)` (graphs/segments.py): how a step's nodes run on a target, read without
+a GPU. On a GPU target the captured segments are capture.py's, the nodes between them run one by one, and every node
+of the graph is in exactly one segment, in program order; the interpreter and forwards past the largest CUDA-graph
+bucket run every node eagerly."""
+
+from __future__ import annotations
+
+import pytest
+
+import deepinfer
+from deepinfer.default_model import TRAINED_CHECKPOINT
+from deepinfer.models import DeepseekV41Flash
+from dsl.passes import run_passes
+from graphs.capture import GRAPH_BUCKETS, find_segments
+from graphs.compiled_model import CompiledModel
+from graphs.passes import make_plan
+from graphs.plan_runtime import PlanRuntime
+from graphs.segments import node_names
+from tests.conftest import fixture_dir
+
+
+@pytest.fixture(scope="module")
+def model() -> DeepseekV41Flash:
+    return DeepseekV41Flash.from_pretrained(fixture_dir("v41-tiny"))
+
+
+def planned(model: DeepseekV41Flash, cuda_graphs: bool = True, drafting: bool = False) -> CompiledModel:
+    """`model` planned for sm90 and held by the plan runtime as on a GPU machine (nothing runs, so none is needed)."""
+    graphs = [run_passes(model.graph(dspark=drafting))] + ([run_passes(model.draft_graph())] if drafting else [])
+    plans = [make_plan(g, model.params(), "sm90", buckets=(16,)) for g in graphs]
+    runtime = PlanRuntime(graphs[0], plans[0], {}, {}, model.params(), cuda_graphs=cuda_graphs,
+                          draft=(graphs[1], plans[1]) if drafting else None)
+    return CompiledModel(model.config, graphs[0], "sm90", runtime, graphs[1] if drafting else None)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2, 7, 64, 512])
+def test_a_decode_step_runs_every_node_once_in_order(model: DeepseekV41Flash, num_tokens: int) -> None:
+    compiled = planned(model)
+    segments = compiled.graph_segments(num_tokens=num_tokens)
+    assert [name for s in segments for name in s.nodes] == node_names(compiled.graph)
+    captured = [s for s in segments if s.captured]
+    found = find_segments(compiled.graph)
+    assert [s.nodes for s in captured] == [tuple(node_names(compiled.graph)[f.start:f.stop]) for f in found]
+    # segments alternate: two eager runs in a row would be one run
+    assert all(a.captured or b.captured for a, b in zip(segments, segments[1:]))
+    assert any(not s.captured for s in segments)  # the cache ops still run between the captured segments
+    assert not any("kv_window_append" in name for s in captured for name in s.nodes)
+
+
+def test_draft_steps_have_segments_of_their_own() -> None:
+    compiled = planned(DeepseekV41Flash.from_pretrained(TRAINED_CHECKPOINT), drafting=True)  # it has a DSpark head
+    draft = compiled.graph_segments(num_tokens=4, draft=True)
+    assert [name for s in draft for name in s.nodes] == node_names(compiled.draft_graph)
+    assert any(s.captured for s in draft)
+
+
+def test_no_capture_past_the_largest_bucket_or_with_graphs_off(model: DeepseekV41Flash) -> None:
+    names = tuple(node_names(planned(model).graph))
+    beyond = planned(model).graph_segments(num_tokens=GRAPH_BUCKETS[-1] + 1)
+    assert [(s.captured, s.nodes) for s in beyond] == [(False, names)]
+    off = planned(model, cuda_graphs=False).graph_segments(num_tokens=1)
+    assert [(s.captured, s.nodes) for s in off] == [(False, names)]
+
+
+def test_the_interpreter_runs_every_node_eagerly(model: DeepseekV41Flash) -> None:
+    compiled = deepinfer.compile(model, target="cpu")
+    segments = compiled.graph_segments(num_tokens=3)
+    assert [(s.captured, s.nodes) for s in segments] == [(False, tuple(node_names(compiled.graph)))]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True])
+def test_bad_token_counts_are_named(model: DeepseekV41Flash, bad) -> None:
+    with pytest.raises(ValueError, match="num_tokens"):
+        planned(model).graph_segments(num_tokens=bad)
+
+
+def test_draft_segments_need_a_drafting_model(model: DeepseekV41Flash) -> None:
+    with pytest.raises(RuntimeError, match="drafting=True"):
+        planned(model).graph_segments(num_tokens=1, draft=True)
