@@ -13,9 +13,11 @@ all_to_all_single of a decode step's 64 x 6 pairs) at world size 1.
 engram: one host table of `--rows` rows x 256 fp8 codes with fp32 scales per 32 (a real Engram layer's table is
 about 384M rows, 110 GB with those scales), filled, so its pages are resident; per case (decode 64 tokens, prefill
 8192), 24 random rows a token (3 n-gram sizes x 8 heads) fetched by `HostEngramRows` alone (its fetch time), then
-again while the GPU is kept busy for `--before-ms` (the layers before the first Engram layer: layer 0, from the
-slice's per-layer times in bench/RESULTS.md), the wait left at the layer being what the overlap did not hide; the
-same rows gathered from a device table for comparison, and the embedded model's tokens with host and device storage.
+again while the GPU is kept busy for the case's time (the layers before the first Engram layer: layer 0, from the
+slice's per-layer times in bench/RESULTS.md). What the overlap did not hide is the GPU's idle time between that work
+and the layer that reads the rows (two CUDA events around the host's wait): the host's own wait at the layer counts
+too where the host runs ahead of the GPU (a prefill), though the GPU is busy meanwhile. The same rows gathered from a
+device table for comparison, and the embedded model's tokens with host and device storage.
 """
 
 from __future__ import annotations
@@ -45,6 +47,15 @@ DEVICE = "cuda"  # --device cpu runs the same code on the cpu (gloo): a check of
 def _sync() -> None:
     if DEVICE == "cuda":
         torch.cuda.synchronize()
+
+
+def _event() -> torch.cuda.Event | None:
+    """A timing event recorded on the current stream now (None on the cpu)."""
+    if DEVICE != "cuda":
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 def _join() -> None:
@@ -137,7 +148,7 @@ def part_engram(rows: int, repeats: int) -> dict:
     device_table, device_scale = table[:device_rows].to(DEVICE), scale[:device_rows].to(DEVICE)
     for name, (tokens, before_ms) in CASES.items():
         ids = torch.randint(0, rows, (tokens, COLS))
-        alone, waits, fetches = [], [], []
+        alone, waits, fetches, stalls = [], [], [], []
         for _ in range(repeats):
             s0 = fetcher.stats.fetch_s
             fetcher.submit(ids, table, scale)
@@ -146,18 +157,23 @@ def part_engram(rows: int, repeats: int) -> dict:
             s0, w0 = fetcher.stats.fetch_s, fetcher.stats.wait_s
             fetcher.submit(ids, table, scale)
             _busy(before_ms)
-            fetcher.take(tokens)
+            before = _event()
+            got = fetcher.take(tokens)
+            after = _event()
+            got.sum()  # the layer that reads them
             _sync()
             fetches.append(fetcher.stats.fetch_s - s0)
             waits.append(fetcher.stats.wait_s - w0)
+            # the GPU idled from the end of its earlier work until the host, its wait over, queued the layer
+            stalls.append(before.elapsed_time(after) / 1e3 if before is not None else waits[-1])
         local = (ids % device_rows).to(DEVICE).reshape(-1)
         gather_s = _median_s(lambda local=local: (device_table.index_select(0, local),
                                                   device_scale.index_select(0, local)), repeats)
-        fetch, wait = statistics.median(fetches), statistics.median(waits)
+        fetch, wait, stall = statistics.median(fetches), statistics.median(waits), statistics.median(stalls)
         out[name] = {"tokens": tokens, "mb": tokens * COLS * (DIM + DIM // 32 * 4) / 1e6,
                      "fetch_alone_ms": statistics.median(alone) * 1e3, "fetch_overlapped_ms": fetch * 1e3,
-                     "before_ms": before_ms, "wait_ms": wait * 1e3, "hidden": 1 - wait / max(fetch, 1e-12),
-                     "device_gather_ms": gather_s * 1e3}
+                     "before_ms": before_ms, "host_wait_ms": wait * 1e3, "gpu_idle_ms": stall * 1e3,
+                     "hidden": 1 - stall / max(fetch, 1e-12), "device_gather_ms": gather_s * 1e3}
     prompts = ["def fib(n):", {"prompt_token_ids": list(range(100, 400))}]
     params = SamplingParams(max_tokens=16, temperature=0.8, seed=1, logprobs=2)
     host = LLM(default_checkpoint(), device=DEVICE, engram_storage="host").generate(prompts, params, use_tqdm=False)
