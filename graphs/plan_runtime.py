@@ -5,6 +5,7 @@ again; the other nodes run their torch references on the GPU (graphs/executor.py
 their static segments as CUDA graphs (graphs/capture.py). For one step, the pools of its sequences store and load
 cache entries with the cache kernels (kernels/cache/rows.py: one launch for what torch does in many), bit for
 bit as their torch path, and the engine's draws launch the sampling kernel's cubins (kernels/sampling/gumbel_argmax.py).
+Under expert parallelism (`split_experts`) the MoE nodes exchange their pairs with the other ranks.
 
 Batch-invariant mode runs every kernel node with its plan's batch-invariant config (graphs/plan.py). The reference
 nodes left in a plan need no invariant versions: the compressor's ratio-1 pooling only passes its rows through, and
@@ -31,6 +32,7 @@ from graphs.executor import Executor
 from graphs.launcher import CubinLauncher
 from graphs.plan import Plan
 from kernels.launch import use_launcher
+from kernels.moe.expert_parallel_kernel import ParallelMoeKernel
 from kernels.targets import cubin_targets, get_target
 
 
@@ -55,6 +57,7 @@ class PlanRuntime:
         self.launcher: CubinLauncher | None = None  # made with the executors, on CUDA
         self._host_params = params
         self._executors: tuple[Executor, Executor | None] | None = None
+        self.parallel_experts: ParallelMoeKernel | None = None  # expert parallelism: `split_experts`
         if cuda_graphs is None:
             cuda_graphs = os.environ.get("DEEPINFER_CUDA_GRAPHS", "1") != "0"
         self._cuda_graphs = cuda_graphs and self.device.type == "cuda"
@@ -76,7 +79,8 @@ class PlanRuntime:
         self._cuda_graphs = bool(on) and self.device.type == "cuda"
         for executor in self._executors or ():
             if executor is not None:
-                executor.cuda_graphs = CudaGraphs(executor.graph, ahead=self._ahead) if self._cuda_graphs else None
+                executor.cuda_graphs = CudaGraphs(executor.graph, ahead=self._ahead, uncaptured=executor.uncaptured) \
+                    if self._cuda_graphs else None
 
     def capture_ahead(self, tokens: int) -> None:
         """Capture the graphs of every bucket up to `tokens` (the most a decode step runs) when the first is
@@ -89,17 +93,27 @@ class PlanRuntime:
     def ready(self) -> None:
         self.executors()
 
+    def split_experts(self, kernel: ParallelMoeKernel) -> None:
+        """Run as one rank of several (expert parallelism; graphs/lockstep.py): the weights hold this rank's routed
+        experts only, and every MoE node exchanges its pairs through `kernel`, outside the CUDA graphs. Before the
+        first step (the executors are made with it)."""
+        if self._executors is not None:
+            raise RuntimeError("split_experts comes before the first step: the executors are made already")
+        self.parallel_experts = kernel
+
     def executors(self) -> tuple[Executor, Executor | None]:
         """(the main graph's executor, the draft graph's or None), made on first use with the cubins' launcher."""
         if self._executors is None:
             if self.device.type == "cuda":
                 self._check_gpu()
                 self.launcher = CubinLauncher(self.specs, self.cubins)
-            main = Executor(self.graph, self.plan, self._host_params, self.device, cuda_graphs=self._cuda_graphs)
+            main = Executor(self.graph, self.plan, self._host_params, self.device, cuda_graphs=self._cuda_graphs,
+                            parallel_experts=self.parallel_experts)
             draft = None
             if self.draft_graph is not None:  # the same weights on the device, converted once for both
                 draft = Executor(self.draft_graph, self.draft_plan, main.params, self.device,
-                                 formatted=main.formatted, cuda_graphs=self._cuda_graphs)
+                                 formatted=main.formatted, cuda_graphs=self._cuda_graphs,
+                                 parallel_experts=self.parallel_experts)
             self._executors = (main, draft)
             self.capture_ahead(self._ahead)
         return self._executors

@@ -82,7 +82,7 @@ class ExpertExchange:
         dist.all_to_all_single(arrived, payload.contiguous(), recv, send, group=self.group)
         out, start = [], 0
         for c, f, width in zip(columns, flat, widths, strict=True):
-            part = arrived[:, start:start + width].contiguous()
+            part = arrived[:, start:start + width].clone(memory_format=torch.contiguous_format)  # offset 0: aligned
             values = part.view(f.dtype) if part.numel() else part.new_empty((0, f.shape[1]), dtype=f.dtype)
             out.append(values.view(arrived.shape[0], *c.shape[1:]))
             start += width
