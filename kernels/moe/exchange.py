@@ -48,11 +48,11 @@ class ExpertExchange:
             raise ValueError(f"a rank must hold at least one expert, got {num_local}")
         pairs = experts.reshape(-1).long()
         owner = torch.div(pairs, num_local, rounding_mode="floor")
-        if pairs.numel() and int(owner.max()) >= self.world_size:
+        send = torch.bincount(owner, minlength=self.world_size)
+        if send.numel() > self.world_size:  # longer only where some owner is past the last rank
             raise ValueError(f"expert id {int(pairs.max())} is past the {num_local * self.world_size} experts of "
                              f"{self.world_size} ranks holding {num_local} each")
         order = torch.argsort(owner, stable=True)
-        send = torch.bincount(owner, minlength=self.world_size)
         recv = torch.empty_like(send)
         dist.all_to_all_single(recv, send, group=self.group)
         return Route(order, pairs - owner * num_local, send.tolist(), recv.tolist())
