@@ -2,8 +2,9 @@
 two ranks, each its own sequences (data-parallel attention) and half the routed experts, give bitwise the logits
 and tokens (greedy and seeded) of one process running the same plan over every sequence, in batch-invariant mode.
 The sequences are of unequal lengths, so one rank runs idle passes that serve the other's experts. Also: the MoE
-nodes stay out of the CUDA graphs' segments only under expert parallelism, and the AOT builder records the
-exchange's launches only when asked. On the H200: tests/test_gpu_plan_expert_parallel.py."""
+nodes stay out of the CUDA graphs' segments only under expert parallelism, the AOT builder records the exchange's
+launches only when asked, and a forward that fails ends the job with an error naming the rank. On the H200:
+tests/test_gpu_plan_expert_parallel.py."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from deepinfer.distributed import ranks
 from deepinfer.models import DeepseekV41Flash
 from deepinfer.models.weights import ExpertShard
 from deepinfer.sampler import sample
@@ -26,6 +28,7 @@ from graphs.executor import EXCHANGED
 from graphs.lockstep import LockstepRuntime
 from graphs.passes import make_plan
 from graphs.plan_runtime import PlanRuntime
+from graphs.runtime import FatalRuntimeError
 from tests.conftest import fixture_dir
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs where there is no GPU")
@@ -123,3 +126,26 @@ def test_the_exchange_s_launches_are_built_only_when_asked() -> None:
     added = [key for key in split if key not in plain]
     assert added and all(key.startswith(("moe_gemm_kernel", "moe_sum_kernel")) for key in added)
     assert any("TOPK=1," in key for key in added)  # the owner's GEMMs: one pair a row
+
+
+@pytest.fixture
+def rank_of_one():
+    """This process as the one rank of a gloo group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks.join(ranks.RankInfo(0, 1, 0), "cpu", f"tcp://127.0.0.1:{port}")
+    yield
+    ranks.leave()
+
+
+def test_a_failing_forward_ends_the_job_naming_the_rank(rank_of_one) -> None:
+    compiled = planned(DeepseekV41Flash.from_pretrained(fixture_dir(FIXTURE)))
+    compiled.runtime = LockstepRuntime(compiled.runtime)
+    executor = compiled.runtime.inner.executors()[0]
+    with pytest.raises(RuntimeError, match="split_experts comes before the first step"):
+        compiled.runtime.inner.split_experts(executor.parallel_experts)
+    key = next(k for k in executor.formatted if k[0] == "layers.0.ffn.experts.w1.weight")
+    executor.formatted[key] = torch.zeros(1, 1, 1, dtype=executor.formatted[key].dtype)  # no forward runs on it
+    with pytest.raises(FatalRuntimeError, match="rank 0: a forward failed: ValueError: expert shapes do not chain"):
+        compiled.step([(compiled.new_sequence(), [3, 4, 5])], batch_invariant=True)
