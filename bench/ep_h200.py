@@ -135,8 +135,8 @@ def _moe_node_us(rank: RankLLM, tokens: int, invariant: bool) -> tuple[float, fl
     call = entry.call(chosen, node.attrs, mine.plan.dot_fp32, args)
     buckets = mine.plan.buckets
 
-    def config_for(m: int) -> dict:
-        return entry.at(m, buckets, invariant).config
+    def config_for(pairs: int) -> dict:  # as the executor picks it (graphs/executor.py)
+        return entry.at(-(-pairs // st.topk), buckets, invariant).config
 
     def plain_run() -> None:
         MOE_EXPERTS.run(call)

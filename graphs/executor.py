@@ -137,9 +137,10 @@ class Executor:
         chosen = entry.at(rows, self.plan.buckets, batch_invariant)
         call = entry.call(chosen, node.attrs, self.plan.dot_fp32, args, ctx)
         if self.parallel_experts is not None and node.op in EXCHANGED:
-            buckets = self.plan.buckets
+            buckets, topk = self.plan.buckets, entry.static.topk
+            # an owner's pairs take the config of the tokens that would make as many pairs on one device
             result = MOE_EXPERTS.run_parallel(call, self.parallel_experts, batch_invariant,
-                                              lambda m: entry.at(m, buckets, batch_invariant).config)
+                                              lambda p: entry.at(-(-p // topk), buckets, batch_invariant).config)
             self.kernel_calls += 1
             return result
         result = lowering.run(call)

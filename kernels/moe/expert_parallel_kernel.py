@@ -21,7 +21,7 @@ import torch
 from kernels.moe.exchange import ExpertExchange
 from kernels.moe.experts import _check, gemm_rows, pair_outputs, sum_pairs
 
-ConfigFor = Callable[[int], dict]  # a token (or pair) count -> the MoE kernel's config for it
+ConfigFor = Callable[[int], dict]  # a count of (token, expert) pairs -> the MoE kernel's config for them
 
 
 class ParallelMoeKernel:
@@ -35,8 +35,8 @@ class ParallelMoeKernel:
                  s3: torch.Tensor | None, *, limit: float, config_for: ConfigFor, invariant: bool,
                  dot_fp32: bool = False) -> torch.Tensor:
         """x [N, D] (N may be 0: this rank serves the others), weights fp32 [N, k], experts int [N, k] global ids;
-        w1..s3 this rank's experts, as `moe_experts` takes them. `config_for(m)`: the config for m rows (with
-        `invariant`, the one batch-invariant config whatever m). Returns fp32 [N, D]."""
+        w1..s3 this rank's experts, as `moe_experts` takes them. `config_for(p)`: the config for p pairs (with
+        `invariant`, the one batch-invariant config whatever p). Returns fp32 [N, D]."""
         fp4 = _check(x, weights, experts, [w1, w2, w3], [s1, s2, s3])
         n, k = experts.shape
         route = self.exchange.plan(experts, w1.shape[0])
@@ -46,7 +46,7 @@ class ParallelMoeKernel:
         xs, ws, local = self.exchange.send(route, [rows[order // k], pair_weights, route.local[order, None]])
         done = serve_pairs(xs, ws, local, w1, w2, w3, s1, s2, s3, limit=limit, config=config_for(xs.shape[0]),
                            invariant=invariant, dot_fp32=dot_fp32)
-        splits, d = wire_splits(config_for(n), invariant), x.shape[1]
+        splits, d = wire_splits(config_for(n * k), invariant), x.shape[1]
         back = self.exchange.gather(route, done.reshape(done.shape[0], splits * d))  # [N * k, splits * D]
         return sum_pairs(back.view(n * k, splits, d), k)
 

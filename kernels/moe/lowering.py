@@ -69,7 +69,7 @@ class MoeExperts(Lowering):
     def run_parallel(self, call: Call, kernel: ParallelMoeKernel, invariant: bool,
                      config_for: ConfigFor) -> torch.Tensor:
         """`run` under expert parallelism: the node's weights are this rank's experts, its pairs exchanged through
-        `kernel` (kernels/moe/expert_parallel_kernel.py); `config_for(m)` the plan's config for m rows."""
+        `kernel` (kernels/moe/expert_parallel_kernel.py); `config_for(p)` the plan's config for p pairs."""
         x, weights, picks, w1, w2, w3, s1, s2, s3 = call.args
         return kernel(x.contiguous(), weights.float().contiguous(), picks.contiguous(), w1, w2, w3, s1, s2, s3,
                       limit=call.attrs["limit"], config_for=config_for, invariant=invariant, dot_fp32=call.dot_fp32)
