@@ -4,11 +4,19 @@
     python bench/ep_h200.py --part ranks          # RankLLM (NCCL, world size 1) against LLM: bitwise, time a call
     python bench/ep_h200.py --part engram --rows 256000000
     python bench/ep_h200.py --part gpus           # on a host of several GPUs: spawned NCCL ranks against one GPU
+    python bench/ep_h200.py --part plan           # the sm90 plan: RankLLM (NCCL, world size 1) against LLM
+    python bench/ep_h200.py --part gpus --target sm90   # spawned NCCL ranks of the sm90 plan against one GPU
 
 ranks: the embedded checkpoint on the cpu target's runtime on the GPU (target cpu, device cuda), one NCCL rank; the
 same batch through `LLM` and through `RankLLM`, outputs compared bitwise, calls timed alternately (median), with the
 rounds of agreement a call makes and the time of one agreement (all_reduce) and of one MoE exchange (the two
 all_to_all_single of a decode step's 64 x 6 pairs) at world size 1.
+
+plan: the same on the sm90 plan (cubins, CUDA graphs; under expert parallelism the MoE nodes run eagerly between the
+graphs' segments, through the exchange), in batch-invariant mode and out of it: bitwise in batch-invariant mode, calls
+timed alternately (median), steps a call, and one MoE node (the model's first, its own weights) at decode batches of
+1 and 64 tokens: the plain kernel against the exchange's path at world size 1 (CUDA events around 100 runs each). A
+short table, then the JSON.
 
 engram: one host table of `--rows` rows x 256 fp8 codes with fp32 scales per 32 (a real Engram layer's table is
 about 384M rows, 110 GB with those scales), filled, so its pages are resident; per case (decode 64 tokens, prefill
@@ -113,20 +121,101 @@ def part_ranks(repeats: int) -> dict:
             "moe_layers_per_forward": sum(n.op == "moe_experts" for n in rank.compiled.graph.nodes)}
 
 
-def part_gpus(repeats: int) -> dict:
-    """`LLM(..., expert_parallel_size=<GPUs>, device="cuda")` (NCCL ranks it spawns) against one GPU, bitwise."""
+def _same(got: list, want: list) -> bool:
+    return all(dataclasses.replace(g, metrics=None) == dataclasses.replace(w, metrics=None)
+               for g, w in zip(got, want, strict=True))
+
+
+def _moe_node_us(rank: RankLLM, tokens: int, invariant: bool) -> tuple[float, float]:
+    """(plain kernel, exchange at world size 1) microseconds of the model's first MoE node over `tokens` tokens."""
+    from kernels.moe.lowering import MOE_EXPERTS
+
+    mine = rank.compiled.runtime.inner.executors()[0]
+    index = next(i for i, n in enumerate(mine.graph.nodes) if n.op == "moe_experts")
+    node, entry = mine.graph.nodes[index], mine.plan.nodes[index]
+    st = entry.static
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(tokens, st.d, device=DEVICE, generator=g)
+    picks = torch.stack([torch.randperm(st.e, device=DEVICE, generator=g)[:st.topk] for _ in range(tokens)])
+    weights = torch.rand(tokens, st.topk, device=DEVICE, generator=g)
+    args = [x, weights, picks] + [None if v is None else mine.params[v.name] for v in node.inputs[3:]]
+    for pos, fmt in entry.formats.items():  # the weights as the kernel takes them (Executor._kernel)
+        if node.inputs[pos] is not None:
+            args[pos] = mine.param(node.inputs[pos].name, fmt)
+    chosen = entry.at(tokens, mine.plan.buckets, invariant)
+    call = entry.call(chosen, node.attrs, mine.plan.dot_fp32, args)
+    buckets = mine.plan.buckets
+
+    def config_for(pairs: int) -> dict:  # as the executor picks it (graphs/executor.py)
+        return entry.at(-(-pairs // st.topk), buckets, invariant).config
+
+    def plain_run() -> None:
+        MOE_EXPERTS.run(call)
+
+    def split_run() -> None:
+        MOE_EXPERTS.run_parallel(call, mine.parallel_experts, invariant, config_for)
+
+    with rank.compiled.runtime.inner.launches():
+        out = []
+        for fn in (plain_run, split_run):
+            fn()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(100):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            out.append(start.elapsed_time(end) * 10)  # ms per 100 -> us each
+    return out[0], out[1]
+
+
+def part_plan(repeats: int, target: str) -> dict:
+    """The plan runtime: RankLLM (one NCCL rank) against LLM on `target`, per mode."""
+    _join()
+    prompts = [{"prompt_token_ids": list(range(100 + i, 140 + 7 * i))} for i in range(32)]
+    params = [SamplingParams(max_tokens=32, temperature=0.8 if i % 2 else 0, seed=i, ignore_eos=True)
+              for i in range(32)]
+    out: dict = {"target": target}
+    for invariant in (True, False):
+        plain = LLM(default_checkpoint(), target=target, max_num_seqs=64, batch_invariant=invariant)
+        rank = RankLLM(default_checkpoint(), target=target, max_num_seqs=64, batch_invariant=invariant)
+        want, got = plain.generate(prompts, params, use_tqdm=False), rank.generate(prompts, params, use_tqdm=False)
+        steps_before = rank.engine.num_steps
+        times = {"plain": [], "rank": []}
+        for _ in range(repeats):  # alternating, so drift hits both
+            times["plain"].append(_median_s(lambda plain=plain: plain.generate(prompts, params, use_tqdm=False), 1))
+            times["rank"].append(_median_s(lambda rank=rank: rank.generate(prompts, params, use_tqdm=False), 1))
+        plain_s, rank_s = statistics.median(times["plain"]), statistics.median(times["rank"])
+        moe = {t: _moe_node_us(rank, t, invariant) for t in (1, 64)}
+        out["invariant" if invariant else "default"] = {
+            "bitwise": _same(got, want), "plain_s": plain_s, "rank_s": rank_s, "ratio": rank_s / plain_s,
+            "steps_per_call": (rank.engine.num_steps - steps_before) / repeats,
+            "moe_layers_per_forward": sum(n.op == "moe_experts" for n in rank.compiled.graph.nodes),
+            "moe_node_us": {str(t): {"plain": a, "exchange": b, "ratio": b / a} for t, (a, b) in moe.items()}}
+        del plain, rank
+    ranks.leave()
+    print(f"{'mode':10} {'bitwise':>7} {'plain s':>8} {'rank s':>8} {'ratio':>6}   MoE node us (plain / exchange)")
+    for mode in ("invariant", "default"):
+        r = out[mode]
+        nodes = "  ".join(f"T={t}: {m['plain']:.0f} / {m['exchange']:.0f}" for t, m in r["moe_node_us"].items())
+        print(f"{mode:10} {str(r['bitwise']):>7} {r['plain_s']:8.3f} {r['rank_s']:8.3f} {r['ratio']:6.3f}   {nodes}")
+    return out
+
+
+def part_gpus(repeats: int, target: str) -> dict:
+    """`LLM(..., expert_parallel_size=<GPUs>)` (NCCL ranks it spawns) against one GPU, bitwise: the cpu target's
+    runtime on the GPUs (device cuda) or a GPU target's plan (batch-invariant mode)."""
     world = torch.cuda.device_count() if DEVICE == "cuda" else 2
     prompts = [{"prompt_token_ids": list(range(100 + i, 140 + 7 * i))} for i in range(32)]
     params = [SamplingParams(max_tokens=32, temperature=0.8 if i % 2 else 0, seed=i, ignore_eos=True)
               for i in range(32)]
-    want = LLM(default_checkpoint(), device=DEVICE, max_num_seqs=64).generate(prompts, params, use_tqdm=False)
-    spawned = LLM(default_checkpoint(), device=DEVICE, max_num_seqs=64, expert_parallel_size=world)
+    common = {"device": DEVICE} if target == "cpu" else {"target": target, "batch_invariant": True}
+    want = LLM(default_checkpoint(), max_num_seqs=64, **common).generate(prompts, params, use_tqdm=False)
+    spawned = LLM(default_checkpoint(), max_num_seqs=64, expert_parallel_size=world, **common)
     got = spawned.generate(prompts, params, use_tqdm=False)
     seconds = _median_s(lambda: spawned.generate(prompts, params, use_tqdm=False), repeats)
     spawned.close()
-    return {"world_size": world, "seconds_per_call": seconds,
-            "bitwise": all(dataclasses.replace(g, metrics=None) == dataclasses.replace(w, metrics=None)
-                           for g, w in zip(got, want, strict=True))}
+    return {"world_size": world, "target": target, "seconds_per_call": seconds, "bitwise": _same(got, want)}
 
 
 def _busy(ms: float) -> None:
@@ -184,8 +273,10 @@ def part_engram(rows: int, repeats: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("ranks", "engram", "both", "gpus"), default="both",
-                        help="gpus: spawned NCCL ranks, one per GPU, against one GPU (a host of several GPUs)")
+    parser.add_argument("--part", choices=("ranks", "engram", "both", "gpus", "plan"), default="both",
+                        help="gpus: spawned NCCL ranks, one per GPU, against one GPU (a host of several GPUs); "
+                             "plan: the GPU target's plan at world size 1 against the plain plan")
+    parser.add_argument("--target", default="cpu", help="gpus: the target the ranks run (plan: sm90 if cpu)")
     parser.add_argument("--rows", type=int, default=256_000_000, help="rows of the host table (256 B each + scales)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -196,8 +287,11 @@ def main() -> None:
     if args.part in ("ranks", "both"):
         results["ranks"] = part_ranks(args.repeats)
         print(json.dumps(results["ranks"], indent=1), flush=True)
+    if args.part == "plan":
+        results["plan"] = part_plan(args.repeats, "sm90" if args.target == "cpu" else args.target)
+        print(json.dumps(results["plan"], indent=1), flush=True)
     if args.part == "gpus":
-        results["gpus"] = part_gpus(args.repeats)
+        results["gpus"] = part_gpus(args.repeats, args.target)
         print(json.dumps(results["gpus"], indent=1), flush=True)
     if args.part in ("engram", "both"):
         results["engram"] = part_engram(args.rows, args.repeats)

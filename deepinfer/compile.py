@@ -21,7 +21,8 @@ Compiled = CompiledModel[DeepseekV41Config]
 
 def compile(model: DeepseekV41Flash, target: str = DEFAULT_TARGET, *, dot_fp32: bool = False,  # noqa: A001 - public name
             buckets: tuple[int, ...] | None = None, drafting: bool = False, device: str = "cpu",
-            fp8_activations: bool = False, engram_storage: str | None = None, replay: bool = False) -> Compiled:
+            fp8_activations: bool = False, engram_storage: str | None = None, replay: bool = False,
+            expert_parallel: bool = False) -> Compiled:
     """Lower `model` for `target` and return a `CompiledModel` ready to run.
 
     GPU targets (kernels/targets.py) build cubins ahead of time, on any machine (no GPU needed): `.save(dir)` writes
@@ -36,7 +37,9 @@ def compile(model: DeepseekV41Flash, target: str = DEFAULT_TARGET, *, dot_fp32: 
     host memory and fetches each forward's rows while the first layers run (graphs/engram_storage.py), "device"
     moves them with the other weights; None: host where they take more than half of a GPU's free memory. `replay`
     builds the graph for bounded replay (`swa_replay_tokens`, deepinfer/replay.py): the decoder layers run from each
-    sequence's `replay_from` on; the cpu target only.
+    sequence's `replay_from` on; the cpu target only. `expert_parallel` (GPU targets) also builds the MoE kernel's
+    launches for its experts split over ranks (kernels/moe/expert_parallel_kernel.py), which one rank of several runs
+    (deepinfer/distributed/); the cpu target's runtime needs nothing built for it.
     """
     spec = get_built_target(target)
     if replay and spec.runtime == PLAN:
@@ -47,7 +50,7 @@ def compile(model: DeepseekV41Flash, target: str = DEFAULT_TARGET, *, dot_fp32: 
         if engram_storage == "host":
             raise NotImplementedError(f"engram_storage='host': target {target!r}'s plans keep the Engram tables on "
                                       "the device; host storage runs on the cpu target's runtime (any device)")
-        return _compile_plan(model, spec.name, dot_fp32, buckets, drafting, fp8_activations)
+        return _compile_plan(model, spec.name, dot_fp32, buckets, drafting, fp8_activations, expert_parallel)
     if fp8_activations:
         raise ValueError("fp8_activations is a GPU target's kernel path; the cpu target runs the exact references")
     graph = run_passes(model.graph(dspark=drafting, replay=replay))
@@ -68,7 +71,7 @@ def _for_cpu(t: torch.Tensor) -> torch.Tensor:
 
 
 def _compile_plan(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets: tuple[int, ...] | None,
-                  drafting: bool, fp8_activations: bool) -> Compiled:
+                  drafting: bool, fp8_activations: bool, expert_parallel: bool = False) -> Compiled:
     from dsl.cache import CacheSpec
     from graphs.aot import build, record_cache_launches, record_launches, record_sampling_launches
     from graphs.passes import make_plan
@@ -81,7 +84,7 @@ def _compile_plan(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets:
              for g in graphs]
     launches = record_sampling_launches(model.config.vocab_size)  # the engine's draws
     for graph, plan in zip(graphs, plans, strict=True):  # the draft graph's launches mostly repeat the main one's
-        launches |= record_launches(plan, {i: node.attrs for i, node in enumerate(graph.nodes)})
+        launches |= record_launches(plan, {i: node.attrs for i, node in enumerate(graph.nodes)}, expert_parallel)
         launches |= record_cache_launches(CacheSpec.from_graph(graph))  # the pools' writer and reader
     built = build(launches, target)
     specs = {key: b.spec for key, b in built.items()}

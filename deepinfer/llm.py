@@ -136,8 +136,7 @@ class LLM:
         self._threads, threads = choose_cpu_threads() if interpreted and device == "cpu" else (None, "")
         logger.info("model: %s; target %s%s", describe_model(network, embedded=model is None), target,
                     f", {threads}" if threads else "")
-        with cpu_threads(self._threads):
-            self.compiled = compile_model(network, target=target, **options)
+        self.compiled = self._compile(network, target, options)
         eos = self.config.eos_token_ids or (self.tokenizer.eos_token_id,)
         self.eos_token_ids = tuple(t for t in eos if t is not None and 0 <= t < self.config.vocab_size)
         if constraint is None:
@@ -176,6 +175,11 @@ class LLM:
         network = DeepseekV41Flash.from_pretrained(model)
         network.tokenizer = self.tokenizer
         return network
+
+    def _compile(self, network: DeepseekV41Flash, target: str, options: dict[str, Any]) -> Any:
+        """`deepinfer.compile` of the loaded model for `target` with the options the engine arguments ask for."""
+        with cpu_threads(self._threads):
+            return compile_model(network, target=target, **options)
 
     def _structured_output_manager(self):
         from deepinfer.structured_outputs.manager import StructuredOutputManager  # xgrammar: only when asked for

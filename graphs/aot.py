@@ -24,6 +24,7 @@ from pathlib import Path
 import kernels.cache.rows as cache_kernels
 import kernels.sampling.gumbel_argmax as sampling_kernels
 from dsl.cache import CacheSpec
+from graphs.executor import EXCHANGED
 from graphs.plan import Plan
 from kernels.launch import Launch, use_launcher
 from kernels.registry import LOWERINGS
@@ -45,9 +46,10 @@ class Built:
         return self.spec["id"]
 
 
-def record_launches(plan: Plan, attrs_of: dict[int, dict]) -> dict[str, Launch]:
+def record_launches(plan: Plan, attrs_of: dict[int, dict], expert_parallel: bool = False) -> dict[str, Launch]:
     """Every distinct kernel launch (by `Launch.key`) the plan's kernel nodes make, for each bucket and with the
-    batch-invariant config (whose launches are the same for every token count)."""
+    batch-invariant config (whose launches are the same for every token count); with `expert_parallel`, also those
+    of the MoE nodes exchanging their pairs with other ranks (`MoeExperts.trace_parallel`)."""
     found: dict[str, Launch] = {}
 
     def record(call: Launch) -> None:
@@ -56,9 +58,12 @@ def record_launches(plan: Plan, attrs_of: dict[int, dict]) -> dict[str, Launch]:
     with use_launcher(record):
         for node in plan.kernel_nodes():
             lowering = LOWERINGS[node.op]
-            runs = [(node.buckets[b], b) for b in plan.buckets] + [(node.invariant, plan.buckets[0])]
-            for chosen, m in runs:
-                lowering.trace(node.call(chosen, attrs_of[node.index], plan.dot_fp32, tokens=m))
+            runs = [(node.buckets[b], b, False) for b in plan.buckets] + [(node.invariant, plan.buckets[0], True)]
+            for chosen, m, invariant in runs:
+                call = node.call(chosen, attrs_of[node.index], plan.dot_fp32, tokens=m)
+                lowering.trace(call)
+                if expert_parallel and node.op in EXCHANGED:
+                    lowering.trace_parallel(call, invariant)
     return found
 
 

@@ -97,17 +97,19 @@ def _rows(value: Value) -> bool:
     return bool(shape) and not isinstance(shape[0], int) and sympy.sympify(shape[0]) == num_tokens
 
 
-def capturable(graph: Graph, index: int) -> bool:
+def capturable(graph: Graph, index: int, uncaptured: frozenset[str] = frozenset()) -> bool:
+    """Whether node `index` can sit in a segment; ops in `uncaptured` never do (the experts' exchange under expert
+    parallelism, whose shapes follow what the other ranks send)."""
     node = graph.nodes[index]
     opdef = OPS[node.op]
-    if opdef.uses_context and node.op not in CONTEXT_TENSORS:
+    if node.op in uncaptured or (opdef.uses_context and node.op not in CONTEXT_TENSORS):
         return False
     return all(_token_shaped(v) for v in node.inputs if v is None or v.name not in graph.params) \
         and all(_token_shaped(v) for v in node.outputs)
 
 
-def find_segments(graph: Graph, min_nodes: int = 2) -> list[Segment]:
-    """The graph's segments of at least `min_nodes` capturable nodes, in program order."""
+def find_segments(graph: Graph, min_nodes: int = 2, uncaptured: frozenset[str] = frozenset()) -> list[Segment]:
+    """The graph's segments of at least `min_nodes` capturable nodes (no op of `uncaptured`), in program order."""
     last_read: dict[int, int] = {}  # id(value) -> index of the last node reading it (len(nodes) for outputs)
     for i, node in enumerate(graph.nodes):
         for v in node.inputs:
@@ -118,7 +120,7 @@ def find_segments(graph: Graph, min_nodes: int = 2) -> list[Segment]:
     params = {id(v) for v in graph.params.values()}
     segments, start = [], None
     for i in range(len(graph.nodes) + 1):
-        if i < len(graph.nodes) and capturable(graph, i):
+        if i < len(graph.nodes) and capturable(graph, i, uncaptured):
             start = i if start is None else start
             continue
         if start is not None and i - start >= min_nodes:
@@ -176,10 +178,11 @@ class CudaGraphs:
     padding alone can be tested); `pad` fills the padding rows of tensors made for it (floating point only)."""
 
     def __init__(self, graph: Graph, max_tokens: int = GRAPH_BUCKETS[-1], max_steps: int = 32, max_bytes: int = 4 << 30,
-                 capture: bool = True, pad: float = 0.0, ahead: int = 0) -> None:
+                 capture: bool = True, pad: float = 0.0, ahead: int = 0,
+                 uncaptured: frozenset[str] = frozenset()) -> None:
         if max_tokens > GRAPH_BUCKETS[-1]:
             raise ValueError(f"max_tokens {max_tokens} is past the largest bucket, {GRAPH_BUCKETS[-1]}")
-        self.segments = find_segments(graph)
+        self.segments = find_segments(graph, uncaptured=uncaptured)
         self.at = {s.start: s for s in self.segments}
         # each segment output's maker: (segment start, index among its outputs)
         self.made_by = {id(v): (s.start, i) for s in self.segments for i, v in enumerate(s.outputs)}

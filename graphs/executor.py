@@ -5,7 +5,9 @@ once, and converted once per format a kernel asks for (plain weights to bf16, or
 in fp32; fp8 32x32-block weights to one scale per row where the plan rounds activations to e4m3; the fp4 experts'
 power-of-two scales to the bf16 factor their kernel multiplies codes by). Kernel
 launches go through whatever launcher is current: Triton's JIT, or an artifact's cubins.
-`run(..., batch_invariant=True)` gives every kernel node its batch-invariant config.
+`run(..., batch_invariant=True)` gives every kernel node its batch-invariant config. Under expert parallelism
+(`parallel_experts`: kernels/moe/expert_parallel_kernel.py) the MoE nodes hold this rank's experts and exchange their
+pairs with the other ranks; their shapes then follow the exchange, so they stay out of the CUDA graphs.
 """
 
 from __future__ import annotations
@@ -21,17 +23,30 @@ from dsl.ragged import Ragged
 from graphs.capture import CudaGraphs
 from graphs.plan import Plan
 from kernels.linear.fp8 import rowwise_weight
+from kernels.moe.expert_parallel_kernel import ParallelMoeKernel
 from kernels.moe.experts import prescaled
+from kernels.moe.lowering import MOE_EXPERTS
 from kernels.registry import LOWERINGS
+
+EXCHANGED = frozenset({"moe_experts"})  # the ops that exchange rows with other ranks under expert parallelism
 
 
 class Executor:
     def __init__(self, graph: Graph, plan: Plan, params: dict[str, torch.Tensor], device: str | torch.device,
-                 formatted: dict[tuple[str, str], torch.Tensor] | None = None, cuda_graphs: bool = False) -> None:
+                 formatted: dict[tuple[str, str], torch.Tensor] | None = None, cuda_graphs: bool = False,
+                 parallel_experts: ParallelMoeKernel | None = None) -> None:
         """`formatted`: another executor's converted weights, shared (a DSpark draft graph beside its model's).
-        `cuda_graphs`: replay the graph's static segments as CUDA graphs (graphs/capture.py)."""
+        `cuda_graphs`: replay the graph's static segments as CUDA graphs (graphs/capture.py). `parallel_experts`:
+        the MoE nodes run over this rank's experts through it (expert parallelism), outside the CUDA graphs."""
         plan.check_graph(graph)
         self.graph, self.plan, self.device = graph, plan, torch.device(device)
+        self.parallel_experts = parallel_experts
+        self.uncaptured = EXCHANGED if parallel_experts is not None else frozenset()
+        if parallel_experts is not None:
+            referenced = [n.index for n in plan.nodes if n.op in EXCHANGED and not n.template]
+            if referenced:
+                raise ValueError(f"expert parallelism needs the MoE kernel on every MoE node; node(s) {referenced} "
+                                 "run their reference, which would see this rank's experts only")
         self.params = {k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in params.items()}
         self.formatted: dict[tuple[str, str], torch.Tensor] = {} if formatted is None else formatted
         for node in plan.kernel_nodes():  # convert now: a forward allocates no weights
@@ -40,7 +55,7 @@ class Executor:
                 if v is not None and v.name in self.params:
                     self.param(v.name, fmt)
         self.kernel_calls = 0
-        self.cuda_graphs = CudaGraphs(graph) if cuda_graphs else None
+        self.cuda_graphs = CudaGraphs(graph, uncaptured=self.uncaptured) if cuda_graphs else None
 
     def param(self, name: str, fmt: str) -> torch.Tensor:
         key = (name, fmt)
@@ -120,9 +135,29 @@ class Executor:
             args[0] = ragged.values
         rows = args[0].values.shape[0] if isinstance(args[0], Ragged) else args[0].shape[0]
         chosen = entry.at(rows, self.plan.buckets, batch_invariant)
-        result = lowering.run(entry.call(chosen, node.attrs, self.plan.dot_fp32, args, ctx))
+        call = entry.call(chosen, node.attrs, self.plan.dot_fp32, args, ctx)
+        if self.parallel_experts is not None and node.op in EXCHANGED:
+            buckets, topk = self.plan.buckets, entry.static.topk
+            # an owner's pairs take the config of the tokens that would make as many pairs on one device
+            result = MOE_EXPERTS.run_parallel(call, self.parallel_experts, batch_invariant,
+                                              lambda p: entry.at(-(-p // topk), buckets, batch_invariant).config)
+            self.kernel_calls += 1
+            return result
+        result = lowering.run(call)
         self.kernel_calls += 1
         return result if ragged is None else ragged.replace(result)
 
+    def serve_experts(self, batch_invariant: bool) -> None:
+        """Every MoE node with zero rows of this rank's own: its experts serve the other ranks' forward (a rank with
+        nothing to run, under expert parallelism)."""
+        for index, node in enumerate(self.graph.nodes):
+            if node.op not in EXCHANGED:
+                continue
+            static = self.plan.nodes[index].static
+            none = torch.empty(0, static.d, device=self.device)
+            args = [none, none.new_empty(0, static.topk), none.new_empty(0, static.topk, dtype=torch.int64)]
+            args += [None if v is None else self.params[v.name] for v in node.inputs[3:]]
+            self._kernel(node, self.plan.nodes[index], args, None, batch_invariant)
 
-__all__ = ["Executor"]
+
+__all__ = ["EXCHANGED", "Executor"]

@@ -1,12 +1,15 @@
-"""The interpreter as one rank of several (expert parallelism): every rank runs each forward together.
+"""A runtime as one rank of several (expert parallelism): every rank runs each forward together.
 
-Each rank runs its own requests (data-parallel attention), but the routed experts are split over the ranks
-(kernels/moe/expert_parallel.py): every MoE layer of a forward is an all-to-all that every rank must join. So the
-ranks agree before each forward: a rank that wants to run a graph, or has nothing to run (`finish`), says so in one
-small all_reduce; the first graph anyone wants runs on every rank, on its own tokens for those that want it and as an
-idle pass (each MoE layer with zero rows, serving the others) for the rest, and the agreement repeats until every
-rank has run what it wanted and every rank is finished. The graph's kind includes batch-invariant mode, which the
-experts' arithmetic follows on whichever rank they run.
+Each rank runs its own requests (data-parallel attention), but the routed experts are split over the ranks: every
+MoE layer of a forward is an all-to-all that every rank must join (kernels/moe/exchange.py). So the ranks agree
+before each forward: a rank that wants to run a graph, or has nothing to run (`finish`), says so in one small
+all_reduce; the first graph anyone wants runs on every rank, on its own tokens for those that want it and as an idle
+pass (each MoE layer with zero rows, serving the others) for the rest, and the agreement repeats until every rank has
+run what it wanted and every rank is finished. The graph's kind includes batch-invariant mode, which the experts'
+arithmetic follows on whichever rank they run. The agreement is the same whatever runs the graphs; how a forward and
+an idle pass run is the rank's: `InterpretedRank` here (the interpreter, every op's reference, the experts of
+kernels/moe/expert_parallel.py), `PlannedRank` (graphs/lockstep_plan.py: a plan's kernels, the MoE kernel of
+kernels/moe/expert_parallel_kernel.py).
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from dsl.context import ForwardContext
 from dsl.graph import Graph
 from dsl.interpret import interpret
 from graphs.interpreter import Interpreter
-from graphs.runtime import FatalRuntimeError
+from graphs.lockstep_plan import PlannedRank
+from graphs.plan_runtime import PlanRuntime
+from graphs.runtime import FatalRuntimeError, select_graph
 from graphs.segments import StepSegment
 from kernels.moe.expert_parallel import ExpertParallelExperts
 
@@ -29,14 +34,42 @@ from kernels.moe.expert_parallel import ExpertParallelExperts
 KINDS = ((False, True), (False, False), (True, True), (True, False))
 
 
+class InterpretedRank:
+    """The interpreter's forwards and idle passes with the routed experts split over `group`'s ranks."""
+
+    def __init__(self, inner: Interpreter, group: dist.ProcessGroup | None) -> None:
+        self.inner = inner
+        self._experts = {invariant: ExpertParallelExperts(group, invariant) for invariant in (True, False)}
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, batch_invariant: bool,
+                draft: bool) -> dict[str, torch.Tensor]:
+        kernels = self.inner.implementations(batch_invariant) | {"moe_experts": self._experts[batch_invariant]}
+        return interpret(self._graph(draft), {"input_ids": input_ids}, self.inner.params, ctx, kernels)
+
+    def idle(self, batch_invariant: bool, draft: bool) -> None:
+        """Every MoE layer of the forward with zero rows of this rank's own: its experts serve the others."""
+        graph, experts = self._graph(draft), self._experts[batch_invariant]
+        names = {value: name for name, value in graph.params.items()}
+        for node in graph.nodes:
+            if node.op != "moe_experts":
+                continue
+            stored = [None if v is None else self.inner.params[names[v]] for v in node.inputs[3:]]
+            width = stored[1].shape[1]  # w2 [E / ranks, D, I]: the hidden size
+            none = torch.empty(0, width, device=self.inner.device)
+            experts(none, none[:, :1], none[:, :1].long(), *stored, **node.attrs)
+
+    def _graph(self, draft: bool) -> Graph:
+        return select_graph(self.inner.graph, self.inner.draft_graph, draft)
+
+
 class LockstepRuntime:
     """Runs `inner`'s graphs as rank `dist.get_rank(group)` of `group`, the routed experts split over the ranks."""
 
-    def __init__(self, inner: Interpreter, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, inner: Interpreter | PlanRuntime, group: dist.ProcessGroup | None = None) -> None:
         self.inner, self.group = inner, group
         self.device = inner.device
         self.rank = dist.get_rank(group)
-        self._experts = {invariant: ExpertParallelExperts(group, invariant) for invariant in (True, False)}
+        self._rank = PlannedRank(inner, group) if isinstance(inner, PlanRuntime) else InterpretedRank(inner, group)
         self.num_rounds = self.num_idle = 0  # agreements made and idle passes run, for the bookkeeping's cost
 
     @property
@@ -52,10 +85,8 @@ class LockstepRuntime:
         kind = KINDS.index((draft, batch_invariant))
         while (agreed := self._agree(kind)) != kind:
             self._idle(agreed)
-        graph = self._graph(draft)
-        kernels = self.inner.implementations(batch_invariant) | {"moe_experts": self._experts[batch_invariant]}
         try:
-            return interpret(graph, {"input_ids": input_ids}, self.inner.params, ctx, kernels)
+            return self._rank.forward(input_ids, ctx, batch_invariant, draft)
         except Exception as e:  # the others wait in this forward's all-to-alls: nothing can run after it
             raise FatalRuntimeError(f"rank {self.rank}: a forward failed: {type(e).__name__}: {e}") from e
 
@@ -79,28 +110,14 @@ class LockstepRuntime:
         return chosen[0] if chosen else None
 
     def _idle(self, kind: int) -> None:
-        """Every MoE layer of the `kind` forward with zero rows of this rank's own: its experts serve the others."""
+        """The `kind` forward's MoE layers with zero rows of this rank's own: its experts serve the others."""
         draft, invariant = KINDS[kind]
-        graph, experts = self._graph(draft), self._experts[invariant]
-        names = {value: name for name, value in graph.params.items()}
         self.num_idle += 1
         try:
-            for node in graph.nodes:
-                if node.op != "moe_experts":
-                    continue
-                stored = [None if v is None else self.inner.params[names[v]] for v in node.inputs[3:]]
-                width = stored[1].shape[1]  # w2 [E / ranks, D, I]: the hidden size
-                none = torch.empty(0, width, device=self.device)
-                experts(none, none[:, :1], none[:, :1].long(), *stored, **node.attrs)
+            self._rank.idle(invariant, draft)
         except Exception as e:
             raise FatalRuntimeError(f"rank {self.rank}: serving another rank's forward failed: "
                                     f"{type(e).__name__}: {e}") from e
-
-    def _graph(self, draft: bool) -> Graph:
-        graph = self.inner.draft_graph if draft else self.inner.graph
-        if graph is None:
-            raise RuntimeError("this model was compiled without DSpark drafting: compile(..., drafting=True)")
-        return graph
 
     def sampling(self) -> AbstractContextManager:
         return self.inner.sampling()
@@ -115,4 +132,4 @@ class LockstepRuntime:
         self.inner.save(path, model_config, model_dir)
 
 
-__all__ = ["KINDS", "LockstepRuntime"]
+__all__ = ["KINDS", "InterpretedRank", "LockstepRuntime"]

@@ -5,6 +5,7 @@ again; the other nodes run their torch references on the GPU (graphs/executor.py
 their static segments as CUDA graphs (graphs/capture.py). For one step, the pools of its sequences store and load
 cache entries with the cache kernels (kernels/cache/rows.py: one launch for what torch does in many), bit for
 bit as their torch path, and the engine's draws launch the sampling kernel's cubins (kernels/sampling/gumbel_argmax.py).
+Under expert parallelism (`split_experts`) the MoE nodes exchange their pairs with the other ranks.
 
 Batch-invariant mode runs every kernel node with its plan's batch-invariant config (graphs/plan.py). The reference
 nodes left in a plan need no invariant versions: the compressor's ratio-1 pooling only passes its rows through, and
@@ -27,12 +28,13 @@ from dsl.graph import Graph
 from graphs import artifact
 from graphs.aot import Built
 from graphs.capture import CudaGraphs
-from graphs.executor import Executor
+from graphs.executor import EXCHANGED, Executor
 from graphs.launcher import CubinLauncher
 from graphs.plan import Plan
 from graphs.runtime import select_graph
 from graphs.segments import StepSegment, step_segments
 from kernels.launch import use_launcher
+from kernels.moe.expert_parallel_kernel import ParallelMoeKernel
 from kernels.targets import cubin_targets, get_target
 
 
@@ -57,6 +59,7 @@ class PlanRuntime:
         self.launcher: CubinLauncher | None = None  # made with the executors, on CUDA
         self._host_params = params
         self._executors: tuple[Executor, Executor | None] | None = None
+        self.parallel_experts: ParallelMoeKernel | None = None  # expert parallelism: `split_experts`
         if cuda_graphs is None:
             cuda_graphs = os.environ.get("DEEPINFER_CUDA_GRAPHS", "1") != "0"
         self._cuda_graphs = cuda_graphs and self.device.type == "cuda"
@@ -78,7 +81,8 @@ class PlanRuntime:
         self._cuda_graphs = bool(on) and self.device.type == "cuda"
         for executor in self._executors or ():
             if executor is not None:
-                executor.cuda_graphs = CudaGraphs(executor.graph, ahead=self._ahead) if self._cuda_graphs else None
+                executor.cuda_graphs = CudaGraphs(executor.graph, ahead=self._ahead, uncaptured=executor.uncaptured) \
+                    if self._cuda_graphs else None
 
     def capture_ahead(self, tokens: int) -> None:
         """Capture the graphs of every bucket up to `tokens` (the most a decode step runs) when the first is
@@ -94,10 +98,19 @@ class PlanRuntime:
     def graph_segments(self, num_tokens: int, draft: bool = False) -> list[StepSegment]:
         """How a step of `num_tokens` tokens runs the main graph (the draft graph when `draft`): its CUDA-graph
         segments where graphs are on, and the nodes between them (graphs/segments.py)."""
-        return step_segments(self._graph(draft), num_tokens, self._cuda_graphs)
+        uncaptured = EXCHANGED if self.parallel_experts is not None else frozenset()
+        return step_segments(self._graph(draft), num_tokens, self._cuda_graphs, uncaptured=uncaptured)
 
     def _graph(self, draft: bool) -> Graph:
         return select_graph(self.graph, self.draft_graph, draft)
+
+    def split_experts(self, kernel: ParallelMoeKernel) -> None:
+        """Run as one rank of several (expert parallelism; graphs/lockstep.py): the weights hold this rank's routed
+        experts only, and every MoE node exchanges its pairs through `kernel`, outside the CUDA graphs. Before the
+        first step (the executors are made with it)."""
+        if self._executors is not None:
+            raise RuntimeError("split_experts comes before the first step: the executors are made already")
+        self.parallel_experts = kernel
 
     def executors(self) -> tuple[Executor, Executor | None]:
         """(the main graph's executor, the draft graph's or None), made on first use with the cubins' launcher."""
@@ -105,11 +118,13 @@ class PlanRuntime:
             if self.device.type == "cuda":
                 self._check_gpu()
                 self.launcher = CubinLauncher(self.specs, self.cubins)
-            main = Executor(self.graph, self.plan, self._host_params, self.device, cuda_graphs=self._cuda_graphs)
+            main = Executor(self.graph, self.plan, self._host_params, self.device, cuda_graphs=self._cuda_graphs,
+                            parallel_experts=self.parallel_experts)
             draft = None
             if self.draft_graph is not None:  # the same weights on the device, converted once for both
                 draft = Executor(self.draft_graph, self.draft_plan, main.params, self.device,
-                                 formatted=main.formatted, cuda_graphs=self._cuda_graphs)
+                                 formatted=main.formatted, cuda_graphs=self._cuda_graphs,
+                                 parallel_experts=self.parallel_experts)
             self._executors = (main, draft)
             self.capture_ahead(self._ahead)
         return self._executors

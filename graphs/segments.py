@@ -25,10 +25,11 @@ def node_names(graph: Graph) -> list[str]:
     return [f"{i}:{node.op}" for i, node in enumerate(graph.nodes)]
 
 
-def step_segments(graph: Graph, num_tokens: int, captured: bool = True,
-                  max_tokens: int = GRAPH_BUCKETS[-1]) -> list[StepSegment]:
+def step_segments(graph: Graph, num_tokens: int, captured: bool = True, max_tokens: int = GRAPH_BUCKETS[-1],
+                  uncaptured: frozenset[str] = frozenset()) -> list[StepSegment]:
     """How a forward of `num_tokens` tokens runs `graph`'s nodes: the segments `CudaGraphs` replays (none where
-    `captured` is off or the forward is past `max_tokens`) and the runs of nodes between them, in order. It is the
+    `captured` is off or the forward is past `max_tokens`; no op of `uncaptured` in them, as `CudaGraphs` is given
+    them) and the runs of nodes between them, in order. It is the
     plan's static split: at run time a captured segment whose inputs come with fewer rows than the forward's tokens
     (a prefill's logit rows) runs eagerly too."""
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
@@ -37,7 +38,7 @@ def step_segments(graph: Graph, num_tokens: int, captured: bool = True,
     if not captured or num_tokens > max_tokens:
         return [StepSegment(False, tuple(names))] if names else []
     out, at = [], 0
-    for s in find_segments(graph):
+    for s in find_segments(graph, uncaptured=uncaptured):
         if s.start > at:
             out.append(StepSegment(False, tuple(names[at:s.start])))
         out.append(StepSegment(True, tuple(names[s.start:s.stop])))

@@ -3,9 +3,9 @@
 Every rank is given every request of a call, in the same order. Each draws every request's seed in that order (as
 one engine would: `LLMEngine.draw_seed`), queues requests i with i % world_size == rank to its own engine (its own
 scheduler, caches and model runner), runs them over its `LockstepRuntime` (graphs/lockstep.py: the routed experts
-split over the ranks), serves the others' forwards until every rank is done, and the outputs are gathered on every
-rank with their single-device request ids, in input order. So `generate` returns on each rank what one device's
-`LLM.generate` returns.
+split over the ranks; the cpu target's interpreter, or a GPU target's plan with one NCCL rank a GPU), serves the
+others' forwards until every rank is done, and the outputs are gathered on every rank with their single-device
+request ids, in input order. So `generate` returns on each rank what one device's `LLM.generate` returns.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from deepinfer.distributed import ranks
@@ -26,6 +27,7 @@ from deepinfer.outputs import RequestOutput
 from deepinfer.sampling_params import SamplingParams
 from graphs.interpreter import Interpreter
 from graphs.lockstep import LockstepRuntime
+from graphs.plan_runtime import PlanRuntime
 from kernels.targets import DEFAULT_TARGET, INTERPRETER, get_target
 
 
@@ -34,26 +36,45 @@ class RankLLM(LLM):
 
     def __init__(self, model: Any = None, target: str = DEFAULT_TARGET, *args: Any, device: str = "cpu",
                  **kwargs: Any) -> None:
+        self._group_device = ranks.group_device(target, device)
         info = ranks.current()
         if info is None:
-            info = ranks.join(ranks.from_torchrun(), device)
+            info = ranks.join(ranks.from_torchrun(), self._group_device)
         size = kwargs.get("expert_parallel_size", 1)
         if size != info.world_size:
             raise ValueError(f"expert_parallel_size={size} but this process is rank {info.rank} of "
                              f"{info.world_size}: they must be equal")
-        if get_target(target).runtime != INTERPRETER:
-            raise NotImplementedError(f"expert parallelism runs the cpu target's runtime (the interpreter, on any "
-                                      f"device: target='cpu', device='cuda'); target {target!r}'s plans do not "
-                                      "split their experts yet")
         self.rank_info = info
         if info.rank != 0:  # the model's line once, from rank 0
             logging.getLogger("deepinfer.llm").setLevel(logging.WARNING)
         self._shard = ExpertShard(info.rank, info.world_size)
         self._num_requests = 0
-        super().__init__(model, target, *args, device=info.device(device), **kwargs)
-        if not isinstance(self.compiled.runtime, Interpreter):
-            raise TypeError(f"expected the interpreter runtime, got {type(self.compiled.runtime).__name__}")
+        interpreted = get_target(target).runtime == INTERPRETER
+        super().__init__(model, target, *args, device=info.device(device) if interpreted else device, **kwargs)
+        if not isinstance(self.compiled.runtime, (Interpreter, PlanRuntime)):
+            raise TypeError(f"expected the interpreter or the plan runtime, got {type(self.compiled.runtime).__name__}")
         self.compiled.runtime = LockstepRuntime(self.compiled.runtime)
+
+    def _compile(self, network: Any, target: str, options: dict[str, Any]) -> Any:
+        """One device's compile, of this rank's share. A GPU target's ranks share its cubins (the build cache,
+        graphs/aot.py): rank 0 builds them, with the expert-parallel MoE launches, then the others find them built."""
+        if get_target(target).runtime == INTERPRETER:
+            return super()._compile(network, target, options)
+        options = dict(options, expert_parallel=True)
+        compiled, error = None, None
+        for turn in (0, 1):
+            if (self.rank_info.rank == 0) == (turn == 0):
+                try:
+                    compiled = super()._compile(network, target, options)
+                except Exception as e:  # noqa: BLE001 - raised below, once every rank knows
+                    error = e
+            failed = torch.tensor([error is not None], dtype=torch.int32, device=self._group_device)
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if error is not None:
+                raise error
+            if failed.item():
+                raise RuntimeError(f"rank {self.rank_info.rank}: another rank failed to compile the model")
+        return compiled
 
     def _load(self, model: Any, tokenizer: str | None) -> Any:
         """This rank's share of the model: every weight but the other ranks' routed experts, which it never reads

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from kernels.targets import INTERPRETER, get_target
+
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 _ENV = ("RANK", "WORLD_SIZE")
 
@@ -36,6 +38,12 @@ _current: RankInfo | None = None
 def current() -> RankInfo | None:
     """This process's rank once `join` ran, else None."""
     return _current
+
+
+def group_device(target: str, device: str) -> str:
+    """The device kind a rank of `target` runs on: a GPU target's plans on CUDA (NCCL), the cpu target's runtime on
+    `device` (gloo on the cpu)."""
+    return device if get_target(target).runtime == INTERPRETER else "cuda"
 
 
 def started_by_torchrun() -> bool:
@@ -72,4 +80,5 @@ def from_torchrun() -> RankInfo:
     return RankInfo(rank, world, int(os.environ.get("LOCAL_RANK", rank)))
 
 
-__all__ = ["COLLECTIVE_TIMEOUT", "RankInfo", "current", "from_torchrun", "join", "leave", "started_by_torchrun"]
+__all__ = ["COLLECTIVE_TIMEOUT", "RankInfo", "current", "from_torchrun", "group_device", "join", "leave",
+           "started_by_torchrun"]

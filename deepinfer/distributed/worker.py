@@ -20,6 +20,7 @@ def run_rank(rank: int, world_size: int, port: int, build: dict[str, Any], comma
     from deepinfer.cpu_threads import usable_cores
     from deepinfer.distributed import ranks
     from deepinfer.distributed.spawned_llm import format_error
+    from kernels.targets import DEFAULT_TARGET
 
     code = 0
     try:
@@ -29,7 +30,8 @@ def run_rank(rank: int, world_size: int, port: int, build: dict[str, Any], comma
             threads = max(1, usable_cores() // world_size)
             os.environ["OMP_NUM_THREADS"] = str(threads)
             torch.set_num_threads(threads)
-        ranks.join(ranks.RankInfo(rank, world_size, rank), build.get("device", "cpu"), f"tcp://127.0.0.1:{port}")
+        device = ranks.group_device(build.get("target", DEFAULT_TARGET), build.get("device", "cpu"))
+        ranks.join(ranks.RankInfo(rank, world_size, rank), device, f"tcp://127.0.0.1:{port}")
         from deepinfer.distributed.rank_llm import RankLLM
 
         llm = RankLLM(**build)

@@ -2,7 +2,9 @@
 experts' grouped GEMMs.
 
     experts.py    routed experts: grouped GEMMs over fp4 (dequantized in registers) or bf16 weights, SwiGLU, the sum
-    expert_parallel.py  the routed experts split over ranks: pairs exchanged with all_to_all_single, summed in order
+    exchange.py   expert parallelism: each (token, expert) pair to its expert's rank and back, all_to_all_single
+    expert_parallel.py         the interpreter's routed experts over a rank's share, summed in expert order
+    expert_parallel_kernel.py  the plan's MoE kernel over a rank's share, summed as one device sums
     gate.py       the gate after its projection: scores, biased top-k, weights
     route.py      the experts' layout: the gate's picks sorted by expert into blocks
 """

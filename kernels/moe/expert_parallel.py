@@ -1,7 +1,7 @@
 """The routed experts split over the ranks of a process group (expert parallelism): `moe_experts` over a share.
 
 Rank r of N holds experts [r * E / N, (r + 1) * E / N) of every MoE layer (its stacks w1/w2/w3 are that range only).
-Each (token, chosen expert) pair travels to the rank holding the expert with `all_to_all_single`, is computed there
+Each (token, chosen expert) pair travels to the rank holding the expert (kernels/moe/exchange.py), is computed there
 as the single-device reference computes it (weight * expert(x), one row at a time alike in batch-invariant mode), and
 comes back; each token's pairs are then summed in ascending expert id into fp32 zeros, the reference's order, so the
 sum is bitwise the single device's. A rank with no tokens calls it with zero rows: it still serves the others.
@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from dsl.ops.dense import weight_values
 from dsl.ops.moe import invariant_expert, swiglu_expert
+from kernels.moe.exchange import ExpertExchange
 
 ExpertFn = Callable[..., torch.Tensor]
 
@@ -25,8 +26,7 @@ class ExpertParallelExperts:
     batch-invariant expert (`invariant_expert`) over the plain one (`swiglu_expert`)."""
 
     def __init__(self, group: dist.ProcessGroup | None, invariant: bool) -> None:
-        self.group = group
-        self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        self.exchange = ExpertExchange(group)
         self.expert: ExpertFn = invariant_expert if invariant else swiglu_expert
 
     def __call__(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor,
@@ -34,37 +34,21 @@ class ExpertParallelExperts:
                  s3: torch.Tensor | None = None, *, limit: float) -> torch.Tensor:
         """x [N, D], weights fp32 [N, k], experts int64 [N, k] (global ids); w1/w3 [E / ranks, I, D], w2
         [E / ranks, D, I] (packed or not, with scales s1..s3): this rank's experts. Returns fp32 [N, D]."""
-        num_local = w1.shape[0]
         x = x.float()
         n, k = experts.shape
-        pairs = experts.reshape(-1)  # [N * k], token-major
-        owner = torch.div(pairs, num_local, rounding_mode="floor")
-        order = torch.argsort(owner, stable=True)  # pairs grouped by destination rank, in token order within
-        send = torch.bincount(owner, minlength=self.world_size).tolist()
-        recv = self._exchange_counts(send, x.device)
-        local = (pairs[order] - owner[order] * num_local).to(torch.float32)  # exact: ids are small integers
-        payload = torch.cat([x[order // k], weights.reshape(-1)[order, None].float(), local[:, None]], dim=1)
-        arrived = self._all_to_all(payload, recv, send)  # [pairs from every rank, D + 2]
-        done = self._compute(arrived, ((w1, s1), (w2, s2), (w3, s3)), limit)
-        back = self._all_to_all(done, send, recv)  # [N * k, D] in `order`
-        per_pair = torch.empty_like(back)
-        per_pair[order] = back
+        route = self.exchange.plan(experts, w1.shape[0])
+        order = route.order
+        arrived = self.exchange.send(route, [x[order // k], weights.reshape(-1)[order, None].float(),
+                                             route.local[order, None]])
+        done = self._compute(*arrived, ((w1, s1), (w2, s2), (w3, s3)), limit)
+        per_pair = self.exchange.gather(route, done)  # [N * k, D] in pair order
         return sum_in_expert_order(per_pair.view(n, k, x.shape[1]), experts, x)
 
-    def _exchange_counts(self, send: list[int], device: torch.device) -> list[int]:
-        counts = torch.tensor(send, dtype=torch.int64, device=device)
-        got = torch.empty_like(counts)
-        dist.all_to_all_single(got, counts, group=self.group)
-        return got.tolist()
-
-    def _all_to_all(self, rows: torch.Tensor, recv: list[int], send: list[int]) -> torch.Tensor:
-        out = rows.new_empty((sum(recv), rows.shape[1]))
-        dist.all_to_all_single(out, rows.contiguous(), recv, send, group=self.group)
-        return out
-
-    def _compute(self, arrived: torch.Tensor, stored: tuple, limit: float) -> torch.Tensor:
-        """weight * expert(x) of each arrived pair [x (D), weight, local expert id], experts in ascending id."""
-        x, weight, local = arrived[:, :-2], arrived[:, -2:-1], arrived[:, -1].long()
+    def _compute(self, x: torch.Tensor, weight: torch.Tensor, local: torch.Tensor, stored: tuple,
+                 limit: float) -> torch.Tensor:
+        """weight * expert(x) of each arrived pair (x [M, D], weight [M, 1], local expert id [M, 1]), experts in
+        ascending id."""
+        local = local[:, 0]
         out = x.new_empty(x.shape)
         for e in torch.unique(local).tolist():
             rows = torch.where(local == e)[0]

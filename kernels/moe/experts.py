@@ -314,18 +314,40 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     two GEMMs (block_M, block_N, block_K, num_warps, num_stages, split_k).
     """
     fp4 = _check(x, weights, experts, [w1, w2, w3], [s1, s2, s3])
-    t, topk = experts.shape
-    num_experts, inter, d = w1.shape[0], w1.shape[1], x.shape[1]
-    out = torch.empty(t, d, dtype=torch.float32, device=x.device)
+    t = experts.shape[0]
     if t == 0:
-        return out
+        return torch.empty(t, x.shape[1], dtype=torch.float32, device=x.device)
     config = config or default_config(t, fp4)
+    y = pair_outputs(gemm_rows(x, fp4, dot_fp32), weights, experts, w1, w2, w3, s1, s2, s3, limit=limit,
+                     config=config, dot_fp32=dot_fp32)
+    return sum_pairs(y, experts.shape[1])
+
+
+def gemm_rows(x: torch.Tensor, fp4: bool, dot_fp32: bool) -> torch.Tensor:
+    """The token rows GEMM 1 reads: for fp4 weights each row's even inputs, then its odd ones, in the products'
+    dtype (bf16; fp32 with `dot_fp32`), as h is laid out for GEMM 2; x itself for float weights."""
+    if not fp4:
+        return x
+    return torch.cat([x[:, 0::2], x[:, 1::2]], 1).to(torch.float32 if dot_fp32 else torch.bfloat16)
+
+
+def pair_outputs(xk: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                 w3: torch.Tensor, s1: torch.Tensor | None, s2: torch.Tensor | None, s3: torch.Tensor | None, *,
+                 limit: float, config: dict, dot_fp32: bool) -> torch.Tensor:
+    """Every (token, slot) pair's weight * expert(x) as GEMM 2's split-K partials, fp32 [T*k, split_k, D] (pair
+    t*k + slot), from the rows `gemm_rows` made; experts whose id is outside [0, E) are not computed."""
+    fp4 = w1.dtype == torch.uint8
+    t, topk = experts.shape
+    num_experts, inter = w1.shape[0], w1.shape[1]
+    d = w2.shape[1]
     up, down = config["up"], config["down"]
     if up["block_M"] != down["block_M"]:
         raise ValueError("both GEMMs read one routing layout: their block_M must match")
     (split_up, per_up), (split_down, per_down) = _split(up, d), _split(down, inter)
+    pairs, dev = t * topk, xk.device
+    if pairs == 0:
+        return torch.empty(pairs, split_down, d, dtype=torch.float32, device=dev)
     rows, block_expert = route(experts, num_experts, up["block_M"])
-    pairs, dev = t * topk, x.device
     h = torch.empty(pairs, inter, dtype=torch.float32 if dot_fp32 else torch.bfloat16, device=dev)
     part = h if split_up == 1 else torch.empty(pairs, split_up, 2, inter, dtype=torch.float32, device=dev)
     y = torch.empty(pairs, split_down, d, dtype=torch.float32, device=dev)
@@ -333,9 +355,6 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     common = dict(TOPK=topk, FP4=fp4, LIMIT=float(limit), DOT_FP32=dot_fp32, ASM=dev.type != "cpu" and not dot_fp32,
                   block_M=up["block_M"])
     s1_, s2_, s3_ = (s1, s2, s3) if fp4 else (w1, w2, w3)
-    xk = x
-    if fp4:  # each row's even inputs, then its odd ones, in the products' dtype, as h is laid out for GEMM 2
-        xk = torch.cat([x[:, 0::2], x[:, 1::2]], 1).to(torch.float32 if dot_fp32 else torch.bfloat16)
     launch(moe_gemm_kernel, (block_expert.numel(), triton.cdiv(inter, up["block_N"]), split_up),
            (xk, rows, block_expert, w1, s1_, w3, s3_, weights, part),
            dict(common, N=inter, K=d, GATED=True, SPLIT_K=split_up, K_PER_SPLIT=per_up, block_N=up["block_N"],
@@ -348,10 +367,22 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
            (h, rows, block_expert, w2, s2_, w2, s2_, weights, y),
            dict(common, N=d, K=inter, GATED=False, SPLIT_K=split_down, K_PER_SPLIT=per_down,
                 block_N=down["block_N"], block_K=down["block_K"]), down["num_warps"], down["num_stages"])
+    return y
+
+
+def sum_pairs(y: torch.Tensor, topk: int) -> torch.Tensor:
+    """Each token's pair outputs y fp32 [T*topk, split_k, D] added in slot order, and within a slot in split order,
+    into fp32 zeros: [T, D]."""
+    if y.dim() != 3 or y.dtype != torch.float32 or not y.is_contiguous() or y.shape[0] % max(topk, 1):
+        raise ValueError(f"pair outputs must be contiguous float32 [T*{topk}, split_k, D], got {y.dtype} "
+                         f"{list(y.shape)}")
+    t, d = y.shape[0] // max(topk, 1), y.shape[2]
+    out = torch.empty(t, d, dtype=torch.float32, device=y.device)
     block = min(1024, triton.next_power_of_2(d))
-    launch(moe_sum_kernel, (t, triton.cdiv(d, block)), (y, out), dict(D=d, TOPK=topk, SPLIT_K=split_down,
+    launch(moe_sum_kernel, (t, triton.cdiv(d, block)), (y, out), dict(D=d, TOPK=topk, SPLIT_K=y.shape[1],
                                                                        block_D=block), 4, 1)
     return out
 
 
-__all__ = ["default_config", "moe_experts", "moe_gemm_kernel", "moe_sum_kernel", "moe_swiglu_kernel"]
+__all__ = ["default_config", "gemm_rows", "moe_experts", "moe_gemm_kernel", "moe_sum_kernel", "moe_swiglu_kernel",
+           "pair_outputs", "sum_pairs"]

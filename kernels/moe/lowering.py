@@ -14,6 +14,7 @@ import kernels.moe.gate as gate
 from dsl.graph import Node
 from kernels.linear.lowering import weight_format
 from kernels.lowering import PLAIN, Call, Lowering, Params, Static, Variant, meta, over_tokens, param, weight_dtype
+from kernels.moe.expert_parallel_kernel import ConfigFor, ParallelMoeKernel, serve_pairs, wire_splits
 
 
 @dataclass(frozen=True)
@@ -61,13 +62,39 @@ class MoeExperts(Lowering):
 
     def trace(self, call: Call) -> None:
         st, m = call.static, call.tokens
+        w1, w2, s1, s2 = self._meta_weights(call)
+        experts.moe_experts(meta(m, st.d), meta(m, st.topk), meta(m, st.topk, dtype=torch.int64), w1, w2, w1, s1, s2,
+                            s1, limit=call.attrs["limit"], config=call.config, dot_fp32=call.dot_fp32)
+
+    def run_parallel(self, call: Call, kernel: ParallelMoeKernel, invariant: bool,
+                     config_for: ConfigFor) -> torch.Tensor:
+        """`run` under expert parallelism: the node's weights are this rank's experts, its pairs exchanged through
+        `kernel` (kernels/moe/expert_parallel_kernel.py); `config_for(p)` the plan's config for p pairs."""
+        x, weights, picks, w1, w2, w3, s1, s2, s3 = call.args
+        return kernel(x.contiguous(), weights.float().contiguous(), picks.contiguous(), w1, w2, w3, s1, s2, s3,
+                      limit=call.attrs["limit"], config_for=config_for, invariant=invariant, dot_fp32=call.dot_fp32)
+
+    def trace_parallel(self, call: Call, invariant: bool) -> None:
+        """The launches `run_parallel` adds to `trace`'s under the config of `call` (the batch-invariant one with
+        `invariant`): the owner's GEMMs over arrived pairs (one a row), its sum of their splits outside
+        batch-invariant mode, and the origin's sum of the partials that come back."""
+        st, m = call.static, call.tokens
+        w1, w2, s1, s2 = self._meta_weights(call)
+        fp4 = st.fmt == "fp4"
+        rows = meta(m * st.topk, st.d, dtype=torch.float32 if call.dot_fp32 or not fp4 else torch.bfloat16)
+        serve_pairs(rows, meta(m * st.topk, 1), meta(m * st.topk, 1, dtype=torch.int64), w1, w2, w1, s1, s2, s1,
+                    limit=call.attrs["limit"], config=call.config, invariant=invariant, dot_fp32=call.dot_fp32)
+        experts.sum_pairs(meta(m * st.topk, wire_splits(call.config, invariant), st.d), st.topk)
+
+    @staticmethod
+    def _meta_weights(call: Call) -> tuple:
+        st = call.static
         fp4, wd = st.fmt == "fp4", weight_dtype(st.fmt, call.dot_fp32)
         w1 = meta(st.e, st.inter, st.d // 2 if fp4 else st.d, dtype=wd)
         w2 = meta(st.e, st.d, st.inter // 2 if fp4 else st.inter, dtype=wd)
         s1, s2 = (meta(st.e, st.inter, st.d // 32, dtype=torch.bfloat16),
                   meta(st.e, st.d, st.inter // 32, dtype=torch.bfloat16)) if fp4 else (None, None)
-        experts.moe_experts(meta(m, st.d), meta(m, st.topk), meta(m, st.topk, dtype=torch.int64), w1, w2, w1, s1, s2,
-                            s1, limit=call.attrs["limit"], config=call.config, dot_fp32=call.dot_fp32)
+        return w1, w2, s1, s2
 
 
 class MoeGate(Lowering):
