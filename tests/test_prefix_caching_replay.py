@@ -139,7 +139,7 @@ def test_a_recompute_after_preemption_is_a_hit_plus_a_bounded_replay(llm: LLM) -
         return forward(batch, step_rows)
 
     engine.runner._forward = recording
-    cached, _ = _generate(engine, mix)
+    cached, logits = _generate(engine, mix)
     assert engine.num_preemptions == 1 and engine.layout.snapshot_interval == 64
     resumed = [(i, row[0], row[1]) for i, row in enumerate(rows) if row[3]]
     assert [r[2] for r in resumed] == [64]  # the prompts share no block: the one hit is the recompute's
@@ -147,8 +147,8 @@ def test_a_recompute_after_preemption_is_a_hit_plus_a_bounded_replay(llm: LLM) -
     first, seq = resumed[0][:2]
     assert sum(n for s, _, n, _ in rows[first:] if s == seq) == 129 - 64
     assert all(o.num_cached_tokens == 0 for o in cached)  # the first start of each found nothing
-    alone = _generate(_engine(llm, swa_replay_tokens=9, max_num_seqs=2), mix)[0]  # room for both: no preemption
-    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in alone]
+    alone = _generate(_engine(llm, swa_replay_tokens=9, max_num_seqs=2), mix)  # room for both: no preemption
+    _check_same(alone[0], cached, alone[1], logits)  # the logits of every token too, the recompute's last among them
 
 
 @pytest.fixture(scope="module")
