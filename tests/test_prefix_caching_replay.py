@@ -168,3 +168,20 @@ def test_replay_with_prefix_caching_and_drafting_gives_the_same_outputs(drafting
     plain = _generate(_engine(drafting, **args), mix)
     cached = _generate(_engine(drafting, enable_prefix_caching=True, interval=16, **args), mix)
     _check_same(plain[0], cached[0], plain[1], cached[1])
+
+
+def test_drafting_sequences_resume_from_the_cache_under_replay(drafting: LLM) -> None:
+    """Two samples of an 80-token prompt and a 72-token prompt sharing its first 70: hits and accepted drafts, the
+    outputs and logits those without the cache."""
+    rng = random.Random(1)
+    stem = [rng.randrange(VOCAB) for _ in range(90)]
+    mix = [(stem[:80], SamplingParams(n=2, max_tokens=12, ignore_eos=True)),
+           (stem[:70] + [3, 4], SamplingParams(max_tokens=12, temperature=0.8, seed=2, ignore_eos=True))]
+    args = {"swa_replay_tokens": 24, "num_drafts": 4, "max_num_seqs": 4, "max_model_len": 128}
+    plain = _generate(_engine(drafting, **args), mix)
+    engine = _engine(drafting, enable_prefix_caching=True, interval=16, **args)
+    cached = _generate(engine, mix)
+    _check_same(plain[0], cached[0], plain[1], cached[1])
+    # the second request replays from 48: it resumes there; the second sample at the prompt's last boundary, 64
+    assert [o.num_cached_tokens for o in cached[0]] == [0, 48] and engine.prefix_cache.num_hit_tokens == 48 + 64
+    assert all(sum(o.metrics.drafts_accepted) > 0 for o in cached[0])
