@@ -3,11 +3,13 @@ snapshot costs (bytes, time to take and to restore one).
 
     python bench/prefix_caching_bench.py                      # cpu: 64 requests sharing a 2,000-token prefix
     python bench/prefix_caching_bench.py --target sm90        # the H200
+    python bench/prefix_caching_bench.py --swa-replay-tokens 140   # both modes with bounded replay
 
 Every request is the same `--prefix` random tokens (seeded) then its own `--suffix` tokens, `--max-tokens` greedy
 tokens each, all submitted at once to one `LLM` (embedded checkpoint) with `enable_prefix_caching` off and on, the
-same engine settings otherwise; each mode is warmed up on a short batch first. Time to first token is each request's
-first_token_time - arrival_time (all arrive at the start). The outputs of the two modes are compared token for token.
+same engine settings otherwise (`--swa-replay-tokens`: bounded replay in both); each mode is warmed up on a short
+batch first. Time to first token is each request's first_token_time - arrival_time (all arrive at the start). The
+outputs of the two modes are compared token for token.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def _copy_us(llm: LLM, repeat: int = 50) -> tuple[float, float]:
 
 def run(args: argparse.Namespace, enable: bool) -> tuple[list, dict]:
     llm = LLM(deepinfer.default_checkpoint(), target=args.target, enable_prefix_caching=enable,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              swa_replay_tokens=args.swa_replay_tokens)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     llm.generate([{"prompt_token_ids": list(range(100, 200))}] * 2, params, use_tqdm=False)  # warm-up
     if llm.engine.prefix_cache is not None:  # the hit rate of the timed batch alone
@@ -69,9 +72,10 @@ def run(args: argparse.Namespace, enable: bool) -> tuple[list, dict]:
     if enable:
         cache = llm.engine.prefix_cache
         take, restore = _copy_us(llm)
+        layout = llm.engine.layout
         figures.update(hit_rate=cache.hit_rate, cached_tokens=sorted({o.num_cached_tokens for o in outs}),
-                       snapshot_bytes=llm.engine.layout.slot_bytes, snapshot_interval=llm.engine.layout.snapshot_interval,
-                       block_bytes=llm.engine.layout.block_bytes, take_us=take, restore_us=restore)
+                       snapshot_bytes=layout.slot_bytes, snapshot_interval=layout.snapshot_interval,
+                       block_bytes=layout.block_bytes, take_us=take, restore_us=restore)
     return [o.outputs[0].token_ids for o in outs], figures
 
 
@@ -85,6 +89,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--swa-replay-tokens", type=int, default=None, help="bounded replay (None: exact prefill)")
     args = parser.parse_args()
     tokens = {}
     for enable in (False, True):

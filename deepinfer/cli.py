@@ -60,7 +60,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--engram-storage", choices=("host", "device"), default=None,
                         help="where the Engram tables live (default: host when they do not fit the device)")
     engine.add_argument("--swa-replay-tokens", type=int, default=None, metavar="K",
-                        help="bounded replay: prefill the decoder layers over each prompt's last K tokens only "
+                        help="bounded replay: prefill the decoder layers from each prompt's last K tokens on only "
                              "(an approximation; off by default; DeepSeek uses 140)")
     drafting = engine.add_mutually_exclusive_group()
     drafting.add_argument("--dspark", type=int, default=None, metavar="K",

@@ -7,6 +7,12 @@ every token, from its full-length input. A defined approximation, not the exact 
 The boundary takes the DSpark features of the target layers before it to the kept rows with the streams, so the
 target layers may lie on both sides of it (the embedded checkpoint's do), and the draft layers' main keys cover the
 kept positions, which hold every window a draft reads.
+
+A sequence's replay position is fixed by its prompt (`replay_from`): every prefill of it, a recompute after preemption
+included, runs the decoder layers from the same position, so its outputs do not depend on whether or when it was
+preempted (nor on what it was batched with). Prefix caching combines with it through the snapshots' replay positions
+(deepinfer/engine/prefix_cache.py): a hit resumes only where the decoder windows it restores are those the sequence
+computes itself.
 """
 
 from __future__ import annotations
@@ -33,6 +39,14 @@ def boundary_layer(config: DeepseekV41Config) -> int:
     return boundary
 
 
+def replay_from(num_prompt_tokens: int, swa_replay_tokens: int | None) -> int:
+    """The first position at which the decoder layers run in every prefill of a sequence with this many prompt
+    tokens: its prompt's last `swa_replay_tokens` (0: replay off, or a prompt no longer than that). A recompute after
+    preemption starts there too, over the outputs as well: the decoder windows it rebuilds are then bit for bit those
+    the sequence had (batch-invariant mode), so preemption does not change its outputs."""
+    return 0 if swa_replay_tokens is None else max(0, num_prompt_tokens - swa_replay_tokens)
+
+
 def check_replay_tokens(config: DeepseekV41Config, swa_replay_tokens: int | None, num_speculative_tokens: int) -> None:
     """Raise ValueError unless bounded replay can run with these settings (None: off, nothing to check). The kept
     tokens must cover a window and the longest draft's backtrack, so a decode step or a rejected draft never reaches
@@ -46,4 +60,4 @@ def check_replay_tokens(config: DeepseekV41Config, swa_replay_tokens: int | None
                          f"= {config.sliding_window} + {num_speculative_tokens} + 1 = {least}")
 
 
-__all__ = ["boundary_layer", "check_replay_tokens"]
+__all__ = ["boundary_layer", "check_replay_tokens", "replay_from"]

@@ -122,9 +122,9 @@ def test_the_engine_replays_the_last_tokens_of_every_prefill() -> None:
     assert replay_from(ScheduledChunk(seq, 0, 16, False)) == 31  # a first chunk: the prompt's last 9 run
     assert replay_from(ScheduledChunk(seq, 32, 8, True)) == 31  # the last chunk
     seq.output_token_ids = [5, 6]
-    assert replay_from(ScheduledChunk(seq, 0, 20, False)) == 33  # a recompute after preemption: its last 9
-    assert replay_from(ScheduledChunk(seq, 41, 1, True)) == 33  # a decode row: all of it runs
-    assert replay_from(ScheduledChunk(seq, 41, 3, True, [7, 8])) == 33  # verification: all of it
+    assert replay_from(ScheduledChunk(seq, 0, 20, False)) == 31  # a recompute after preemption: the same position
+    assert replay_from(ScheduledChunk(seq, 41, 1, True)) == 31  # a decode row: all of it runs
+    assert replay_from(ScheduledChunk(seq, 41, 3, True, [7, 8])) == 31  # verification: all of it
     exact = LLM(str(fixture_dir("v41-tiny")), max_num_seqs=2)
     assert exact.engine._replay_from(ScheduledChunk(seq, 0, 20, False)) == 0
 
@@ -142,8 +142,7 @@ def test_llm_replay_matches_the_masked_reference_however_the_prompt_is_chunked(b
         chosen.tolist(), rel=1e-6)
     whole = LLM(str(fixture_dir("v41-smooth")), max_num_seqs=2, swa_replay_tokens=48)
     exact = LLM(str(fixture_dir("v41-smooth")), max_num_seqs=2)
-    # a prefix hit would resume where an uncached replay starts earlier: replay runs without the prefix cache
-    assert not llm.engine.args.enable_prefix_caching and exact.engine.args.enable_prefix_caching
+    assert llm.engine.prefix_cache is not None  # replay runs with prefix caching (tests/test_prefix_caching_replay.py)
     assert ([o.outputs[0].token_ids for o in whole.generate({"prompt_token_ids": ids}, params, use_tqdm=False)]
             == [o.outputs[0].token_ids for o in exact.generate({"prompt_token_ids": ids}, params, use_tqdm=False)])
 

@@ -110,16 +110,18 @@ class BlockManager:
 
     With `enable_prefix_caching`, `lookup` finds where a waiting sequence can resume, `allocate` shares the blocks of
     that hit, `cache_blocks` registers a sequence's full blocks, and freed blocks that hold a key wait, least
-    recently freed first, until a block is needed."""
+    recently freed first, until a block is needed. `swa_replay_tokens`: bounded replay's setting, which decides which
+    snapshots serve which sequence (deepinfer/engine/prefix_cache.py)."""
 
-    def __init__(self, layout: CacheLayout, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, layout: CacheLayout, enable_prefix_caching: bool = False,
+                 swa_replay_tokens: int | None = None) -> None:
         self.layout = layout
         self.free_slots = deque(range(layout.num_slots))
         self.free_blocks = deque(range(layout.num_blocks))
         self.prefix_cache = None
         if enable_prefix_caching and layout.block_bytes:
             snapshots = range(layout.num_slots, layout.num_slots + layout.num_snapshots)
-            self.prefix_cache = PrefixCache(layout.block_size, layout.snapshot_interval, snapshots)
+            self.prefix_cache = PrefixCache(layout.block_size, layout.snapshot_interval, snapshots, swa_replay_tokens)
         self.cached_free: OrderedDict[int, None] = OrderedDict()  # free blocks that hold a key, oldest first
         self.ref_counts = [0] * layout.num_blocks
 

@@ -67,10 +67,13 @@ class EngineArgs:
     - `data_parallel_size`: ranks running requests; None: `expert_parallel_size`, the only value allowed.
     - `engram_storage`: "host" keeps the Engram tables in host memory, each forward's rows fetched while the first
       layers run; "device" with the other weights; None: host when they take over half of a GPU's free memory.
-    - `swa_replay_tokens`: bounded replay (deepinfer/replay.py): every prefill (each chunk, and the recompute after a
-      preemption) runs the decoder layers over only the last `swa_replay_tokens` tokens it prefills, their windows
-      cut to those tokens; a defined approximation of the exact forward, on the cpu target. None (the default):
-      exact. At least `sliding_window + num_speculative_tokens + 1` (DeepSeek uses 140 for V4.1).
+    - `swa_replay_tokens`: bounded replay (deepinfer/replay.py): every prefill (each chunk, a resume after a prefix
+      hit, the recompute after a preemption) runs the decoder layers from the prompt's last `swa_replay_tokens`
+      tokens on, their windows cut there (a recompute over its outputs too, so preemption leaves outputs as they
+      were); a defined approximation of the exact forward, on the cpu target. None (the default): exact. At least
+      `sliding_window + num_speculative_tokens + 1` (DeepSeek uses 140 for V4.1). With prefix caching, a hit resumes
+      only at a snapshot whose decoder windows are the sequence's own (at or before its replay position, or taken
+      with the same one), so outputs stay bitwise those without the cache (docs/prefix_caching.md).
     """
 
     max_num_seqs: int = 32

@@ -10,7 +10,6 @@ is scheduled, run and processed in turn on the calling thread.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -35,7 +34,7 @@ from deepinfer.engine.speculator import Speculator
 from deepinfer.engine.token_constraint import TokenConstraint
 from deepinfer.inputs import PromptType, parse_prompt
 from deepinfer.outputs import RequestMetrics, RequestOutput
-from deepinfer.replay import check_replay_tokens
+from deepinfer.replay import check_replay_tokens, replay_from
 from deepinfer.sampling_params import SamplingParams
 from dsl.cache import CacheSpec, PagedCache
 from graphs.compiled_model import RunnableModel
@@ -50,12 +49,6 @@ class LLMEngine:
     def __init__(self, compiled: RunnableModel[DeepseekV41Config], tokenizer, args: EngineArgs,
                  eos_token_ids: tuple[int, ...], constraint: TokenConstraint | None = None,
                  speculator: Speculator | None = None) -> None:
-        if args.swa_replay_tokens is not None and args.enable_prefix_caching:
-            # A hit resumes at a snapshot where the replayed rows of an uncached prefill may start earlier: the two
-            # would not give the same outputs, so bounded replay runs without the cache.
-            logger.info("swa_replay_tokens=%d: prefix caching is off (the two are not combined)",
-                        args.swa_replay_tokens)
-            args = dataclasses.replace(args, enable_prefix_caching=False)
         self.args, self.config = args, compiled.config
         self.constraint, self.speculator = constraint, speculator
         if speculator is not None and args.async_scheduling:
@@ -75,7 +68,7 @@ class LLMEngine:
                            self.layout.block_size, compiled.device)
         # a sequence whose constraint is still being prepared waits, and holds back no other
         ready = (lambda seq: constraint.is_ready(seq.seq_id)) if constraint is not None else None
-        blocks = BlockManager(self.layout, args.enable_prefix_caching)
+        blocks = BlockManager(self.layout, args.enable_prefix_caching, args.swa_replay_tokens)
         self.scheduler = Scheduler(blocks, args.max_num_seqs, args.max_num_batched_tokens, speculator, ready=ready)
         self.runner = ModelRunner(compiled, cache, eos_token_ids, args.batch_invariant, constraint,
                                   overlap_constraint=args.overlap_structured_outputs, speculator=speculator)
@@ -195,14 +188,12 @@ class LLMEngine:
         return step
 
     def _replay_from(self, c: ScheduledChunk) -> int:
-        """Bounded replay: the first position of the chunk's prefill that the decoder layers run at, the last
-        `swa_replay_tokens` before the prefill's end (0: off). A prefill ends at the sequence's last known token; a
-        decode or verification chunk ends at its first token, so all of its rows run."""
-        keep = self.args.swa_replay_tokens
-        if keep is None:
-            return 0
-        end = c.start + c.length - len(c.drafts) if c.samples else c.seq.num_tokens
-        return max(0, end - keep)
+        """Bounded replay: the first position the decoder layers run at in every chunk of the sequence, its prompt's
+        last `swa_replay_tokens` (0: off; deepinfer/replay.py). A recompute after preemption runs them from there
+        too, over its outputs as well, so its decoder windows come back as they were; with prefix caching it resumes
+        at the last snapshot that holds them (its own, taken as it went) or at one at or before this position. A
+        decode or verification chunk lies past it: all of its rows run."""
+        return replay_from(len(c.seq.prompt_token_ids), self.args.swa_replay_tokens)
 
     def _postprocess(self, chunks: list[ScheduledChunk], out: StepOutput) -> None:
         if out.error is not None:

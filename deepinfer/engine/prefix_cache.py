@@ -13,6 +13,14 @@ last token (the `n` samples of a request and repeated prompts resume there) and 
 cached chain, from the prompts of the next waiting sequences, or where a waiting sequence asks it to stop (`ask`): a
 shared system prompt resumes at its last full block. This file is CPU bookkeeping; the copies are the model
 runner's, and the block manager (deepinfer/engine/block_manager.py) hands blocks out through it.
+
+With bounded replay (`swa_replay_tokens`) the blocks, the windows of the layers before the boundary, the partial groups
+and the history are the exact ones still, but a decoder layer's window at a position also depends on where the
+sequence's replay starts (`replay_from`, deepinfer/replay.py), below which no decoder window is computed or seen. So a
+snapshot at boundary B is tagged with the replay position R its decoder windows were computed from (None where
+B <= R: it holds none), and serves a sequence whose replay starts at R' if B <= R' (it computes and sees no decoder
+window before R', and everything else in the snapshot is exact) or if R' == R (the same tokens with the same cut: the
+same windows). A boundary may hold snapshots of several tags. Without replay every R is 0, one tag.
 """
 
 from __future__ import annotations
@@ -22,6 +30,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from deepinfer.engine.sequence import Sequence
+from deepinfer.replay import replay_from
+
+Tag = int | None  # a snapshot's replay position (None: no decoder window in it; 0 without replay)
 
 
 @dataclass(frozen=True)
@@ -45,19 +56,42 @@ def chain_key(parent: bytes, tokens: list[int]) -> bytes:
 class PrefixCache:
     """Which block and which snapshot slot hold which key, and the snapshots least recently used first.
 
-    `snapshot_slots` are slot ids of the pool past the running sequences' slots.
+    `snapshot_slots` are slot ids of the pool past the running sequences' slots; `swa_replay_tokens`: bounded
+    replay's setting (None: off).
     """
 
-    def __init__(self, block_size: int, interval: int, snapshot_slots: range) -> None:
+    def __init__(self, block_size: int, interval: int, snapshot_slots: range,
+                 swa_replay_tokens: int | None = None) -> None:
         self.block_size, self.interval = block_size, interval
+        self.swa_replay_tokens = swa_replay_tokens
         self.block_of: dict[bytes, int] = {}
         self.key_of: dict[int, bytes] = {}  # block -> key
-        self.snapshot_of: dict[bytes, int] = {}  # key of the block a snapshot ends at -> its slot
-        self.snapshot_key: dict[int, bytes] = {}
+        self.snapshot_of: dict[bytes, dict[Tag, int]] = {}  # key of the block a snapshot ends at -> tag -> its slot
+        self.snapshot_key: dict[int, tuple[bytes, Tag]] = {}
         self.snapshot_lru: OrderedDict[int, None] = OrderedDict()  # registered snapshots, least recently used first
         self.free_snapshots = deque(snapshot_slots)
-        self.pending: dict[bytes, int] = {}  # key -> boundary of snapshots scheduled and not yet taken
+        self.pending: dict[tuple[bytes, Tag], int] = {}  # (key, tag) -> boundary of snapshots not yet taken
         self.num_queried_tokens = self.num_hit_tokens = 0
+
+    def replay_from(self, seq: Sequence) -> int:
+        """Where every prefill of `seq` starts running the decoder layers (0: all of it)."""
+        return replay_from(len(seq.prompt_token_ids), self.swa_replay_tokens)
+
+    def tag(self, seq: Sequence, boundary: int) -> Tag:
+        """The tag of a snapshot `seq` leaves at `boundary`: its replay position, None where that is not before it."""
+        start = self.replay_from(seq)
+        return start if boundary > start else None
+
+    def _serves(self, boundary: int, tag: Tag, seq: Sequence) -> bool:
+        """Whether a snapshot at `boundary` tagged `tag` holds the state `seq` has there (the module docstring)."""
+        start = self.replay_from(seq)
+        return boundary <= start or tag == start
+
+    def _covered(self, key: bytes, tag: Tag) -> bool:
+        """Whether a snapshot of `key` with `tag` (or, for None, any tag: it serves whom None serves) is cached or
+        being taken."""
+        tags = {*self.snapshot_of.get(key, ()), *(t for k, t in self.pending if k == key)}
+        return tag in tags or (tag is None and bool(tags))
 
     def keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The keys of the first `num_blocks` blocks of `seq` (its known tokens must cover them), kept on it."""
@@ -69,8 +103,8 @@ class PrefixCache:
         return seq.block_keys[:num_blocks]
 
     def lookup(self, seq: Sequence) -> Hit | None:
-        """The longest resumable prefix of waiting `seq`: its cached blocks up to the last one a snapshot ends at,
-        leaving its last known token to compute (its logits are needed)."""
+        """The longest resumable prefix of waiting `seq`: its cached blocks up to the last one a snapshot that serves
+        it ends at, leaving its last known token to compute (its logits are needed)."""
         known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
         blocks, resume, snapshot = [], 0, None
         for key in self.keys(seq, (known - 1) // self.block_size):
@@ -78,8 +112,10 @@ class PrefixCache:
             if block is None:
                 break
             blocks.append(block)
-            if key in self.snapshot_of:
-                resume, snapshot = len(blocks), self.snapshot_of[key]
+            boundary = len(blocks) * self.block_size
+            slot = next((s for t, s in self.snapshot_of.get(key, {}).items() if self._serves(boundary, t, seq)), None)
+            if slot is not None:
+                resume, snapshot = len(blocks), slot
         if snapshot is None:
             return None
         self.snapshot_lru.move_to_end(snapshot)
@@ -91,17 +127,18 @@ class PrefixCache:
         self.num_hit_tokens += resume
 
     def waits_for(self, seq: Sequence, resume: int) -> bool:
-        """Whether a snapshot being taken on `seq`'s prompt lies past `resume`: it is worth waiting a step or two."""
+        """Whether a snapshot being taken on `seq`'s prompt that would serve it lies past `resume`: it is worth
+        waiting a step or two."""
         if not self.pending:
             return False
-        keys = self.keys(seq, (len(seq.prompt_token_ids) - 1) // self.block_size)
-        return any(self.pending.get(key, 0) > resume for key in keys)
+        keys = set(self.keys(seq, (len(seq.prompt_token_ids) - 1) // self.block_size))
+        return any(b > resume and self._serves(b, tag, seq) for (key, tag), b in self.pending.items() if key in keys)
 
     def boundary(self, seq: Sequence, start: int, end: int, shared: set[int]) -> int | None:
         """The first position in (start, end] where `seq` should leave a snapshot: a multiple of `interval`, the
         last block boundary before its prompt's last token, one of `shared` (where its prompt leaves the cached
-        chain or another's prompt) or one a waiting sequence asked for (`ask`); None where there is none or it is
-        cached or being taken."""
+        chain or another's prompt) or one a waiting sequence asked for (`ask`); None where there is none or a snapshot
+        with its tag is cached or being taken."""
         bs = self.block_size
         prompt_end = (len(seq.prompt_token_ids) - 1) // bs * bs
         known = len(seq.prompt_token_ids) + len(seq.output_token_ids)
@@ -110,8 +147,7 @@ class PrefixCache:
         for b in sorted(p for p in candidates if start < p <= end and p % bs == 0):
             if b > known or b in seq.snapshots_asked:
                 return b
-            key = self.keys(seq, b // bs)[-1]
-            if key not in self.snapshot_of and key not in self.pending:
+            if not self._covered(self.keys(seq, b // bs)[-1], self.tag(seq, b)):
                 return b
         return None
 
@@ -121,66 +157,78 @@ class PrefixCache:
         boundary = self.boundary(seq, start, end, shared)
         if boundary is None:
             return None
-        key = self._key_at(seq, boundary)
+        entry = self._entry(seq, boundary)
         seq.snapshots_asked.pop(boundary, None)
         if not self.free_snapshots:
             if not self.snapshot_lru:
-                if key is not None:
-                    self.pending.pop(key, None)
+                if entry is not None:
+                    self.pending.pop(entry, None)
                 return None
             self._drop_snapshot(next(iter(self.snapshot_lru)))
-        if key is not None:
-            self.pending[key] = boundary
+        if entry is not None:
+            self.pending[entry] = boundary
         return boundary, self.free_snapshots.popleft()
 
     def commit_snapshot(self, seq: Sequence, snapshot: tuple[int, int], taken: bool) -> None:
         """Register the snapshot `plan_snapshot` gave `seq` when it was taken (and is not a duplicate), else free
         its slot."""
         boundary, slot = snapshot
-        key = self._key_at(seq, boundary)
-        if key is not None:
-            self.pending.pop(key, None)
-        if taken and key is not None and key not in self.snapshot_of:
-            self.snapshot_of[key], self.snapshot_key[slot] = slot, key
+        entry = self._entry(seq, boundary)
+        if entry is not None:
+            self.pending.pop(entry, None)
+        if taken and entry is not None and entry[1] not in self.snapshot_of.get(entry[0], {}):
+            self.snapshot_of.setdefault(entry[0], {})[entry[1]] = slot
+            self.snapshot_key[slot] = entry
             self.snapshot_lru[slot] = None
         else:
             self.free_snapshots.append(slot)
 
     def shared_with(self, seq: Sequence, others: list[Sequence]) -> set[int]:
-        """Where the prompt blocks `seq` shares with each of `others`' prompts end (past its start)."""
+        """Where a snapshot of `seq` serves each of `others` best: where the prompt blocks they share end (past its
+        start), or with bounded replay, where that lies past the other's replay position and their replay positions
+        differ, the last block boundary at or before the other's."""
+        return {self._useful(self._common(seq, other), seq, other) for other in others
+                if other is not seq and len(other.prompt_token_ids) > self.block_size}
+
+    def _common(self, seq: Sequence, other: Sequence) -> int:
+        """The positions of the full prompt blocks `seq` and `other` share (the last prompt token's block left out)."""
         bs = self.block_size
         mine = self.keys(seq, (len(seq.prompt_token_ids) - 1) // bs)
-        ends = set()
-        for other in others:
-            if other is not seq and len(other.prompt_token_ids) > bs:
-                theirs = self.keys(other, min(len(mine), (len(other.prompt_token_ids) - 1) // bs))
-                ends.add(bs * next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), len(theirs)))
-        return ends
+        theirs = self.keys(other, min(len(mine), (len(other.prompt_token_ids) - 1) // bs))
+        return bs * next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), len(theirs))
+
+    def _useful(self, boundary: int, taker: Sequence, user: Sequence) -> int:
+        """The last block boundary at or before `boundary` where a snapshot `taker` leaves serves `user`."""
+        if self._serves(boundary, self.tag(taker, boundary), user):
+            return boundary
+        return self.replay_from(user) // self.block_size * self.block_size
 
     def ask(self, owner: Sequence, waiting: Sequence, resume: int) -> bool:
-        """Whether running `owner`, still before the end of the prompt blocks `waiting` shares with it, is asked to
-        leave a snapshot there (so that `waiting` resumes there rather than recompute them beside it)."""
+        """Whether running `owner`, still before the end of the prompt blocks `waiting` shares with it (or, with
+        bounded replay, the last boundary of those whose snapshot serves `waiting`), is asked to leave a snapshot
+        there (so that `waiting` resumes there rather than recompute them beside it)."""
         if owner.num_computed_tokens >= len(owner.prompt_token_ids):
             return False
-        boundary = max(self.shared_with(waiting, [owner]), default=0)
+        boundary = self._useful(self._common(waiting, owner), owner, waiting)
         if boundary <= max(resume, owner.num_computed_tokens):
             return False
-        key = self.keys(waiting, boundary // self.block_size)[-1]
-        owner.snapshots_asked[boundary] = key
-        self.pending[key] = boundary
+        entry = (self.keys(waiting, boundary // self.block_size)[-1], self.tag(owner, boundary))
+        owner.snapshots_asked[boundary] = entry
+        self.pending[entry] = boundary
         return True
 
     def release(self, seq: Sequence) -> None:
         """`seq` stops: the snapshots it was asked for are not coming."""
-        for key in seq.snapshots_asked.values():
-            self.pending.pop(key, None)
+        for entry in seq.snapshots_asked.values():
+            self.pending.pop(entry, None)
         seq.snapshots_asked.clear()
 
-    def _key_at(self, seq: Sequence, boundary: int) -> bytes | None:
-        """The key of the block of `seq` ending at `boundary`, None while its tokens are not all known."""
+    def _entry(self, seq: Sequence, boundary: int) -> tuple[bytes, Tag] | None:
+        """The key of the block of `seq` ending at `boundary` and the tag of its snapshot there, None while the
+        block's tokens are not all known."""
         if boundary > len(seq.prompt_token_ids) + len(seq.output_token_ids):
             return None
-        return self.keys(seq, boundary // self.block_size)[-1]
+        return self.keys(seq, boundary // self.block_size)[-1], self.tag(seq, boundary)
 
     def register(self, key: bytes, block: int) -> None:
         """`block` holds the entries of `key` (the first block computed for a key keeps it)."""
@@ -188,15 +236,19 @@ class PrefixCache:
             self.block_of[key], self.key_of[block] = block, key
 
     def forget_block(self, block: int) -> None:
-        """`block` is about to be written with other entries: drop its key, and the snapshot that ends at it."""
+        """`block` is about to be written with other entries: drop its key, and the snapshots that end at it."""
         key = self.key_of.pop(block, None)
         if key is not None:
             del self.block_of[key]
-            if key in self.snapshot_of:
-                self._drop_snapshot(self.snapshot_of[key])
+            for slot in list(self.snapshot_of.get(key, {}).values()):
+                self._drop_snapshot(slot)
 
     def _drop_snapshot(self, slot: int) -> None:
-        del self.snapshot_of[self.snapshot_key.pop(slot)]
+        key, tag = self.snapshot_key.pop(slot)
+        tags = self.snapshot_of[key]
+        del tags[tag]
+        if not tags:
+            del self.snapshot_of[key]
         del self.snapshot_lru[slot]
         self.free_snapshots.append(slot)
 

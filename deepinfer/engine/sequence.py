@@ -53,9 +53,9 @@ class Sequence:
         self.proposal: Proposal | None = None  # drafts for the next step (speculative decoding)
         # Prefix caching: the keys of its first full blocks, how many of its blocks are registered, the snapshot
         # slot its next chunk restores, the prompt tokens found cached when it first started (None: not yet), and
-        # the positions waiting sequences asked it to leave snapshots at, with their keys.
+        # the positions waiting sequences asked it to leave snapshots at, with their keys and tags.
         self.block_keys: list[bytes] = []
-        self.snapshots_asked: dict[int, bytes] = {}
+        self.snapshots_asked: dict[int, tuple[bytes, int | None]] = {}
         self.num_registered_blocks = 0
         self.restore: int | None = None
         self.num_cached_tokens: int | None = None
