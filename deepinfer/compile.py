@@ -37,20 +37,18 @@ def compile(model: DeepseekV41Flash, target: str = DEFAULT_TARGET, *, dot_fp32: 
     host memory and fetches each forward's rows while the first layers run (graphs/engram_storage.py), "device"
     moves them with the other weights; None: host where they take more than half of a GPU's free memory. `replay`
     builds the graph for bounded replay (`swa_replay_tokens`, deepinfer/replay.py): the decoder layers run from each
-    sequence's `replay_from` on; the cpu target only. `expert_parallel` (GPU targets) also builds the MoE kernel's
+    sequence's `replay_from` on (a GPU target's forward runs its nodes after that boundary eagerly where it drops
+    rows). `expert_parallel` (GPU targets) also builds the MoE kernel's
     launches for its experts split over ranks (kernels/moe/expert_parallel_kernel.py), which one rank of several runs
     (deepinfer/distributed/); the cpu target's runtime needs nothing built for it.
     """
     spec = get_built_target(target)
-    if replay and spec.runtime == PLAN:
-        raise ValueError(f"swa_replay_tokens (bounded replay) runs on the cpu target only: the GPU plan runtime of "
-                         f"target {target!r} (graphs/plan_runtime.py) has no row selection at the decoder boundary; "
-                         "leave swa_replay_tokens None there")
     if spec.runtime == PLAN:
         if engram_storage == "host":
             raise NotImplementedError(f"engram_storage='host': target {target!r}'s plans keep the Engram tables on "
                                       "the device; host storage runs on the cpu target's runtime (any device)")
-        return _compile_plan(model, spec.name, dot_fp32, buckets, drafting, fp8_activations, expert_parallel)
+        return _compile_plan(model, spec.name, dot_fp32, buckets, drafting, fp8_activations, expert_parallel,
+                             replay)
     if fp8_activations:
         raise ValueError("fp8_activations is a GPU target's kernel path; the cpu target runs the exact references")
     graph = run_passes(model.graph(dspark=drafting, replay=replay))
@@ -71,14 +69,16 @@ def _for_cpu(t: torch.Tensor) -> torch.Tensor:
 
 
 def _compile_plan(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets: tuple[int, ...] | None,
-                  drafting: bool, fp8_activations: bool, expert_parallel: bool = False) -> Compiled:
+                  drafting: bool, fp8_activations: bool, expert_parallel: bool = False,
+                  replay: bool = False) -> Compiled:
     from dsl.cache import CacheSpec
     from graphs.aot import build, record_cache_launches, record_launches, record_sampling_launches
     from graphs.passes import make_plan
     from graphs.plan import BUCKETS
     from graphs.plan_runtime import PlanRuntime
 
-    graphs = [run_passes(model.graph(dspark=drafting))] + ([run_passes(model.draft_graph())] if drafting else [])
+    graphs = [run_passes(model.graph(dspark=drafting, replay=replay))]
+    graphs += [run_passes(model.draft_graph())] if drafting else []
     params = model.params()
     plans = [make_plan(g, params, target, tuple(buckets or BUCKETS), dot_fp32, fp8_activations=fp8_activations)
              for g in graphs]
@@ -107,7 +107,8 @@ def load(path: str | Path, model: DeepseekV41Flash | None = None) -> Compiled:
         model = DeepseekV41Flash.from_pretrained(saved.manifest["model_dir"])
     if artifact.config_hash(model.config.to_dict()) != saved.manifest["model_config_hash"]:
         raise ValueError(f"{path} was compiled for another model config")
-    graph = run_passes(model.graph(dspark=saved.draft_plan is not None))
+    replay = any(n.op == "decoder_context" for n in saved.plan.nodes)  # compiled for bounded replay
+    graph = run_passes(model.graph(dspark=saved.draft_plan is not None, replay=replay))
     draft = None if saved.draft_plan is None else (run_passes(model.draft_graph()), saved.draft_plan)
     for name, g, plan in [("plan.json", graph, saved.plan)] + ([("draft_plan.json", *draft)] if draft else []):
         try:

@@ -32,7 +32,8 @@ def interpret(graph: Graph, inputs: dict[str, Any], params: dict[str, Any], ctx:
         if opdef.sets_context:
             ctx = result
             if ctx.num_tokens == 0:  # every later node runs over no row: nothing to compute, nothing to store
-                return {name: env[v] if v in env else _empty(v.type, ctx.device) for name, v in graph.outputs.items()}
+                return {name: env[v] if v in env else empty_output(v.type, ctx.device)
+                        for name, v in graph.outputs.items()}
             continue
         if opdef.num_outputs == 1:
             result = (result,)
@@ -41,6 +42,6 @@ def interpret(graph: Graph, inputs: dict[str, Any], params: dict[str, Any], ctx:
     return {name: env[v] for name, v in graph.outputs.items()}
 
 
-def _empty(t: TensorType, device: torch.device) -> torch.Tensor:
+def empty_output(t: TensorType, device: torch.device) -> torch.Tensor:
     """An empty tensor of type `t` (its symbolic dims, all over the token count, 0)."""
     return torch.empty([d if isinstance(d, int) else 0 for d in t.shape], dtype=getattr(torch, t.dtype), device=device)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from dsl.graph import Graph
+from dsl.interpret import empty_output
 from dsl.ops import OPS
 from dsl.ragged import Ragged
 from graphs.capture import CudaGraphs
@@ -87,12 +88,22 @@ class Executor:
         graph = self.graph
         env: dict = {value: inputs[name] for name, value in graph.inputs.items()}
         env |= {value: self.params[name] for name, value in graph.params.items()}
-        forward = None
+        forward, replays = None, True
         if self.cuda_graphs is not None and trace is None:
             forward = self.cuda_graphs.begin(ctx, (batch_invariant,))
         index = 0
         while index < len(graph.nodes):
-            segment = forward and self.cuda_graphs.at.get(index)
+            if OPS[graph.nodes[index].op].sets_context:  # bounded replay's boundary: later nodes run in its view
+                view = OPS[graph.nodes[index].op].reference(**graph.nodes[index].attrs, ctx=ctx)
+                index += 1
+                if view is ctx:
+                    continue
+                ctx, replays = view, False  # fewer rows than the forward's bucket: the rest runs eagerly
+                if ctx.num_tokens == 0:  # no row left to compute or store
+                    env |= {v: empty_output(v.type, ctx.device) for v in graph.outputs.values() if v not in env}
+                    break
+                continue
+            segment = forward and replays and self.cuda_graphs.at.get(index)
             if segment:
                 def run_nodes(env: dict, ctx, segment=segment) -> None:
                     for i in range(segment.start, segment.stop):
