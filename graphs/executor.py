@@ -158,11 +158,11 @@ class Executor:
         self.kernel_calls += 1
         return result if ragged is None else ragged.replace(result)
 
-    def serve_experts(self, batch_invariant: bool) -> None:
-        """Every MoE node with zero rows of this rank's own: its experts serve the other ranks' forward (a rank with
-        nothing to run, under expert parallelism)."""
+    def serve_experts(self, batch_invariant: bool, start: int = 0) -> None:
+        """Every MoE node (from node `start` on) with zero rows of this rank's own: its experts serve the other ranks'
+        forward (a rank with nothing to run, or none past bounded replay's boundary, under expert parallelism)."""
         for index, node in enumerate(self.graph.nodes):
-            if node.op not in EXCHANGED:
+            if index < start or node.op not in EXCHANGED:
                 continue
             static = self.plan.nodes[index].static
             none = torch.empty(0, static.d, device=self.device)

@@ -46,11 +46,12 @@ class InterpretedRank:
         kernels = self.inner.implementations(batch_invariant) | {"moe_experts": self._experts[batch_invariant]}
         return interpret(self._graph(draft), {"input_ids": input_ids}, self.inner.params, ctx, kernels)
 
-    def idle(self, batch_invariant: bool, draft: bool) -> None:
-        """Every MoE layer of the forward with zero rows of this rank's own: its experts serve the others."""
+    def idle(self, batch_invariant: bool, draft: bool, start: int = 0) -> None:
+        """Every MoE layer of the forward (from node `start` on) with zero rows of this rank's own: its experts serve
+        the others."""
         graph, experts = self._graph(draft), self._experts[batch_invariant]
         names = {value: name for name, value in graph.params.items()}
-        for node in graph.nodes:
+        for node in graph.nodes[start:]:
             if node.op != "moe_experts":
                 continue
             stored = [None if v is None else self.inner.params[names[v]] for v in node.inputs[3:]]
@@ -70,6 +71,7 @@ class LockstepRuntime:
         self.device = inner.device
         self.rank = dist.get_rank(group)
         self._rank = PlannedRank(inner, group) if isinstance(inner, PlanRuntime) else InterpretedRank(inner, group)
+        self._boundaries: dict[bool, tuple[int, int] | None] = {}  # per graph: bounded replay's (node index, window)
         self.num_rounds = self.num_idle = 0  # agreements made and idle passes run, for the bookkeeping's cost
 
     @property
@@ -86,9 +88,25 @@ class LockstepRuntime:
         while (agreed := self._agree(kind)) != kind:
             self._idle(agreed)
         try:
-            return self._rank.forward(input_ids, ctx, batch_invariant, draft)
+            out = self._rank.forward(input_ids, ctx, batch_invariant, draft)
+            skipped = self._skipped_from(ctx, draft)
+            if skipped is not None:  # its decoder layers had no row: their MoE layers still serve the others
+                self._rank.idle(batch_invariant, draft, skipped)
+            return out
         except Exception as e:  # the others wait in this forward's all-to-alls: nothing can run after it
             raise FatalRuntimeError(f"rank {self.rank}: a forward failed: {type(e).__name__}: {e}") from e
+
+    def _skipped_from(self, ctx: ForwardContext, draft: bool) -> int | None:
+        """Where a forward stopped early: the index of bounded replay's boundary (`decoder_context`) when every row
+        of this forward lies before it (the runtimes compute nothing after it then), else None."""
+        if draft not in self._boundaries:
+            graph = select_graph(self.inner.graph, self.inner.draft_graph, draft)
+            self._boundaries[draft] = next(((i, n.attrs["window"]) for i, n in enumerate(graph.nodes)
+                                            if n.op == "decoder_context"), None)
+        boundary = self._boundaries[draft]
+        if boundary is None or ctx.decoder_view(boundary[1]).num_tokens:
+            return None
+        return boundary[0]
 
     def finish(self) -> None:
         """Serve the other ranks' forwards until every rank has nothing left to run."""

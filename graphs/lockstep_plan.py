@@ -29,13 +29,14 @@ class PlannedRank:
                 draft: bool) -> dict[str, torch.Tensor]:
         return self.inner.run(input_ids, ctx, batch_invariant, draft)
 
-    def idle(self, batch_invariant: bool, draft: bool) -> None:
+    def idle(self, batch_invariant: bool, draft: bool, start: int = 0) -> None:
+        """The forward's MoE nodes from node `start` on, with zero rows of this rank's own."""
         main, drafts = self.inner.executors()
         executor = drafts if draft else main
         if executor is None:
             raise RuntimeError("this model was compiled without DSpark drafting: compile(..., drafting=True)")
         with self.inner.launches():
-            executor.serve_experts(batch_invariant)
+            executor.serve_experts(batch_invariant, start)
 
 
 __all__ = ["PlannedRank"]

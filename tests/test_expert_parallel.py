@@ -210,3 +210,17 @@ def test_torchrun_runs_the_command_line_on_two_ranks(capsys: pytest.CaptureFixtu
     got = subprocess.run(torchrun, capture_output=True, text=True, timeout=300, check=False)
     assert got.returncode == 0, got.stderr
     assert got.stdout == want and want.count("Completion:") == 3
+
+
+def test_bounded_replay_on_two_ranks_gives_one_process_s_outputs() -> None:
+    """A rank whose forward lies wholly before bounded replay's boundary (a long prompt's first chunks) computes no
+    decoder layer, yet its experts still serve the other rank's decoder layers."""
+    prompts = [{"prompt_token_ids": list(range(100, 400))}, "def fib(n):"]  # rank 0 the long one, rank 1 the other
+    params = [SamplingParams(max_tokens=4, temperature=0, logprobs=2)] * 2
+    kwargs = dict(max_num_seqs=4, max_num_batched_tokens=64, swa_replay_tokens=140, enable_prefix_caching=False)
+    want = LLM(default_checkpoint(), **kwargs).generate(prompts, params, use_tqdm=False)
+    two = LLM(default_checkpoint(), expert_parallel_size=2, **kwargs)
+    try:
+        same(two.generate(prompts, params, use_tqdm=False), want)
+    finally:
+        two.close()
