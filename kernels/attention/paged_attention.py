@@ -243,4 +243,22 @@ def paged_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=N
                            window_size=window_size, scale=scale, config=config, dot_fp32=dot_fp32, **pool)
 
 
-__all__ = ["paged_attention", "paged_attention_kernel", "paged_attention_op", "reads_in_place"]
+def trace(heads: int, dim: int, *, window_size: int, scale: float, window_fmt: EntryFormat,
+          pool_fmt: EntryFormat | None, topk: int, config: dict, dot_fp32: bool, device: str = "meta") -> None:
+    """Call the wrapper once on empty pools of `device` for a node of `heads` x `dim` queries over a window in
+    `window_fmt` and, with `topk` > 0, picks from a pool in `pool_fmt` (the AOT builder, on meta, records its launches:
+    one variant per config and formats, whatever the number of rows or of sequences)."""
+    dtype = torch.float32 if dot_fp32 else torch.bfloat16
+    with torch.device(device):
+        index = torch.zeros(1, dtype=torch.int32)
+        pool = {}
+        if topk and pool_fmt is not None:
+            pool = dict(pool_fmt=pool_fmt, pool_parts=pool_fmt.storage((1, 1), dim), tables=index.view(1, 1),
+                        lengths=index, topk=torch.zeros(1, topk, dtype=torch.int32))
+        paged_attention(torch.zeros(1, heads, dim, dtype=dtype), torch.zeros(heads), window_fmt=window_fmt,
+                        window_parts=window_fmt.storage((1, 1), dim), slots=index, first=index, row_chunks=index,
+                        positions=index, window_size=window_size, scale=scale, config=config, dot_fp32=dot_fp32,
+                        **pool)
+
+
+__all__ = ["paged_attention", "paged_attention_kernel", "paged_attention_op", "reads_in_place", "trace"]
