@@ -41,7 +41,8 @@ WINDOW_FMT, POOL_FMT = EntryFormat("fp8", 32), EntryFormat("fp4", 16, True)
 
 
 def fill(parts: list[torch.Tensor], fmt: EntryFormat) -> None:
-    """Valid codes and scales at random: finite e4m3 codes (never 0x7F / 0xFF) under scales 2^-11 to 2^-6, any fp4 pair under e4m3 scales of 1/64 to 1."""
+    """Valid codes and scales at random: finite e4m3 codes (never 0x7F / 0xFF) under scales 2^-11 to 2^-6, any fp4
+    pair under e4m3 scales of 1/4 to 2."""
     codes, scales = parts
     if fmt.kind == "fp8":
         byte = torch.randint(0, 0x7F, codes.shape, device=codes.device, dtype=torch.uint8)
