@@ -46,6 +46,49 @@ def _decode(codes_ptr, scales_ptr, row, valid, offs_d, mask_d, D: tl.constexpr, 
     return tl.where(mask, value, 0.0)
 
 
+@triton.jit
+def _window_entries(li, inside, oldest, pos, slot, RING, codes_ptr, scales_ptr, offs_d, mask_d, D: tl.constexpr,
+                    WINDOW: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
+    """Places li [block_S] of a token's list that are window entries: their values and which are visible."""
+    p = oldest + li  # positions
+    visible = inside & (li < WINDOW) & (p <= pos)
+    return _decode(codes_ptr, scales_ptr, slot * RING + p % RING, visible, offs_d, mask_d, D, KIND, BLOCK,
+                   False), visible
+
+
+@triton.jit
+def _picked_entries(li, inside, t, chunk, length, topk_ptr, table_ptr, TABLE_W, PER, codes_ptr, scales_ptr, offs_d,
+                    mask_d, D: tl.constexpr, WINDOW: tl.constexpr, TOPK: tl.constexpr, KIND: tl.constexpr,
+                    BLOCK: tl.constexpr, E4M3: tl.constexpr):
+    """Places li [block_S] of a token's list that are picks: their entries' values and which exist."""
+    pick = tl.load(topk_ptr + t * TOPK + (li - WINDOW), mask=inside & (li >= WINDOW), other=-1)
+    picked = (pick >= 0) & (pick < length)
+    block = tl.load(table_ptr + chunk * TABLE_W + pick // PER, mask=picked, other=0)
+    return _decode(codes_ptr, scales_ptr, block * PER + pick % PER, picked, offs_d, mask_d, D, KIND, BLOCK,
+                   E4M3), picked
+
+
+@triton.jit
+def _online_softmax(q, kv, valid, m_i, l_i, acc, SCALE: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One block of entries kv [block_S, block_D] (K and V; `valid` [block_S]) into the running max m_i, denominator
+    l_i [block_H] and acc [block_H, block_D]: sparse_attention_kernel's step, operation for operation."""
+    if DOT_FP32:
+        logits = tl.dot(q, tl.trans(kv), input_precision="ieee") * SCALE
+    else:
+        kv = kv.to(tl.bfloat16)
+        logits = tl.dot(q, tl.trans(kv)) * SCALE  # [block_H, block_S]
+    logits = tl.where(valid[None, :], logits, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(logits - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT_FP32:
+        acc = tl.dot(p, kv, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(tl.bfloat16), kv, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["RING", "PER", "TABLE_W", "S_PER_SPLIT"])
 def paged_attention_kernel(q_ptr, w_codes_ptr, w_scales_ptr, c_codes_ptr, c_scales_ptr, table_ptr, slot_ptr,
                            first_ptr, length_ptr, chunk_ptr, pos_ptr, topk_ptr, sink_ptr, out_ptr, ml_ptr, RING, PER,
@@ -64,6 +107,7 @@ def paged_attention_kernel(q_ptr, w_codes_ptr, w_scales_ptr, c_codes_ptr, c_scal
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + chunk).to(tl.int64)
     oldest = tl.maximum(pos - WINDOW + 1, tl.load(first_ptr + chunk))
+    length = tl.load(length_ptr + chunk) if TOPK > 0 else 0
     q = tl.load(q_ptr + (t * H + heads)[:, None] * D + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :],
                 other=0.0)  # [block_H, block_D]
     q = q.to(tl.float32) if DOT_FP32 else q.to(tl.bfloat16)
@@ -74,39 +118,32 @@ def paged_attention_kernel(q_ptr, w_codes_ptr, w_scales_ptr, c_codes_ptr, c_scal
         m_i = tl.full([block_H], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([block_H], dtype=tl.float32)
     acc = tl.zeros([block_H, block_D], dtype=tl.float32)
-    s_begin = split * S_PER_SPLIT
-    for s0 in range(0, S_PER_SPLIT, block_S):
-        li = s_begin + s0 + tl.arange(0, block_S)  # [block_S]: places in the token's entry list
-        inside = (li < WINDOW + TOPK) & (li < s_begin + S_PER_SPLIT)
-        p = oldest + li  # window positions
-        in_window = inside & (li < WINDOW) & (p <= pos)
-        kv = _decode(w_codes_ptr, w_scales_ptr, slot * RING + p % RING, in_window, offs_d, mask_d, D, W_KIND, W_BLOCK,
-                     False)
-        valid = in_window
-        if TOPK > 0:
-            length = tl.load(length_ptr + chunk)
-            pick = tl.load(topk_ptr + t * TOPK + (li - WINDOW), mask=inside & (li >= WINDOW), other=-1)
-            picked = (pick >= 0) & (pick < length)
-            block = tl.load(table_ptr + chunk * TABLE_W + pick // PER, mask=picked, other=0)
-            kv_c = _decode(c_codes_ptr, c_scales_ptr, block * PER + pick % PER, picked, offs_d, mask_d, D, C_KIND,
-                           C_BLOCK, C_E4M3)
-            kv = tl.where(picked[:, None], kv_c, kv)
-            valid = valid | picked
-        if DOT_FP32:
-            logits = tl.dot(q, tl.trans(kv), input_precision="ieee") * SCALE
-        else:
-            kv = kv.to(tl.bfloat16)
-            logits = tl.dot(q, tl.trans(kv)) * SCALE  # [block_H, block_S]
-        logits = tl.where(valid[None, :], logits, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        alpha = tl.exp(m_i - m_new)
-        pr = tl.exp(logits - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(pr, axis=1)
-        if DOT_FP32:
-            acc = tl.dot(pr, kv, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(pr.to(tl.bfloat16), kv, acc * alpha[:, None])
-        m_i = m_new
+    if SPLIT == 1 and WINDOW % block_S == 0:  # the same blocks, each of one kind: window blocks, then pick blocks
+        for s0 in range(0, WINDOW, block_S):
+            li = s0 + tl.arange(0, block_S)
+            kv, valid = _window_entries(li, li < WINDOW, oldest, pos, slot, RING, w_codes_ptr, w_scales_ptr, offs_d,
+                                        mask_d, D, WINDOW, W_KIND, W_BLOCK)
+            m_i, l_i, acc = _online_softmax(q, kv, valid, m_i, l_i, acc, SCALE, DOT_FP32)
+        for s0 in range(WINDOW, WINDOW + TOPK, block_S):
+            li = s0 + tl.arange(0, block_S)
+            kv, valid = _picked_entries(li, li < WINDOW + TOPK, t, chunk, length, topk_ptr, table_ptr, TABLE_W, PER,
+                                        c_codes_ptr, c_scales_ptr, offs_d, mask_d, D, WINDOW, TOPK, C_KIND, C_BLOCK,
+                                        C_E4M3)
+            m_i, l_i, acc = _online_softmax(q, kv, valid, m_i, l_i, acc, SCALE, DOT_FP32)
+    else:  # blocks that may hold both kinds, or a split's part of the list
+        s_begin = split * S_PER_SPLIT
+        for s0 in range(0, S_PER_SPLIT, block_S):
+            li = s_begin + s0 + tl.arange(0, block_S)  # [block_S]: places in the token's entry list
+            inside = (li < WINDOW + TOPK) & (li < s_begin + S_PER_SPLIT)
+            kv, valid = _window_entries(li, inside, oldest, pos, slot, RING, w_codes_ptr, w_scales_ptr, offs_d,
+                                        mask_d, D, WINDOW, W_KIND, W_BLOCK)
+            if TOPK > 0:
+                kv_c, picked = _picked_entries(li, inside, t, chunk, length, topk_ptr, table_ptr, TABLE_W, PER,
+                                               c_codes_ptr, c_scales_ptr, offs_d, mask_d, D, WINDOW, TOPK, C_KIND,
+                                               C_BLOCK, C_E4M3)
+                kv = tl.where(picked[:, None], kv_c, kv)
+                valid = valid | picked
+            m_i, l_i, acc = _online_softmax(q, kv, valid, m_i, l_i, acc, SCALE, DOT_FP32)
     if SPLIT == 1:
         tl.store(out_ptr + (t * H + heads)[:, None] * D + offs_d[None, :], acc / l_i[:, None],
                  mask=mask_h[:, None] & mask_d[None, :])
