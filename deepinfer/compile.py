@@ -72,7 +72,13 @@ def _compile_plan(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets:
                   drafting: bool, fp8_activations: bool, expert_parallel: bool = False,
                   replay: bool = False) -> Compiled:
     from dsl.cache import CacheSpec
-    from graphs.aot import build, record_cache_launches, record_launches, record_sampling_launches
+    from graphs.aot import (
+        build,
+        record_attention_launches,
+        record_cache_launches,
+        record_launches,
+        record_sampling_launches,
+    )
     from graphs.passes import make_plan
     from graphs.plan import BUCKETS
     from graphs.plan_runtime import PlanRuntime
@@ -86,6 +92,7 @@ def _compile_plan(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets:
     for graph, plan in zip(graphs, plans, strict=True):  # the draft graph's launches mostly repeat the main one's
         launches |= record_launches(plan, {i: node.attrs for i, node in enumerate(graph.nodes)}, expert_parallel)
         launches |= record_cache_launches(CacheSpec.from_graph(graph))  # the pools' writer and reader
+        launches |= record_attention_launches(plan, graph)  # decode attention over the pools in place
     built = build(launches, target)
     specs = {key: b.spec for key, b in built.items()}
     cubins = {key: b.cubin for key, b in built.items()}

@@ -21,9 +21,11 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+import kernels.attention.paged_attention as paged_attention
 import kernels.cache.rows as cache_kernels
 import kernels.sampling.gumbel_argmax as sampling_kernels
 from dsl.cache import CacheSpec
+from dsl.graph import Graph
 from graphs.executor import EXCHANGED
 from graphs.plan import Plan
 from kernels.launch import Launch, use_launcher
@@ -73,6 +75,34 @@ def record_cache_launches(spec: CacheSpec) -> dict[str, Launch]:
     found: dict[str, Launch] = {}
     with use_launcher(lambda call: found.setdefault(call.key(), call)):
         cache_kernels.trace(spec)
+    return found
+
+
+def record_attention_launches(plan: Plan, graph: Graph) -> dict[str, Launch]:
+    """The launches of the in-place decode attention (kernels/attention/paged_attention.py) that the plan's causal
+    attention nodes over a window append make on decode and verification steps: for each, the formats of its window
+    and compressed caches (off the graph), every bucket's config and the batch-invariant one."""
+    spec = CacheSpec.from_graph(graph)
+    windows = {layer: fmt for layer, _, _, fmt in spec.windows}
+    pools = {(name, layer): fmt for name, layer, _, _, fmt in spec.compressed}
+    found: dict[str, Launch] = {}
+    with use_launcher(lambda call: found.setdefault(call.key(), call)):
+        for node in plan.kernel_nodes():
+            op = graph.nodes[node.index]
+            window = op.inputs[1].producer if node.op == "sparse_attention" else None
+            if window is None or window.op != "kv_window_append" or not op.attrs.get("causal", True):
+                continue
+            compressed, topk = (list(op.inputs) + [None, None])[3:5]
+            pool_fmt, k = None, 0
+            if compressed is not None and topk is not None and compressed.producer is not None:
+                source = compressed.producer.attrs
+                pool_fmt, k = pools[(source["name"], source["layer"])], int(topk.type.shape[-1])
+            for chosen in [node.buckets[b] for b in plan.buckets] + [node.invariant]:
+                for picks in sorted({k, 0}):  # a step where no sequence has compressed entries yet: window only
+                    paged_attention.trace(node.static.h, node.static.d, window_size=op.attrs["window_size"],
+                                          scale=op.attrs["scale"], window_fmt=windows[window.attrs["layer"]],
+                                          pool_fmt=pool_fmt, topk=picks, config=chosen.config,
+                                          dot_fp32=plan.dot_fp32)
     return found
 
 
@@ -206,5 +236,5 @@ def build(launches: dict[str, Launch], target: str, use_cache: bool = True) -> d
     return out
 
 
-__all__ = ["Built", "record_launches", "record_cache_launches", "record_sampling_launches", "compile_launch",
-           "compile_tilelang", "build"]
+__all__ = ["Built", "record_launches", "record_cache_launches", "record_attention_launches", "record_sampling_launches",
+           "compile_launch", "compile_tilelang", "build"]

@@ -7,6 +7,7 @@ chunk by chunk. Either way they hand the attention a `CacheView`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,26 @@ class PagedEntries:
         return self.cache.entry_rows(self.name, self.layer, self.tables, run, index)
 
 
+@dataclass
+class PagedWindow:
+    """Where a window view's entries lie: the ring of `layer` in `cache` (a window of `window`), chunk i's in slot
+    `slots[i]`, in the forward of `ctx`."""
+
+    cache: PagedCache
+    layer: int
+    window: int
+    slots: torch.Tensor
+    ctx: ForwardContext
+
+    def intact(self) -> bool:
+        """Whether the ring, after this forward's store, still holds every position the view shows: a chunk of T
+        tokens overwrites the rows of the positions RING - T + 1 and more before its last, and the view reaches
+        `window - 1` before its first, so T <= RING - window + 1 (decode and verification steps: the rings keep
+        that many spare positions)."""
+        ring = self.cache.windows[self.layer][1][0].shape[1]
+        return max(self.ctx.lengths, default=0) <= ring - self.window + 1
+
+
 class CacheView:
     """A cache after this forward's writes, as attention and the indexer read it: per chunk i, L_i keys [L_i, D] and,
     for windows, their positions, consecutive from first[i].
@@ -45,14 +66,17 @@ class CacheView:
     the batched window ops make it); or, for a paged compressed cache, only where the entries lie (`paged`), read and
     decoded when asked for: `rows` then reads only the entries wanted. `keys`, `positions`, `flat` and `rows` serve
     every form. `length`, `offset` and `first_t` [B] are device copies of `lengths`, of where each chunk's keys begin
-    in `flat()` and of `first`, when the maker has them.
+    in `flat()` and of `first`, when the maker has them. A paged window's view names its ring (`ring`) and makes its
+    values when first read (`make`), so an attention that reads the ring in place gathers nothing.
     """
 
     def __init__(self, keys: list[torch.Tensor] | None = None, positions: list[torch.Tensor] | None = None, *,
                  values: torch.Tensor | None = None, lengths: list[int] | None = None, first: list[int] | None = None,
                  length: torch.Tensor | None = None, offset: torch.Tensor | None = None,
-                 first_t: torch.Tensor | None = None, paged: PagedEntries | None = None) -> None:
+                 first_t: torch.Tensor | None = None, paged: PagedEntries | None = None,
+                 ring: PagedWindow | None = None, make: Callable[[], torch.Tensor] | None = None) -> None:
         self._keys, self._positions, self._values, self.paged = keys, positions, values, paged
+        self.ring, self._make = ring, make
         self.lengths = lengths if lengths is not None else [k.shape[0] for k in keys]
         if first is None and positions is not None:
             first = [int(p[0]) if p.numel() else 0 for p in positions]
@@ -87,7 +111,9 @@ class CacheView:
     def flat(self) -> torch.Tensor:
         """Every chunk's keys, chunk after chunk: [sum L_i, D]."""
         if self._values is None:
-            if self.paged is not None:  # every entry: which rows, the same for each cache of this layout
+            if self._make is not None:
+                self._values = self._make()
+            elif self.paged is not None:  # every entry: which rows, the same for each cache of this layout
                 rows = self.paged.ctx.memo(("cache rows", tuple(self.lengths)),
                                            lambda: segments(self.layout(self.paged.tables.device)[0],
                                                             sum(self.lengths)))
@@ -109,9 +135,9 @@ def _cache_type(x: TensorType, **attrs) -> tuple[TensorType]:
     return (TensorType((context, x.shape[-1]), "cache"),)
 
 
-def _window_view(kv: torch.Tensor, layer: int, window: int, ctx: ForwardContext) -> CacheView:
+def _window_view(kv: torch.Tensor, layer: int, window: int, ctx: ForwardContext, lazy: bool = False) -> CacheView:
     """Per chunk: the last `window - 1` entries the window of `layer` holds before it (none before the chunk's
-    `visible_from`), then the chunk's kv [N, D]."""
+    `visible_from`), then the chunk's kv [N, D]. With `lazy`, a paged view gathers them when first read."""
     kept = ctx.window_kept(window)
     lengths = [k + n for k, n in zip(kept, ctx.lengths, strict=True)]
     first = [s - k for s, k in zip(ctx.starts, kept, strict=True)]
@@ -124,10 +150,16 @@ def _window_view(kv: torch.Tensor, layer: int, window: int, ctx: ForwardContext)
         return CacheView(keys, lengths=lengths, first=first)
     length, offset, first_t, slots, positions, kept_rows, new_rows = ctx.memo(
         ("window", window), lambda: _window_layout(ctx, window, sum(kept)))
-    values = kv.new_empty(sum(lengths), kv.shape[-1], dtype=_view_dtype(kv.dtype))
-    values[kept_rows] = cast(batch.cache.window_rows(layer, slots, positions), device=values.device)
-    values[new_rows] = cast(kv, values.dtype)
-    return CacheView(values=values, lengths=lengths, first=first, length=length, offset=offset, first_t=first_t)
+
+    def gather() -> torch.Tensor:
+        values = kv.new_empty(sum(lengths), kv.shape[-1], dtype=_view_dtype(kv.dtype))
+        values[kept_rows] = cast(batch.cache.window_rows(layer, slots, positions), device=values.device)
+        values[new_rows] = cast(kv, values.dtype)
+        return values
+    if not lazy:
+        return CacheView(values=gather(), lengths=lengths, first=first, length=length, offset=offset, first_t=first_t)
+    return CacheView(lengths=lengths, first=first, length=length, offset=offset, first_t=first_t,
+                     ring=PagedWindow(batch.cache, layer, window, batch.slots, ctx), make=gather)
 
 
 @functools.cache
@@ -153,9 +185,12 @@ def _window_layout(ctx: ForwardContext, window: int, total_kept: int) -> tuple[t
 def kv_window_append(kv: torch.Tensor, *, layer: int, window: int, ctx) -> CacheView:
     """Append each chunk's kv [N, D] to its sequence's window; the cache keeps the last `window - 1` entries.
 
-    The returned view holds the kept entries followed by the whole chunk, with their positions.
+    The returned view holds the kept entries followed by the whole chunk, with their positions. A paged view is
+    gathered when first read where the store leaves the ring holding all of it (`PagedWindow.intact`), else now.
     """
-    view = _window_view(kv, layer, window, ctx)
+    view = _window_view(kv, layer, window, ctx, lazy=True)
+    if view.ring is not None and not view.ring.intact():
+        view.flat()
     kv_window_store(kv, layer=layer, window=window, ctx=ctx)
     return view
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels.attention.paged_attention as paged
 import kernels.attention.sparse_attention as attention
 from dsl.graph import Node
 from kernels.lowering import PLAIN, Call, Lowering, Params, Static, Variant, meta, param, token_planes
@@ -34,8 +35,14 @@ class SparseAttention(Lowering):
         return attention.default_config(tokens, static.h, static.d)
 
     def run(self, call: Call) -> torch.Tensor:
+        """Decode and verification steps over paged pools read the caches in place (kernels/attention/
+        paged_attention.py, the same values as the gathered path at the same config); the rest gathers first."""
         q, window, sink, compressed, topk = (list(call.args) + [None, None])[:5]
         a = call.attrs
+        if paged.reads_in_place(window, compressed, topk, causal=a.get("causal", True)):
+            return paged.paged_attention_op(q, window, sink, compressed, topk, window_size=a["window_size"],
+                                            scale=a["scale"], ctx=call.ctx, config=call.config,
+                                            dot_fp32=call.dot_fp32)
         return attention.sparse_attention_op(q, window, sink, compressed, topk, window_size=a["window_size"],
                                              scale=a["scale"], ctx=call.ctx, causal=a.get("causal", True),
                                              config=call.config, dot_fp32=call.dot_fp32)

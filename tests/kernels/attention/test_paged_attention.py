@@ -1,0 +1,154 @@
+"""In-place decode attention (kernels/attention/paged_attention.py) against today's path: the window gathered from
+its fp8 ring, the picks from the paged fp4 pool, the entry lists of `gather_indices` and the sparse attention
+kernel, at the same config, bit for bit; and against the DSL reference within a tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dsl.cache import CacheSpec, PagedCache
+from dsl.cache_format import EntryFormat
+from dsl.context import ForwardContext, SequenceState
+from dsl.ops.attention import CacheView, PagedEntries, kv_window_append, kv_window_block
+from dsl.ops.attention import sparse_attention as ref_sparse_attention
+from dsl.ops.rounding import fp4_round, fp8_round
+from dsl.transfer import to_device
+from kernels.attention.paged_attention import paged_attention_op, reads_in_place
+from kernels.attention.sparse_attention import sparse_attention_op
+from tests.kernels.cases import HEAD_DIM, HEADS, INDEX_TOPK, WINDOW, gen, rel_l2
+
+WINDOW_FMT, POOL_FMT = EntryFormat("fp8", 32), EntryFormat("fp4", 16, True)  # V41_SPEC.md's window and KV entries
+
+
+def make_step(chunks: list[tuple[int, int, int]], *, heads: int, dim: int, window: int, topk: int, spare: int,
+              block_size: int, ratio: int = 1, device: str = "cpu", seed: int = 0) -> dict:
+    """A step over sequences (start position, chunk length, compressed entries held) in real pools: each ring
+    holds the positions before its chunk, each pool its entries under a shuffled block table. Returns the step's
+    context, the window view as today's path gathers it before the store (`eager`), the view `kv_window_append`
+    hands attention (`view`, after its store), the compressed view, picks, q and sink."""
+    spec = CacheSpec(windows=((0, dim, window, WINDOW_FMT),), compressed=(("kv", 0, dim, ratio, POOL_FMT),),
+                     spare=spare)
+    per = block_size // ratio
+    needs = [max(1, -(-held // per)) for _, _, held in chunks]
+    cache = PagedCache(spec, num_slots=len(chunks) + 2, num_blocks=sum(needs) + 3, block_size=block_size,
+                       device=device)
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randperm(sum(needs) + 3, generator=g).tolist()
+    ring = window + spare
+    states = []
+    for i, (start, _, held) in enumerate(chunks):
+        table, blocks = blocks[: needs[i]], blocks[needs[i]:]
+        state = SequenceState(num_tokens=start, cache=cache, slot=len(chunks) - i, block_table=table)
+        past = torch.arange(max(0, start - ring), start, device=device)
+        if past.numel():
+            values = fp8_round(gen(past.numel(), dim, device=device, seed=seed + 7 * i), block=32)
+            cache.write_window_rows(0, torch.full_like(past, state.slot), past, values)
+        if held:
+            entries = fp4_round(gen(held, dim, device=device, seed=seed + 7 * i + 1), block=16, e4m3_scale=True)
+            cache.write_entries(state, "kv", 0, 0, entries)
+        states.append(state)
+    ctx = ForwardContext(states, [n for _, n, _ in chunks], device=device)
+    n = ctx.num_tokens
+    kv = fp8_round(gen(n, dim, device=device, seed=seed + 50), block=32)
+    eager = kv_window_block(kv, layer=0, window=window, ctx=ctx)  # today's view: gathered now, nothing stored
+    view = kv_window_append(kv, layer=0, window=window, ctx=ctx)
+    held = [h for _, _, h in chunks]
+    compressed = CacheView(lengths=held, length=to_device(held, device),
+                           paged=PagedEntries(cache, "kv", 0, ctx.paged.tables, ctx))
+    picks = torch.full((n, topk), -1, dtype=torch.long)
+    for c, h in zip(ctx.chunks, held, strict=True):
+        for t in range(c.start, c.start + c.length):
+            chosen = torch.randperm(h, generator=g)[:topk] if h else torch.zeros(0, dtype=torch.long)
+            picks[t, : chosen.numel()] = chosen
+    picks[torch.rand(n, topk, generator=g) < 0.25] = -1  # some picks name nothing
+    q = gen(n, heads, dim, device=device, seed=seed + 51)
+    sink = gen(heads, device=device, seed=seed + 52)
+    return dict(ctx=ctx, eager=eager, view=view, compressed=compressed, topk=picks.to(device), q=q, sink=sink)
+
+
+def check(step: dict, window: int, config: dict | None, dot_fp32: bool, tol: float) -> None:
+    ctx, q, sink, comp, topk = step["ctx"], step["q"], step["sink"], step["compressed"], step["topk"]
+    scale = q.shape[-1] ** -0.5
+    assert reads_in_place(step["view"], comp, topk, causal=True)
+    got = paged_attention_op(q, step["view"], sink, comp, topk, window_size=window, scale=scale, ctx=ctx,
+                             config=config, dot_fp32=dot_fp32)
+    want = sparse_attention_op(q, step["eager"], sink, comp, topk, window_size=window, scale=scale, ctx=ctx,
+                               config=config, dot_fp32=dot_fp32)
+    assert got.shape == want.shape
+    assert torch.equal(got, want), f"max difference {float((got - want).abs().max())}"
+    if not dot_fp32:  # the kernels' bf16 operands
+        q = q.bfloat16().float()
+    ref = ref_sparse_attention(q, step["eager"], sink, comp, topk, window_size=window, scale=scale, ctx=ctx)
+    assert rel_l2(got, ref) < tol
+
+
+SMALL = dict(block_H=16, block_S=16, num_warps=4, num_stages=2, split_kv=1)
+NARROW = dict(SMALL, block_S=4)  # window blocks and pick blocks apart, several of each
+SPLIT = dict(SMALL, block_S=4, split_kv=4)  # parts that cut the window, combined with the sink afterwards
+
+STEPS = {
+    "first token": [(0, 1, 0)],
+    "second token": [(1, 1, 1)],
+    "window edges": [(6, 1, 3), (7, 1, 7), (8, 1, 8), (9, 1, 9)],  # window 8: pos < window - 1, = window - 1, ...
+    "block edges": [(20, 1, 4), (21, 1, 5), (22, 1, 3), (23, 1, 8), (24, 1, 12)],  # 4 entries a block
+    "mixed decode": [(37, 1, 30), (2, 1, 1), (0, 1, 0), (13, 1, 11)],
+    "verification": [(30, 4, 25), (5, 3, 4), (9, 4, 0), (7, 2, 7)],  # 1 + drafts tokens, up to spare + 1
+}
+
+
+@pytest.mark.parametrize("name", sorted(STEPS))
+@pytest.mark.parametrize("dot_fp32", [False, True])
+@pytest.mark.parametrize("config", [SMALL, NARROW, SPLIT], ids=["whole", "narrow", "split"])
+def test_paged_attention_is_the_gathered_path(name, dot_fp32, config, device) -> None:
+    step = make_step(STEPS[name], heads=4, dim=64, window=8, topk=6, spare=3, block_size=4, device=device)
+    check(step, 8, config, dot_fp32, tol=1e-5 if dot_fp32 else 1e-2)
+
+
+def test_paged_attention_over_pairs_and_without_picks(device) -> None:
+    """Ratio-2 pools (2 entries a block of 4 positions) and the window-only layers (no picks)."""
+    step = make_step(STEPS["mixed decode"], heads=3, dim=64, window=8, topk=5, spare=1, block_size=4, ratio=2,
+                     device=device)
+    check(step, 8, SMALL, False, tol=1e-2)
+    step["topk"] = None
+    check(step, 8, SMALL, False, tol=1e-2)
+
+
+def test_long_chunks_take_the_gathered_path(device) -> None:
+    """A chunk longer than the ring's spare positions + 1 overwrites rows its view shows: the view is gathered
+    before the store, and the in-place kernel declines it."""
+    step = make_step([(10, 5, 4), (3, 1, 2)], heads=2, dim=64, window=8, topk=4, spare=3, block_size=4,
+                     device=device)
+    assert step["view"].ring is not None and not reads_in_place(step["view"], step["compressed"], step["topk"],
+                                                                 causal=True)
+    assert torch.equal(step["view"].flat(), step["eager"].flat())
+    assert not reads_in_place(step["eager"], step["compressed"], step["topk"], causal=True)  # a draft block's view
+
+
+def test_bad_pool_names_itself(device) -> None:
+    step = make_step([(3, 1, 2)], heads=2, dim=64, window=8, topk=4, spare=1, block_size=4, device=device)
+    ring = step["view"].ring
+    fmt, parts = ring.cache.windows[0]
+    ring.cache.windows[0] = (EntryFormat("fp8", 32, True), parts)
+    with pytest.raises(ValueError, match="window"):
+        paged_attention_op(step["q"], step["view"], step["sink"], window_size=8, scale=0.1, ctx=step["ctx"])
+    ring.cache.windows[0] = (fmt, parts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunks", [
+    [(1000 + 37 * i, 1, 1000 + 37 * i) for i in range(64)],  # decode, the decoder layers' one entry a token
+    [(126, 1, 63), (127, 1, 63), (128, 1, 64), (129, 1, 64), (0, 1, 0), (5000, 1, 2500)],  # window and block edges
+    [(2000 + 9 * i, 4, 1000 + 4 * i) for i in range(16)],  # verification of 3 drafts
+])
+@pytest.mark.parametrize("invariant", [True, False])
+def test_paged_attention_v41(chunks, invariant) -> None:
+    from kernels.attention.sparse_attention import default_config
+
+    step = make_step(chunks, heads=HEADS, dim=HEAD_DIM, window=WINDOW, topk=INDEX_TOPK, spare=3, block_size=128,
+                     ratio=2, device="cuda")
+    config = default_config(step["ctx"].num_tokens, HEADS, HEAD_DIM)
+    if invariant:
+        config = dict(config, split_kv=1)
+    check(step, WINDOW, config, False, tol=1e-2)
+    check(step, WINDOW, config, True, tol=1e-5)

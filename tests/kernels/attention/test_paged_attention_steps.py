@@ -1,0 +1,84 @@
+"""In-place decode attention in the plan runtime: a planned model's steps over paged pools give the same logits, bit
+for bit, whether attention reads the caches in place (decode and verification steps) or gathers them first. On the
+CPU the plan's kernels run under Triton's interpreter; on the GPU the compiled cubins, eager and captured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.attention.paged_attention as paged
+from deepinfer.default_model import trained_model
+from dsl.cache import CacheSpec, PagedCache
+from dsl.context import SequenceState
+from dsl.passes import run_passes
+from graphs.compiled_model import CompiledModel
+from graphs.passes import make_plan
+from graphs.plan_runtime import PlanRuntime
+
+SPARE = 3  # drafts a verification step may take back: its chunks hold up to SPARE + 1 tokens
+
+
+def planned(model, dot_fp32: bool) -> CompiledModel:
+    """`model` planned for sm90, run by the plan runtime on the CPU (kernels under the interpreter)."""
+    graph = run_passes(model.graph())
+    plan = make_plan(graph, model.params(), "sm90", buckets=(16,), dot_fp32=dot_fp32)
+    return CompiledModel(model.config, graph, "sm90", PlanRuntime(graph, plan, {}, {}, model.params(), device="cpu"),
+                         None)
+
+
+def run_steps(compiled: CompiledModel, steps: list[tuple[list[int], bool]], device: str) -> list[torch.Tensor]:
+    """Logits of every token of each step (chunk lengths per sequence, batch-invariant or not) over two fresh
+    sequences in pools with scattered block tables; the same token ids every call."""
+    cache = PagedCache(CacheSpec.from_graph(compiled.graph, spare=SPARE), 3, 24, 16, device=device)
+    states = [SequenceState(cache=cache, slot=2 - i, block_table=[2 * (5 * j % 12) + i for j in range(12)])
+              for i in range(2)]
+    gen = torch.Generator().manual_seed(0)
+    out = []
+    for lengths, invariant in steps:
+        feed = [torch.randint(4, 500, (n,), generator=gen).tolist() for n in lengths]
+        out.append(compiled.step(list(zip(states, feed, strict=True)), all_logits=True, batch_invariant=invariant))
+    return out
+
+
+def in_place_calls(monkeypatch) -> list[int]:
+    """Count the in-place kernel's calls (one a layer and step that takes it)."""
+    calls, kernel = [], paged.paged_attention
+    monkeypatch.setattr(paged, "paged_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    return calls
+
+
+STEPS = [([5, 3], False), ([1, 1], True), ([4, 2], True), ([1, 1], False)]  # prefill, decode, verification, decode
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs where there is no GPU")
+def test_steps_read_the_caches_in_place_as_they_gather_them(monkeypatch) -> None:
+    compiled = planned(trained_model(), dot_fp32=False)
+    calls = in_place_calls(monkeypatch)
+    got = run_steps(compiled, STEPS, "cpu")
+    layers = compiled.config.num_hidden_layers
+    assert len(calls) == 3 * layers  # every layer of the decode and verification steps, none of the prefill
+    monkeypatch.setattr(paged, "reads_in_place", lambda *a, **k: False)
+    want = run_steps(compiled, STEPS, "cpu")
+    assert len(calls) == 3 * layers
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.gpu
+def test_gpu_steps_in_place_eager_and_captured_are_the_gathered_path(monkeypatch) -> None:
+    """Steps that cross the window (128) and the pools' blocks: in place with and without CUDA graphs, and gathered,
+    all bitwise the same."""
+    import deepinfer
+
+    compiled = deepinfer.compile(trained_model(), "sm90")
+    steps = [([140, 20], True)] + [([1, 1], True)] * 3 + [([4, 3], True), ([1, 2], True)] + [([1, 1], True)] * 8
+    calls = in_place_calls(monkeypatch)
+    captured = run_steps(compiled, steps, "cuda")
+    assert calls
+    compiled.runtime.cuda_graphs = False
+    eager = run_steps(compiled, steps, "cuda")
+    monkeypatch.setattr(paged, "reads_in_place", lambda *a, **k: False)
+    gathered = run_steps(compiled, steps, "cuda")
+    for c, e, g in zip(captured, eager, gathered, strict=True):
+        assert torch.equal(c, e) and torch.equal(e, g)
