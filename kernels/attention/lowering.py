@@ -35,11 +35,11 @@ class SparseAttention(Lowering):
         return attention.default_config(tokens, static.h, static.d)
 
     def run(self, call: Call) -> torch.Tensor:
-        """Decode and verification steps over paged pools read the caches in place (kernels/attention/
-        paged_attention.py, the same values as the gathered path at the same config); the rest gathers first."""
+        """Decode and verification steps over paged pools read the caches in place where `paged.IN_PLACE` (kernels/
+        attention/paged_attention.py, the same values as the gathered path at the same config); the rest gathers."""
         q, window, sink, compressed, topk = (list(call.args) + [None, None])[:5]
         a = call.attrs
-        if paged.reads_in_place(window, compressed, topk, causal=a.get("causal", True)):
+        if paged.IN_PLACE and paged.reads_in_place(window, compressed, topk, causal=a.get("causal", True)):
             return paged.paged_attention_op(q, window, sink, compressed, topk, window_size=a["window_size"],
                                             scale=a["scale"], ctx=call.ctx, config=call.config,
                                             dot_fp32=call.dot_fp32)

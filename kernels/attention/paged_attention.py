@@ -15,6 +15,8 @@ on the host, so a step's launch can be captured.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from dsl.cache_format import EntryFormat
@@ -24,6 +26,12 @@ from kernels.lang import tl, triton
 from kernels.launch import launch
 
 KINDS = {"fp32": 0, "fp8": 1, "fp4": 2}
+
+# Whether the sparse_attention lowering takes this kernel where `reads_in_place` holds: DEEPINFER_PAGED_ATTENTION=1.
+# Off by default: it equals the gathered path bit for bit under Triton's interpreter, but its GPU tests
+# (tests/kernels/attention/test_paged_attention*.py -m gpu) and bench/bench_decode_attention.py have not run on an
+# H200 yet, and the gathered path has.
+IN_PLACE = os.environ.get("DEEPINFER_PAGED_ATTENTION", "0") == "1"
 
 
 @triton.jit

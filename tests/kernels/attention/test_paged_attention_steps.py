@@ -42,7 +42,9 @@ def run_steps(compiled: CompiledModel, steps: list[tuple[list[int], bool]], devi
 
 
 def in_place_calls(monkeypatch) -> list[int]:
-    """Count the in-place kernel's calls (one a layer and step that takes it)."""
+    """Turn the in-place kernel on (DEEPINFER_PAGED_ATTENTION=1) and count its calls (one a layer and step that
+    takes it)."""
+    monkeypatch.setattr(paged, "IN_PLACE", True)
     calls, kernel = [], paged.paged_attention
     monkeypatch.setattr(paged, "paged_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     return calls
@@ -58,7 +60,7 @@ def test_steps_read_the_caches_in_place_as_they_gather_them(monkeypatch) -> None
     got = run_steps(compiled, STEPS, "cpu")
     layers = compiled.config.num_hidden_layers
     assert len(calls) == 3 * layers  # every layer of the decode and verification steps, none of the prefill
-    monkeypatch.setattr(paged, "reads_in_place", lambda *a, **k: False)
+    monkeypatch.setattr(paged, "IN_PLACE", False)  # the default: the gathered path
     want = run_steps(compiled, STEPS, "cpu")
     assert len(calls) == 3 * layers
     for g, w in zip(got, want, strict=True):
