@@ -10,6 +10,7 @@ import torch
 
 from deepinfer.default_model import TRAINED_CHECKPOINT
 from tests.conftest import rel_l2
+from tests.test_plan_replay import run as run_steps
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -25,17 +26,7 @@ def models():
 
 
 def run(compiled, prompts: list[list[int]], keeps: list[int], chunk: int, decode: int) -> torch.Tensor:
-    states = [compiled.new_sequence() for _ in prompts]
-    for state, ids, keep in zip(states, prompts, keeps, strict=True):
-        state.replay_from = max(0, len(ids) - keep)
-    out, start = [], 0
-    while start < max(map(len, prompts)):
-        batch = [(s, ids[start:start + chunk]) for s, ids in zip(states, prompts, strict=True) if start < len(ids)]
-        out.append(compiled.step(batch, all_logits=True, batch_invariant=True))
-        start += chunk
-    for step in range(decode):  # decode steps of a few tokens: CUDA-graph replays
-        out.append(compiled.step([(s, [7 + step]) for s in states], all_logits=True, batch_invariant=True))
-    return torch.cat(out).cpu()
+    return run_steps(compiled, prompts, keeps, chunk, decode, pooled=False).cpu()
 
 
 def prompts() -> list[list[int]]:
