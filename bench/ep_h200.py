@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import statistics
 import time
 
@@ -67,10 +66,7 @@ def _event() -> torch.cuda.Event | None:
 
 
 def _join() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ranks.join(ranks.RankInfo(0, 1, 0), DEVICE, f"tcp://127.0.0.1:{port}")
+    ranks.join_alone(DEVICE)
 
 
 def _median_s(fn, repeats: int) -> float:

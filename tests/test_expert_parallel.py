@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -157,10 +156,7 @@ def test_data_parallel_size_must_equal_expert_parallel_size() -> None:
 @pytest.fixture
 def rank_of_one():
     """This process as the one rank of a gloo group, for the distributed path at world size 1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ranks.join(ranks.RankInfo(0, 1, 0), "cpu", f"tcp://127.0.0.1:{port}")
+    ranks.join_alone("cpu")
     yield
     ranks.leave()
 

@@ -6,7 +6,6 @@ Several GPUs: `python bench/ep_h200.py --part gpus --target sm90`."""
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 import pytest
 
@@ -28,10 +27,7 @@ PARAMS = [SamplingParams(max_tokens=12, temperature=0, logprobs=3),
 
 @pytest.fixture
 def nccl_rank_of_one():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ranks.join(ranks.RankInfo(0, 1, 0), "cuda", f"tcp://127.0.0.1:{port}")
+    ranks.join_alone("cuda")
     yield
     ranks.leave()
 

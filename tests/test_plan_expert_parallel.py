@@ -8,8 +8,6 @@ tests/test_gpu_plan_expert_parallel.py."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -85,9 +83,7 @@ def _rank(rank: int, world: int, port: int, results) -> None:
 
 
 def test_two_ranks_give_one_process_s_logits_and_tokens() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = ranks.free_port()
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, 2, port, results)) for r in range(2)]
@@ -131,10 +127,7 @@ def test_the_exchange_s_launches_are_built_only_when_asked() -> None:
 @pytest.fixture
 def rank_of_one():
     """This process as the one rank of a gloo group."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ranks.join(ranks.RankInfo(0, 1, 0), "cpu", f"tcp://127.0.0.1:{port}")
+    ranks.join_alone("cpu")
     yield
     ranks.leave()
 

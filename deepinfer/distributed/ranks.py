@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,18 @@ def join(info: RankInfo, device: str, init_method: str = "env://") -> RankInfo:
     return info
 
 
+def free_port() -> int:
+    """A port on this host that is free now, for the ranks' rendezvous (tcp://127.0.0.1:port)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join_alone(device: str) -> RankInfo:
+    """Join a process group of this process alone (world size 1): the distributed path on one device."""
+    return join(RankInfo(0, 1, 0), device, f"tcp://127.0.0.1:{free_port()}")
+
+
 def leave() -> None:
     """Leave the process group: this process is no rank any more."""
     global _current
@@ -80,5 +93,5 @@ def from_torchrun() -> RankInfo:
     return RankInfo(rank, world, int(os.environ.get("LOCAL_RANK", rank)))
 
 
-__all__ = ["COLLECTIVE_TIMEOUT", "RankInfo", "current", "from_torchrun", "group_device", "join", "leave",
-           "started_by_torchrun"]
+__all__ = ["COLLECTIVE_TIMEOUT", "RankInfo", "current", "free_port", "from_torchrun", "group_device", "join",
+           "join_alone", "leave", "started_by_torchrun"]

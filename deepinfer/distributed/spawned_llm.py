@@ -13,7 +13,6 @@ import logging
 import os
 import queue
 import signal
-import socket
 import time
 import traceback
 from collections.abc import Iterator, Sequence
@@ -22,6 +21,7 @@ from typing import Any
 import torch.multiprocessing as mp
 
 from deepinfer.config import DeepseekV41Config
+from deepinfer.distributed import ranks
 from deepinfer.engine import EngineArgs
 from deepinfer.engine.spec_decode import SpeculativeConfig
 from deepinfer.inputs import PromptType
@@ -78,9 +78,7 @@ class SpawnedLLM(LLM):
         from deepinfer.distributed.worker import run_rank
 
         context = mp.get_context("spawn")
-        with socket.socket() as s:  # a free port for the group's rendezvous
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = ranks.free_port()  # for the group's rendezvous
         self._results = context.Queue()
         self._commands = [context.Queue() for _ in range(world_size)]
         self._ranks = [context.Process(target=run_rank, args=(r, world_size, port, build, self._commands[r],
