@@ -55,6 +55,8 @@ class Executor:
                 v = graph.nodes[node.index].inputs[pos]
                 if v is not None and v.name in self.params:
                     self.param(v.name, fmt)
+        # the node that sets the context (bounded replay's `decoder_context`), if any
+        self.boundary = next((i for i, n in enumerate(graph.nodes) if OPS[n.op].sets_context), None)
         self.kernel_calls = 0
         self.cuda_graphs = CudaGraphs(graph, uncaptured=self.uncaptured) if cuda_graphs else None
 
@@ -93,7 +95,7 @@ class Executor:
             forward = self.cuda_graphs.begin(ctx, (batch_invariant,))
         index = 0
         while index < len(graph.nodes):
-            if OPS[graph.nodes[index].op].sets_context:  # bounded replay's boundary: later nodes run in its view
+            if index == self.boundary:  # bounded replay's boundary: later nodes run in its view
                 view = OPS[graph.nodes[index].op].reference(**graph.nodes[index].attrs, ctx=ctx)
                 index += 1
                 if view is ctx:
