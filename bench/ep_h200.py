@@ -35,16 +35,20 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from deepinfer import LLM, SamplingParams
-from deepinfer.default_model import default_checkpoint
-from deepinfer.distributed import ranks
-from deepinfer.distributed.rank_llm import RankLLM
-from graphs.engram_storage import HostEngramRows
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.default_model import default_checkpoint  # noqa: E402
+from deepinfer.distributed import ranks  # noqa: E402
+from deepinfer.distributed.rank_llm import RankLLM  # noqa: E402
+from graphs.engram_storage import HostEngramRows  # noqa: E402
 
 CASES = {"decode B=64": (64, 4.2), "prefill 8192": (8192, 30.7)}  # tokens, ms of layer 0 (RESULTS.md slice / 4)
 COLS, DIM = 24, 256

@@ -86,8 +86,9 @@ def _compile_plan(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets:
     graphs = [run_passes(model.graph(dspark=drafting, replay=replay))]
     graphs += [run_passes(model.draft_graph())] if drafting else []
     params = model.params()
-    plans = [make_plan(g, params, target, tuple(buckets or BUCKETS), dot_fp32, fp8_activations=fp8_activations)
-             for g in graphs]
+    shards = model.shard.world_size if model.shard is not None else 1
+    plans = [make_plan(g, params, target, tuple(buckets or BUCKETS), dot_fp32, fp8_activations=fp8_activations,
+                       expert_shards=shards) for g in graphs]
     launches = record_sampling_launches(model.config.vocab_size)  # the engine's draws
     for graph, plan in zip(graphs, plans, strict=True):  # the draft graph's launches mostly repeat the main one's
         launches |= record_launches(plan, {i: node.attrs for i, node in enumerate(graph.nodes)}, expert_parallel)

@@ -117,6 +117,11 @@ class Lowering:
         """Whether the node can take e4m3 rows as its first input (`Variant.e4m3_in`)."""
         return False
 
+    def whole(self, static: Static, expert_shards: int) -> Static:
+        """The static shapes of the whole layer whose share, one of `expert_shards`, a node holds (expert parallelism
+        splits only the routed experts): what the tuning cache keys, since configs are tuned on whole layers."""
+        return static
+
     def key(self, static: Static, variant: Variant) -> dict[str, Any]:
         """The static shapes as the tuning cache keys them: with the backend where the template has several, and the
         e4m3 forms, since a config is measured on one kernel."""

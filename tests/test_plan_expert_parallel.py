@@ -124,6 +124,32 @@ def test_the_exchange_s_launches_are_built_only_when_asked() -> None:
     assert any("TOPK=1," in key for key in added)  # the owner's GEMMs: one pair a row
 
 
+def test_a_ranks_plan_takes_the_whole_layers_tuned_configs() -> None:
+    """A rank's share of the experts (4 of 8 here) is planned with the configs tuned on the whole layer: the cache
+    keys `e` = 8, so a plan of the share finds them only through `expert_shards`."""
+    from autotune import TuningCache, cache_key, template_hash
+    from kernels.registry import LOWERINGS
+
+    model = DeepseekV41Flash.from_pretrained(fixture_dir(FIXTURE), ExpertShard(1, 2))
+    graph = run_passes(model.graph())
+    tuning, config = TuningCache(None), None
+    lowering = LOWERINGS["moe_experts"]
+    for node in make_plan(graph, model.params(), "sm90", buckets=(16,), tuning=tuning).kernel_nodes():
+        if node.op == "moe_experts":
+            assert node.static.e == 4 and node.buckets[16].source == "heuristic"
+            config = dict(node.buckets[16].config, marker=7)  # a config no heuristic gives
+            whole = lowering.key(lowering.whole(node.static, 2), node.variant)
+            assert whole["e"] == 8
+            tuning.put(cache_key("moe_experts", whole, 16, "sm90", "NVIDIA H200", template_hash("moe_experts")),
+                       config)
+    assert config is not None
+    plan = make_plan(graph, model.params(), "sm90", buckets=(16,), tuning=tuning, expert_shards=2)
+    moe = [n for n in plan.kernel_nodes() if n.op == "moe_experts"]
+    assert moe and all(n.buckets[16].source == "tuned" and n.buckets[16].config["marker"] == 7 for n in moe)
+    alone = make_plan(graph, model.params(), "sm90", buckets=(16,), tuning=tuning)
+    assert all(n.buckets[16].source == "heuristic" for n in alone.kernel_nodes() if n.op == "moe_experts")
+
+
 @pytest.fixture
 def rank_of_one():
     """This process as the one rank of a gloo group."""

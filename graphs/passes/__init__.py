@@ -20,15 +20,17 @@ from graphs.plan import BUCKETS, NodePlan, Plan
 
 
 def make_plan(graph: Graph, params: dict[str, torch.Tensor], target: str, buckets: tuple[int, ...] = BUCKETS,
-              dot_fp32: bool = False, tuning: TuningCache | None = None, fp8_activations: bool = False) -> Plan:
+              dot_fp32: bool = False, tuning: TuningCache | None = None, fp8_activations: bool = False,
+              expert_shards: int = 1) -> Plan:
     """The kernel for every node that has one on `target` (its backend the target's rule), with `fp8_activations`
-    the e4m3 forms, then per bucket its GEMMs and config (tuned when cached) and its batch-invariant config."""
+    the e4m3 forms, then per bucket its GEMMs and config (tuned when cached, keyed by the whole layer where `params`
+    hold one of `expert_shards` shares of the routed experts) and its batch-invariant config."""
     plan = Plan(target, [NodePlan(i, node.op) for i, node in enumerate(graph.nodes)], tuple(buckets), dot_fp32,
                 fp8_activations)
     plan = _after("select_kernels", select_kernels(plan, graph, params))
     if fp8_activations:
         plan = _after("fp8_activations", rewrite_fp8_activations(plan, graph))
-    return _after("choose_configs", choose_configs(plan, tuning))
+    return _after("choose_configs", choose_configs(plan, tuning, expert_shards))
 
 
 def _after(name: str, plan: Plan) -> Plan:

@@ -4,7 +4,7 @@ its scores and top-k on gate.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -45,6 +45,9 @@ class MoeExperts(Lowering):
         if not (fp4 or w1.is_floating_point()) or (fp4 and (d % 32 or inter % 32)):
             return None
         return ExpertsStatic(e, inter, d, int(node.inputs[2].type.shape[1]), "fp4" if fp4 else "plain")
+
+    def whole(self, static: ExpertsStatic, expert_shards: int) -> ExpertsStatic:
+        return replace(static, e=static.e * expert_shards)
 
     def formats(self, static: ExpertsStatic) -> dict[int, str]:
         if static.fmt == "fp4":
