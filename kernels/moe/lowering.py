@@ -10,6 +10,7 @@ import torch
 
 import kernels.linear.linear as linear
 import kernels.moe.experts as experts
+import kernels.moe.fragments as fragments
 import kernels.moe.gate as gate
 from dsl.graph import Node
 from kernels.linear.lowering import weight_format
@@ -33,7 +34,7 @@ class GateStatic(Static):
 
 
 class MoeExperts(Lowering):
-    template, ops, static_type, sources = "moe_experts", ("moe_experts",), ExpertsStatic, (experts,)
+    template, ops, static_type, sources = "moe_experts", ("moe_experts",), ExpertsStatic, (experts, fragments)
 
     def static(self, node: Node, params: Params) -> ExpertsStatic | None:
         w1 = param(node, 3, params)
@@ -47,8 +48,8 @@ class MoeExperts(Lowering):
         return ExpertsStatic(e, inter, d, int(node.inputs[2].type.shape[1]), "fp4" if fp4 else "plain")
 
     def formats(self, static: ExpertsStatic) -> dict[int, str]:
-        if static.fmt == "fp4":
-            return {3: "raw", 4: "raw", 5: "raw", 6: "prescaled", 7: "prescaled", 8: "prescaled"}
+        if static.fmt == "fp4":  # codes in fragment order (kernels/moe/fragments.py), scales as the bf16 factor
+            return {3: "fragments", 4: "fragments", 5: "fragments", 6: "prescaled", 7: "prescaled", 8: "prescaled"}
         return {3: "plain", 4: "plain", 5: "plain"}
 
     def default_config(self, static: ExpertsStatic, tokens: int, variant: Variant = PLAIN,
@@ -89,11 +90,13 @@ class MoeExperts(Lowering):
     @staticmethod
     def _meta_weights(call: Call) -> tuple:
         st = call.static
-        fp4, wd = st.fmt == "fp4", weight_dtype(st.fmt, call.dot_fp32)
-        w1 = meta(st.e, st.inter, st.d // 2 if fp4 else st.d, dtype=wd)
-        w2 = meta(st.e, st.d, st.inter // 2 if fp4 else st.inter, dtype=wd)
-        s1, s2 = (meta(st.e, st.inter, st.d // 32, dtype=torch.bfloat16),
-                  meta(st.e, st.d, st.inter // 32, dtype=torch.bfloat16)) if fp4 else (None, None)
+        if st.fmt != "fp4":
+            wd = weight_dtype(st.fmt, call.dot_fp32)
+            return meta(st.e, st.inter, st.d, dtype=wd), meta(st.e, st.d, st.inter, dtype=wd), None, None
+        w1 = meta(st.e, st.inter // 16, st.d // 32, fragments.UNIT, dtype=torch.uint8)
+        w2 = meta(st.e, st.d // 16, st.inter // 32, fragments.UNIT, dtype=torch.uint8)
+        s1 = meta(st.e, st.inter, st.d // 32, dtype=torch.bfloat16)
+        s2 = meta(st.e, st.d, st.inter // 32, dtype=torch.bfloat16)
         return w1, w2, s1, s2
 
 

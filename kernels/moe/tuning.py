@@ -9,6 +9,7 @@ import torch
 
 import kernels.linear.linear as linear
 import kernels.moe.experts as experts
+from kernels.moe.fragments import fragment_codes
 from kernels.moe.lowering import MOE_EXPERTS, MOE_GATE, ExpertsStatic, GateStatic
 from kernels.moe.space import gate_configs, moe_configs
 from kernels.tuning import Job, Tuning
@@ -17,10 +18,10 @@ from kernels.tuning import Job, Tuning
 def experts_job(st: ExpertsStatic, m: int, fields: dict) -> Job:
     e, inter, d, topk, dev = st.e, st.inter, st.d, st.topk, "cuda"
     shapes = ((inter, d), (d, inter), (inter, d))
-    ws = [torch.randint(0, 256, (e, o, i // 2), device=dev, dtype=torch.uint8) for o, i in shapes]
+    ws = [fragment_codes(torch.randint(0, 256, (e, o, i // 2), device=dev, dtype=torch.uint8)) for o, i in shapes]
     ss = [experts.prescaled(torch.ldexp(torch.ones(e, o, i // 32, device=dev),
                                         torch.randint(-7, -3, (e, o, i // 32), device=dev)))
-          for o, i in shapes]  # the form the executor gives the kernel
+          for o, i in shapes]  # the forms the executor gives the kernel
     picks = torch.stack([torch.randperm(e, device=dev)[:topk] for _ in range(m)])
     weights = torch.rand(m, topk, device=dev)
     x = torch.randn(m, d, device=dev)
