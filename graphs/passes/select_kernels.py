@@ -1,7 +1,7 @@
 """Kernel selection: each node whose op has a lowering that applies to it (kernels/registry.py) gets its template,
-typed static shapes (as they are on the plan's target: `Lowering.on_target`), weight formats and backend. The backend is the target's rule (`Target.backends`, preferred
-first) among the template's own, skipping one this machine cannot build (said once, kernels.registry.buildable); a
-node none of whose backends qualifies runs its reference."""
+typed static shapes (as they are on the plan's target: `Lowering.on_target`), weight formats and backend. The backend
+is the target's rule (`Target.backends`, preferred first) among the template's own, skipping one this machine cannot
+build (said once, kernels.registry.buildable); a node none of whose backends qualifies runs its reference."""
 
 from __future__ import annotations
 
