@@ -199,20 +199,31 @@ def test_the_executor_keeps_only_the_fragments_and_gives_the_raw_kernels_bits() 
         Executor(graph, reference, executor.params, "cpu", formatted=executor.formatted)
 
 
-def test_the_decode_loop_reads_whole_words_and_runs_fewer_instructions(tmp_path) -> None:
-    """bench/moe_sass.py on cubins built here for sm_90a (no GPU needed, no interpreter): in both GEMMs' loops on
-    fragments, no byte shuffles (PRMT) and no 2-byte loads, so each 4-byte register the asm decodes is one word of
-    the format; GEMM 1 at most 75% of the raw codes' instructions."""
+def _loop_mix(tiles: dict | None, tokens: int, out: Path) -> dict:
+    """bench/moe_sass.py's instruction mix of both GEMMs' loops (run without the interpreter: it compiles none)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = tmp_path / "mix.json"
-    subprocess.run([sys.executable, "bench/moe_sass.py", "--json", str(out)], cwd=ROOT, env=env, check=True,
-                   capture_output=True, timeout=600)
-    mix = json.loads(out.read_text())
-    for gemm in ("GEMM 1", "GEMM 2"):
-        frag, raw = mix[gemm]["fragments"], mix[gemm]["raw"]
-        assert frag.get("PRMT", 0) == 0 and frag.get("LDS.U16", 0) == 0 and raw["LDS.U16"] > 0
-        assert frag["HGMMA"] == raw["HGMMA"]
-    assert sum(mix["GEMM 1"]["fragments"].values()) <= 0.75 * sum(mix["GEMM 1"]["raw"].values())
+    args = ["--tokens", str(tokens), "--json", str(out)] + ([] if tiles is None else ["--config", json.dumps(tiles)])
+    subprocess.run([sys.executable, "bench/moe_sass.py", *args], cwd=ROOT, env=env, check=True, capture_output=True,
+                   timeout=600)
+    return json.loads(out.read_text())
+
+
+def test_the_decode_loop_reads_whole_words_and_runs_fewer_instructions(tmp_path) -> None:
+    """On cubins built here for sm_90a (no GPU needed): in both GEMMs' loops on fragments, no byte shuffles (PRMT),
+    so each 4-byte register the asm decodes is one word of the format, at the decode tiles and at the heuristic's
+    prefill tiles; at the decode tiles no 2-byte loads either, and GEMM 1 at most 75% of the raw codes'
+    instructions."""
+    prefill = {k: v for k, v in default_config(8192)["up"].items() if k != "split_k"}
+    mixes = {tiles is None: _loop_mix(tiles, tokens, tmp_path / f"{tokens}.json")
+             for tiles, tokens in ((None, 64), (prefill, 8192))}
+    for decode, mix in mixes.items():
+        for gemm in ("GEMM 1", "GEMM 2"):
+            frag, raw = mix[gemm]["fragments"], mix[gemm]["raw"]
+            assert frag.get("PRMT", 0) == 0 and raw["PRMT"] > 0 and frag["HGMMA"] == raw["HGMMA"]
+            assert sum(frag.values()) < sum(raw.values())
+            assert not decode or frag.get("LDS.U16", 0) == 0 < raw["LDS.U16"]
+    decode = mixes[True]["GEMM 1"]
+    assert sum(decode["fragments"].values()) <= 0.75 * sum(decode["raw"].values())
 
 
 @pytest.mark.gpu
