@@ -32,9 +32,7 @@ class SparseAttention(Lowering):
 
     def default_config(self, static: HeadsStatic, tokens: int, variant: Variant = PLAIN,
                        gemms: tuple[str, ...] = ()) -> dict:
-        """The gathered kernel's config and `paged_split`, the parts of the in-place kernel's entry lists."""
-        split = paged.default_split(tokens, static.h)
-        return attention.default_config(tokens, static.h, static.d) | {"paged_split": split}
+        return attention.default_config(tokens, static.h, static.d)
 
     def run(self, call: Call) -> torch.Tensor:
         """Where `paged.IN_PLACE`, the chunks of decode and verification steps over paged pools read the caches in
@@ -69,8 +67,8 @@ class SparseAttention(Lowering):
         """One part per token. The wrapper sizes the parts of a split from the widest entry list of the batch, so a
         token's part boundaries (and the combine's sum) would move with its neighbours; whole, a token's entries run
         in blocks of block_S from its first, and the blocks past its own entries are masked out exactly. The in-place
-        kernel's parts are set by the config alone; one part it takes too."""
-        return dict(config, split_kv=1, paged_split=1)
+        kernel takes as many parts (kernels/attention/paged_attention.py: `tiles`): one."""
+        return dict(config, split_kv=1)
 
 
 def _rows_apart(ctx, chunks: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:

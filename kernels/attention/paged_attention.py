@@ -194,8 +194,8 @@ def _pool(fmt: EntryFormat, parts: list[torch.Tensor], d: int, name: str) -> tup
 
 
 def default_split(num_tokens: int, heads: int, num_sms: int = 132) -> int:
-    """Parts of each token's entry list for a bucket of `num_tokens`: enough programs to fill the GPU (one a token
-    and part at V4.1's 64 heads), at most 16. A bucket's count, never the batch's: batch-invariant runs take 1."""
+    """Parts of each token's entry list for `num_tokens` tokens and no plan: enough programs to fill the GPU (one a
+    token and part at V4.1's 64 heads), at most 16."""
     programs, split = num_tokens * triton.cdiv(heads, 64), 1
     while programs * split < num_sms and split < 16:
         split *= 2
@@ -203,13 +203,11 @@ def default_split(num_tokens: int, heads: int, num_sms: int = 132) -> int:
 
 
 def tiles(config: dict | None, num_tokens: int, heads: int, head_dim: int, dot_fp32: bool) -> dict:
-    """The kernel's config from a plan's sparse_attention config (`paged_split`: the parts, else its `split_kv`), or
-    None (the heuristic for `num_tokens`): all of a token's heads in one program (up to 64: wgmma's M), blocks of 64
-    entries, 8 warps at V4.1's 512 dims. fp32 products (FMA dots, a test mode) take 16 heads and 16 entries."""
-    if config is None:
-        split = default_split(num_tokens, heads)
-    else:
-        split = config.get("paged_split", config.get("split_kv", 1))
+    """The kernel's config from a plan's sparse_attention config, or None (then `default_split` for `num_tokens`):
+    all of a token's heads in one program (up to 64: wgmma's M), blocks of 64 entries, 8 warps at V4.1's 512 dims;
+    fp32 products (FMA dots, a test mode) take 16 heads and 16 entries. A plan's config gives the parts: its
+    `split_kv`, a count its bucket fixes (1 in batch-invariant runs), never the batch in it."""
+    split = default_split(num_tokens, heads) if config is None else config.get("split_kv", 1)
     if dot_fp32:
         return {"block_H": 16, "block_S": 16, "num_warps": 4, "num_stages": 1, "split": split}
     block_h = min(64, max(16, triton.next_power_of_2(heads)))

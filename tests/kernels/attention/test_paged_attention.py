@@ -128,7 +128,7 @@ def test_paged_attention_over_pairs_and_without_picks(device) -> None:
     """Ratio-2 pools (2 entries a block of 4 positions), a plan's config, and the window-only layers (no picks)."""
     step = make_step(STEPS["mixed decode"], heads=3, dim=64, window=8, topk=5, spare=1, block_size=4, ratio=2,
                      device=device)
-    plan_config = dict(block_H=16, block_S=16, num_warps=4, num_stages=2, split_kv=2, paged_split=2)
+    plan_config = dict(block_H=16, block_S=16, num_warps=4, num_stages=2, split_kv=2)
     check(step, 8, plan_config, False)
     step["topk"] = None
     check(step, 8, plan_config, False)
