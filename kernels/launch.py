@@ -20,8 +20,7 @@ import torch
 from kernels.tilelang_kernel import TileLangKernel
 
 _TYPES = {torch.float64: "fp64", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-          torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int8: "i8", torch.int16: "i16", torch.int32: "i32",
-          torch.int64: "i64"}
+          torch.float8_e4m3fn: "fp8e4nv", torch.uint8: "u8", torch.int8: "i8", torch.int32: "i32", torch.int64: "i64"}
 
 
 @dataclass(frozen=True)

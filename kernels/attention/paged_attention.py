@@ -32,7 +32,9 @@ from kernels.attention.paged_entries import KINDS, bf16_halves, decode_tile, loa
 from kernels.lang import tl, triton
 from kernels.launch import launch
 
-# Whether the sparse_attention lowering takes this kernel where `reads_in_place` holds: DEEPINFER_PAGED_ATTENTION=1.
+# Whether the sparse_attention lowering takes this kernel for the chunks `in_place_chunks` passes:
+# DEEPINFER_PAGED_ATTENTION=1. Off by default until its GPU tests (tests/kernels/attention/test_paged_*.py -m gpu)
+# and bench/bench_decode_attention.py have run on the GPU.
 IN_PLACE = os.environ.get("DEEPINFER_PAGED_ATTENTION", "0") == "1"
 
 
