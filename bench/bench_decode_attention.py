@@ -1,16 +1,18 @@
-"""Decode attention at V4.1-Flash's shapes: reading the caches in place (kernels/attention/paged_attention.py)
-against today's gathered path (the window gathered from its fp8 ring, the picks from the paged fp4 pool, the entry
-lists of `visible_entries`, then the sparse attention kernel), side by side in one process.
+"""Decode attention at V4.1-Flash's shapes, side by side in one process: the in-place kernel
+(kernels/attention/paged_attention.py), its previous form (bench/paged_attention_baseline.py) and the gathered path
+(the window gathered from its fp8 ring, the picks from the paged fp4 pool, the entry lists of `visible_entries`,
+then the sparse attention kernel).
 
 One decode token per sequence, B sequences at ctx positions each: 64 heads x 512, window 128 (fp8, per-32
 power-of-two scales), 512 picks from a decoder layer's pool (fp4, per-16 e4m3 scales, one entry a position, 64
-entries a block, scattered block tables). Each row checks that both give the same fp32 output bit for bit (`same`),
-then times them with the same config: the heuristic one and its batch-invariant form (split_kv 1). `gather us` and
-`in place us` are medians of plain launches (events: the gathered path's host work and launch gaps count, as in an
-eager step); `graphed us` replays the in-place call from a CUDA graph, which the gathered path cannot be. GB/s
-counts the cache bytes a token reads once (its window and picked entries with their scales) over the in-place time;
-the index tensors every layer of a forward shares are made once, as in a forward. FlashMLA's decode reaches about
-3,000 GB/s on an H800.
+entries a block, scattered block tables). Every row is checked first: each path's fp32 output against the float64
+reference (the DSL op over the same decoded entries, bf16 q), relative L2 under 4e-3. Then each is timed with the
+plan's config for B tokens (`heuristic`) and, where it differs, its batch-invariant form (`invariant`, one part per
+token): medians
+of plain launches (events; the gathered path's host work and launch gaps count, as in an eager step), and the
+in-place kernel replayed from a CUDA graph too (`graphed`), which the gathered path cannot be. GB/s counts the bytes
+a token must move, over the graphed time: its window's and picks' codes and scales, its pick ids, q (bf16) and the
+output (fp32); `of HBM` is that over the H200's 4.28 TB/s. FlashMLA's decode reaches about 3,000 GB/s on an H800.
 
     python bench/bench_decode_attention.py [--batches 1,16,64,256] [--contexts 1024,16384]
 """
@@ -24,6 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import paged_attention_baseline as baseline  # noqa: E402
 
 import kernels.cache.rows as cache_kernels  # noqa: E402
 from autotune.tune import time_us  # noqa: E402
@@ -31,13 +36,17 @@ from dsl.cache import CacheSpec, PagedCache  # noqa: E402
 from dsl.cache_format import EntryFormat  # noqa: E402
 from dsl.context import ForwardContext, SequenceState  # noqa: E402
 from dsl.ops.attention import CacheView, PagedEntries, kv_window_append, kv_window_block  # noqa: E402
+from dsl.ops.attention import sparse_attention as reference  # noqa: E402
 from dsl.ops.rounding import fp8_round  # noqa: E402
 from dsl.transfer import to_device  # noqa: E402
+from kernels.attention.lowering import SPARSE_ATTENTION, HeadsStatic  # noqa: E402
 from kernels.attention.paged_attention import paged_attention_op  # noqa: E402
-from kernels.attention.sparse_attention import default_config, sparse_attention_op  # noqa: E402
+from kernels.attention.sparse_attention import sparse_attention_op  # noqa: E402
 
 HEADS, DIM, WINDOW, TOPK, BLOCK = 64, 512, 128, 512, 64
 WINDOW_FMT, POOL_FMT = EntryFormat("fp8", 32), EntryFormat("fp4", 16, True)
+HBM = 4.28e12  # bytes/s, the H200's measured read ceiling
+TOLERANCE = 4e-3
 
 
 def fill(parts: list[torch.Tensor], fmt: EntryFormat) -> None:
@@ -66,45 +75,57 @@ def make_step(batch: int, context: int, device: str = "cuda") -> dict:
     states = [SequenceState(num_tokens=context, cache=cache, slot=i, block_table=blocks[i]) for i in range(batch)]
     ctx = ForwardContext(states, [1] * batch, device=device)
     kv = fp8_round(torch.randn(batch, DIM, device=device), block=32)
-    gathered = kv_window_block(kv, layer=0, window=WINDOW, ctx=ctx)  # today's view, gathered before the store
+    gathered = kv_window_block(kv, layer=0, window=WINDOW, ctx=ctx)  # the view gathered before the store
     in_place = kv_window_append(kv, layer=0, window=WINDOW, ctx=ctx)  # stores the step's rows, gathers nothing
     lengths = [context] * batch
     compressed = CacheView(lengths=lengths, length=to_device(lengths, device),
                            paged=PagedEntries(cache, "kv", 0, ctx.paged.tables, ctx))
-    topk = torch.randint(0, context, (batch, TOPK), device=device)
+    topk = torch.rand(batch, context, device=device).argsort(dim=1)[:, :TOPK]  # distinct picks, as the indexer's
     topk[torch.rand(batch, TOPK, device=device) < 0.05] = -1
     q = torch.randn(batch, HEADS, DIM, device=device).bfloat16()
     sink = torch.randn(HEADS, device=device)
     return dict(ctx=ctx, kv=kv, gathered=gathered, in_place=in_place, compressed=compressed, topk=topk, q=q, sink=sink)
 
 
-def cache_bytes(batch: int) -> int:
-    """Bytes of cache one decode step's attention reads: per token its window's and its picks' codes and scales."""
-    return batch * (WINDOW * WINDOW_FMT.entry_bytes(DIM) + TOPK * POOL_FMT.entry_bytes(DIM))
+def token_bytes() -> int:
+    """Bytes one decode token moves at least: its window's and picks' codes and scales, its pick ids, q and out."""
+    cache = WINDOW * WINDOW_FMT.entry_bytes(DIM) + TOPK * POOL_FMT.entry_bytes(DIM)
+    return cache + TOPK * 4 + HEADS * DIM * (2 + 4)
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b).norm() / b.norm())
 
 
 def measure(batch: int, context: int) -> list[dict]:
     s = make_step(batch, context)
     common = dict(window_size=WINDOW, scale=DIM**-0.5, ctx=s["ctx"])
+    args = (s["q"], s["in_place"], s["sink"], s["compressed"], s["topk"])
+    heuristic = SPARSE_ATTENTION.default_config(HeadsStatic(HEADS, DIM), batch)
     rows = []
-    for mode, config in (("heuristic", default_config(batch, HEADS, DIM)),
-                         ("invariant", dict(default_config(batch, HEADS, DIM), split_kv=1))):
+    invariant = SPARSE_ATTENTION.invariant(heuristic)
+    modes = [("heuristic", heuristic)] + ([("invariant", invariant)] if invariant != heuristic else [])
+    for mode, config in modes:  # the heuristic's row serves both where they are the same config
         def gather(config=config):  # the window gathered from its ring each call, as each layer's append does
             view = kv_window_block(s["kv"], layer=0, window=WINDOW, ctx=s["ctx"])
-            return sparse_attention_op(s["q"], view, s["sink"], s["compressed"], s["topk"], config=config,
-                                       **common)
+            return sparse_attention_op(s["q"], view, *args[2:], config=config, **common)
 
-        def in_place(config=config):
-            return paged_attention_op(s["q"], s["in_place"], s["sink"], s["compressed"], s["topk"], config=config,
-                                      **common)
+        def old(config=config):
+            return baseline.paged_attention_op(*args, config=config, **common)
 
-        same = torch.equal(gather(), in_place())
-        t_gather, t_in_place = time_us(gather, graph=False), time_us(in_place, graph=False)
-        t_graphed = time_us(in_place)
-        rows.append(dict(B=batch, ctx=context, mode=mode, split=config.get("split_kv", 1), same=same,
-                         gather_us=t_gather, in_place_us=t_in_place, graphed_us=t_graphed,
-                         gbs=cache_bytes(batch) / t_graphed / 1e3, ratio=t_gather / t_in_place))
-        print(rows[-1], flush=True)
+        def new(config=config):
+            return paged_attention_op(*args, config=config, **common)
+
+        want = reference(s["q"].double(), s["gathered"], s["sink"].double(), s["compressed"], s["topk"], **common)
+        errors = {name: rel_l2(fn(), want) for name, fn in (("new", new), ("old", old), ("gathered", gather))}
+        row = dict(B=batch, ctx=context, mode=mode, split=config["split_kv"], errors=errors,
+                   ok=all(e < TOLERANCE for e in errors.values()))
+        if row["ok"]:
+            row |= dict(old_us=time_us(old), new_us=time_us(new, graph=False), graphed_us=time_us(new),
+                        gather_us=time_us(gather, graph=False))
+            row["gbs"] = batch * token_bytes() / row["graphed_us"] / 1e3
+        rows.append(row)
+        print({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
     return rows
 
 
@@ -114,18 +135,23 @@ def main() -> int:
     p.add_argument("--contexts", default="1024,16384")
     args = p.parse_args()
     torch.manual_seed(0)
-    print("device:", torch.cuda.get_device_name(), flush=True)
+    print(f"device: {torch.cuda.get_device_name()}; {token_bytes()} bytes a token", flush=True)
     rows = []
     for context in map(int, args.contexts.split(",")):
         for batch in map(int, args.batches.split(",")):
             rows += measure(batch, context)
             torch.cuda.empty_cache()
-    print(f"\n{'B':>4s} {'ctx':>6s} {'config':>9s} {'split':>5s} {'same':>5s} {'gather us':>10s} {'in place us':>11s} "
-          f"{'graphed us':>10s} {'GB/s':>7s} {'x gather':>8s}")
+    print(f"\n{'B':>4s} {'ctx':>6s} {'config':>9s} {'split':>5s} {'old us':>8s} {'new us':>8s} {'graphed':>8s} "
+          f"{'gather us':>9s} {'GB/s':>6s} {'of HBM':>6s} {'x old':>6s} {'x gather':>8s} {'rel err new':>11s}")
     for r in rows:
-        print(f"{r['B']:4d} {r['ctx']:6d} {r['mode']:>9s} {r['split']:5d} {str(r['same']):>5s} {r['gather_us']:10.1f} "
-              f"{r['in_place_us']:11.1f} {r['graphed_us']:10.1f} {r['gbs']:7.0f} {r['ratio']:8.2f}")
-    return 0 if all(r["same"] for r in rows) else 1
+        if not r["ok"]:
+            print(f"{r['B']:4d} {r['ctx']:6d} {r['mode']:>9s} {r['split']:5d}  FAILED the check: {r['errors']}")
+            continue
+        print(f"{r['B']:4d} {r['ctx']:6d} {r['mode']:>9s} {r['split']:5d} {r['old_us']:8.1f} {r['new_us']:8.1f} "
+              f"{r['graphed_us']:8.1f} {r['gather_us']:9.1f} {r['gbs']:6.0f} {r['gbs'] * 1e9 / HBM:6.1%} "
+              f"{r['old_us'] / r['graphed_us']:6.1f} {r['gather_us'] / r['new_us']:8.1f} "
+              f"{r['errors']['new']:11.1e}")
+    return 0 if all(r["ok"] for r in rows) else 1
 
 
 if __name__ == "__main__":

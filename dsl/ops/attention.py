@@ -49,13 +49,17 @@ class PagedWindow:
     slots: torch.Tensor
     ctx: ForwardContext
 
-    def intact(self) -> bool:
-        """Whether the ring, after this forward's store, still holds every position the view shows: a chunk of T
-        tokens overwrites the rows of the positions RING - T + 1 and more before its last, and the view reaches
-        `window - 1` before its first, so T <= RING - window + 1 (decode and verification steps: the rings keep
-        that many spare positions)."""
+    def intact_chunks(self) -> list[bool]:
+        """Per chunk: whether its ring, after this forward's store, still holds every position its view shows. A
+        chunk of T tokens overwrites the rows of the positions RING - T + 1 and more before its last, and the view
+        reaches `window - 1` before its first, so T <= RING - window + 1 (decode and verification chunks: the rings
+        keep that many spare positions). Each chunk writes its own slot only."""
         ring = self.cache.windows[self.layer][1][0].shape[1]
-        return max(self.ctx.lengths, default=0) <= ring - self.window + 1
+        return [n <= ring - self.window + 1 for n in self.ctx.lengths]
+
+    def intact(self) -> bool:
+        """Whether every chunk's ring still holds its view (`intact_chunks`)."""
+        return all(self.intact_chunks())
 
 
 class CacheView:

@@ -35,17 +35,26 @@ class SparseAttention(Lowering):
         return attention.default_config(tokens, static.h, static.d)
 
     def run(self, call: Call) -> torch.Tensor:
-        """Decode and verification steps over paged pools read the caches in place where `paged.IN_PLACE` (kernels/
-        attention/paged_attention.py, the same values as the gathered path at the same config); the rest gathers."""
+        """Where `paged.IN_PLACE`, the chunks of decode and verification steps over paged pools read the caches in
+        place (kernels/attention/paged_attention.py); the rest gathers. The choice is a chunk's own, never its
+        batch's, so a token's path (and its values) does not follow what it is batched with."""
         q, window, sink, compressed, topk = (list(call.args) + [None, None])[:5]
-        a = call.attrs
-        if paged.IN_PLACE and paged.reads_in_place(window, compressed, topk, causal=a.get("causal", True)):
-            return paged.paged_attention_op(q, window, sink, compressed, topk, window_size=a["window_size"],
-                                            scale=a["scale"], ctx=call.ctx, config=call.config,
-                                            dot_fp32=call.dot_fp32)
-        return attention.sparse_attention_op(q, window, sink, compressed, topk, window_size=a["window_size"],
-                                             scale=a["scale"], ctx=call.ctx, causal=a.get("causal", True),
-                                             config=call.config, dot_fp32=call.dot_fp32)
+        a, ctx = call.attrs, call.ctx
+        causal = a.get("causal", True)
+        common = dict(window_size=a["window_size"], scale=a["scale"], ctx=ctx, config=call.config,
+                      dot_fp32=call.dot_fp32)
+        chunks = []
+        if paged.IN_PLACE and paged.supports(q.shape[-1]):
+            chunks = paged.in_place_chunks(window, compressed, topk, causal=causal)
+        if chunks and all(chunks):
+            return paged.paged_attention_op(q, window, sink, compressed, topk, **common)
+        if not any(chunks):
+            return attention.sparse_attention_op(q, window, sink, compressed, topk, causal=causal, **common)
+        near, far = ctx.memo(("in-place rows", tuple(chunks)), lambda: _rows_apart(ctx, chunks))
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        out[near] = paged.paged_attention_op(q, window, sink, compressed, topk, rows=near, **common)
+        out[far] = attention.sparse_attention_op(q, window, sink, compressed, topk, causal=causal, rows=far, **common)
+        return out
 
     def trace(self, call: Call) -> None:
         st, m = call.static, call.tokens
@@ -57,8 +66,16 @@ class SparseAttention(Lowering):
     def invariant(self, config: dict) -> dict:
         """One part per token. The wrapper sizes the parts of a split from the widest entry list of the batch, so a
         token's part boundaries (and the combine's sum) would move with its neighbours; whole, a token's entries run
-        in blocks of block_S from its first, and the blocks past its own entries are masked out exactly."""
+        in blocks of block_S from its first, and the blocks past its own entries are masked out exactly. The in-place
+        kernel takes as many parts (kernels/attention/paged_attention.py: `tiles`): one."""
         return dict(config, split_kv=1)
+
+
+def _rows_apart(ctx, chunks: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token rows [M] of the chunks marked in `chunks`, and those of the others, on the forward's device."""
+    near = [r for c, ok in zip(ctx.chunks, chunks, strict=True) if ok for r in range(c.start, c.start + c.length)]
+    far = [r for c, ok in zip(ctx.chunks, chunks, strict=True) if not ok for r in range(c.start, c.start + c.length)]
+    return torch.tensor(near, device=ctx.device), torch.tensor(far, device=ctx.device)
 
 
 SPARSE_ATTENTION = SparseAttention()

@@ -1,16 +1,24 @@
 """Decode and verification attention that reads the caches in place: the fp8 window ring and the paged fp4 pool.
 
-The same attention as kernels/attention/sparse_attention.py (one shared K=V head, a sink in the denominator), over
-the same entry lists, but nothing is gathered first. A query token t of sequence (chunk) b at position pos sees:
-- the window positions (pos - window_size, pos] from first[b] on (the first position its view shows), oldest first,
-  read from ring row p % RING of slot slots[b] (codes and block scales as dsl/cache_format.py stores them);
-- then its picks topk[t, k] (-1 = none; entries at or past the sequence's compressed length are skipped too), entry
-  e read from block tables[b, e // PER], row e % PER, of the compressed pool.
-Lane j of block i is entry i * block_S + j of that list of window_size + K entries: the list `gather_indices` builds,
-in the same blocks, so the online softmax runs the same operations on the same values as the gathered path (the
-entries are decoded to the same fp32 values, then cast as the gathered pool is). The grid is (tokens, head blocks,
-splits) and the loop runs over window_size + K entries whatever the caches' lengths: nothing here follows a length
-on the host, so a step's launch can be captured.
+The attention of kernels/attention/sparse_attention.py (one shared K=V head, a sink in the denominator) over the
+same entries, but nothing is gathered first. A query token t of sequence (chunk) b at position pos sees:
+- the window positions (pos - window_size, pos] from first[b] on (the first position its view shows), read from
+  ring row p % RING of slot slots[b] (codes and block scales as dsl/cache_format.py stores them);
+- its picks topk[t, k] (-1 = none; entries at or past the sequence's compressed length are skipped too), entry e
+  read from block tables[b, e // PER], row e % PER, of the compressed pool.
+
+One program takes one token, `block_H` heads (all 64 of V4.1's at once, so each entry is read and decoded once per
+token: 64 heads make wgmma's M) and one part of the token's entry blocks: ceil(window / block_S) window blocks, then
+ceil(K / block_S) pick blocks. A block's codes load one block ahead of its use, a pick block's ids two ahead, so
+the next block's memory traffic overlaps this block's decoding and products. Its values come as two tiles, the even
+and the odd columns (kernels/attention/paged_entries.py): q splits the same way, logits = q_e k_e^T + q_o k_o^T, and
+the output accumulates in two halves stored back to their columns. The online softmax runs in base 2 (log2(e)
+folded into the logit scale and the sink).
+
+The parts of the entry list (`split`) are a count fixed by the config, never by the batch or the caches' lengths;
+split > 1 writes each part's unnormalised output and (max, denominator), combined in a fixed order with the sink by
+`paged_attention_combine_kernel`. The grid is (tokens, head blocks, parts) and every loop bound is static or set by
+the config, so a step's launch can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -20,146 +28,139 @@ import os
 import torch
 
 from dsl.cache_format import EntryFormat
-from kernels.attention.sparse_attention import default_config, sparse_attention_combine_kernel
-from kernels.cache.rows import _e2m1_value, _e4m3_value, _pow2_value
+from kernels.attention.paged_entries import KINDS, bf16_halves, decode_tile, load_tile, pick_ids, pick_rows, window_rows
 from kernels.lang import tl, triton
 from kernels.launch import launch
 
-KINDS = {"fp32": 0, "fp8": 1, "fp4": 2}
-
-# Whether the sparse_attention lowering takes this kernel where `reads_in_place` holds: DEEPINFER_PAGED_ATTENTION=1.
-# Off by default: it equals the gathered path bit for bit under Triton's interpreter, but its GPU tests
-# (tests/kernels/attention/test_paged_attention*.py -m gpu) and bench/bench_decode_attention.py have not run on an
-# H200 yet, and the gathered path has.
+# Whether the sparse_attention lowering takes this kernel for the chunks `in_place_chunks` passes:
+# DEEPINFER_PAGED_ATTENTION=1. Off by default until its GPU tests (tests/kernels/attention/test_paged_*.py -m gpu)
+# and bench/bench_decode_attention.py have run on the GPU.
 IN_PLACE = os.environ.get("DEEPINFER_PAGED_ATTENTION", "0") == "1"
 
 
 @triton.jit
-def _decode(codes_ptr, scales_ptr, row, valid, offs_d, mask_d, D: tl.constexpr, KIND: tl.constexpr,
-            BLOCK: tl.constexpr, E4M3_SCALE: tl.constexpr):
-    """fp32 values [block_S, block_D] of pool rows `row` [block_S] where `valid` (0 elsewhere), decoded as
-    `EntryFormat.decode` does: code value times block scale."""
-    mask = valid[:, None] & mask_d[None, :]
-    r = row.to(tl.int64)[:, None]
-    if KIND == 0:
-        return tl.load(codes_ptr + r * D + offs_d[None, :], mask=mask, other=0.0)
-    byte = tl.load(scales_ptr + r * (D // BLOCK) + (offs_d // BLOCK)[None, :], mask=mask, other=0).to(tl.int32)
-    scale = _e4m3_value(byte) if E4M3_SCALE else _pow2_value(byte)
-    if KIND == 1:
-        code = tl.load(codes_ptr + r * D + offs_d[None, :], mask=mask, other=0).to(tl.int32)
-        value = _e4m3_value(code) * scale
-    else:  # two e2m1 codes a byte, the even column in the low nibble
-        packed = tl.load(codes_ptr + r * (D // 2) + (offs_d // 2)[None, :], mask=mask, other=0).to(tl.int32)
-        value = _e2m1_value((packed >> ((offs_d % 2) * 4)[None, :]) & 15) * scale
-    return tl.where(mask, value, 0.0)
-
-
-@triton.jit
-def _window_entries(li, inside, oldest, pos, slot, RING, codes_ptr, scales_ptr, offs_d, mask_d, D: tl.constexpr,
-                    WINDOW: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr):
-    """Places li [block_S] of a token's list that are window entries: their values and which are visible."""
-    p = oldest + li  # positions
-    visible = inside & (li < WINDOW) & (p <= pos)
-    return _decode(codes_ptr, scales_ptr, slot * RING + p % RING, visible, offs_d, mask_d, D, KIND, BLOCK,
-                   False), visible
-
-
-@triton.jit
-def _picked_entries(li, inside, t, chunk, length, topk_ptr, table_ptr, TABLE_W, PER, codes_ptr, scales_ptr, offs_d,
-                    mask_d, D: tl.constexpr, WINDOW: tl.constexpr, TOPK: tl.constexpr, KIND: tl.constexpr,
-                    BLOCK: tl.constexpr, E4M3: tl.constexpr):
-    """Places li [block_S] of a token's list that are picks: their entries' values and which exist."""
-    pick = tl.load(topk_ptr + t * TOPK + (li - WINDOW), mask=inside & (li >= WINDOW), other=-1)
-    picked = (pick >= 0) & (pick < length)
-    block = tl.load(table_ptr + chunk * TABLE_W + pick // PER, mask=picked, other=0)
-    return _decode(codes_ptr, scales_ptr, block * PER + pick % PER, picked, offs_d, mask_d, D, KIND, BLOCK,
-                   E4M3), picked
-
-
-@triton.jit
-def _online_softmax(q, kv, valid, m_i, l_i, acc, SCALE: tl.constexpr, DOT_FP32: tl.constexpr):
-    """One block of entries kv [block_S, block_D] (K and V; `valid` [block_S]) into the running max m_i, denominator
-    l_i [block_H] and acc [block_H, block_D]: sparse_attention_kernel's step, operation for operation."""
+def _attend(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, QK_SCALE: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One block of entries (halves k_e, k_o [block_S, D / 2], K and V; `valid` [block_S]) into the running max m_i
+    and denominator l_i [block_H] (base 2) and the output halves acc_e, acc_o [block_H, D / 2]."""
     if DOT_FP32:
-        logits = tl.dot(q, tl.trans(kv), input_precision="ieee") * SCALE
+        logits = tl.dot(q_o, tl.trans(k_o), tl.dot(q_e, tl.trans(k_e), input_precision="ieee"),
+                        input_precision="ieee")
     else:
-        kv = kv.to(tl.bfloat16)
-        logits = tl.dot(q, tl.trans(kv)) * SCALE  # [block_H, block_S]
-    logits = tl.where(valid[None, :], logits, float("-inf"))
+        logits = tl.dot(q_o, tl.trans(k_o), tl.dot(q_e, tl.trans(k_e)))  # [block_H, block_S]
+    logits = tl.where(valid[None, :], logits * QK_SCALE, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-    alpha = tl.exp(m_i - m_new)
-    p = tl.exp(logits - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(logits - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if DOT_FP32:
-        acc = tl.dot(p, kv, acc * alpha[:, None], input_precision="ieee")
+        acc_e = tl.dot(p, k_e, acc_e * alpha[:, None], input_precision="ieee")
+        acc_o = tl.dot(p, k_o, acc_o * alpha[:, None], input_precision="ieee")
     else:
-        acc = tl.dot(p.to(tl.bfloat16), kv, acc * alpha[:, None])
-    return m_new, l_i, acc
+        p = p.to(k_e.dtype)
+        acc_e = tl.dot(p, k_e, acc_e * alpha[:, None])
+        acc_o = tl.dot(p, k_o, acc_o * alpha[:, None])
+    return m_new, l_i, acc_e, acc_o
 
 
-@triton.jit(do_not_specialize=["RING", "PER", "TABLE_W", "S_PER_SPLIT"])
+@triton.jit(do_not_specialize=["RING", "PER", "TABLE_W", "BLOCKS_PER_SPLIT"])
 def paged_attention_kernel(q_ptr, w_codes_ptr, w_scales_ptr, c_codes_ptr, c_scales_ptr, table_ptr, slot_ptr,
                            first_ptr, length_ptr, chunk_ptr, pos_ptr, topk_ptr, sink_ptr, out_ptr, ml_ptr, RING, PER,
-                           TABLE_W, S_PER_SPLIT, H: tl.constexpr, D: tl.constexpr, SCALE: tl.constexpr,
+                           TABLE_W, BLOCKS_PER_SPLIT, H: tl.constexpr, D: tl.constexpr, SCALE: tl.constexpr,
                            WINDOW: tl.constexpr, TOPK: tl.constexpr, W_KIND: tl.constexpr, W_BLOCK: tl.constexpr,
                            C_KIND: tl.constexpr, C_BLOCK: tl.constexpr, C_E4M3: tl.constexpr, SPLIT: tl.constexpr,
-                           DOT_FP32: tl.constexpr, block_H: tl.constexpr, block_D: tl.constexpr,
-                           block_S: tl.constexpr):
+                           DOT_FP32: tl.constexpr, block_H: tl.constexpr, block_S: tl.constexpr):
+    DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else tl.bfloat16
+    LOG2E: tl.constexpr = 1.4426950408889634
+    NW: tl.constexpr = (WINDOW + block_S - 1) // block_S  # window blocks, then pick blocks
+    NB: tl.constexpr = NW + (TOPK + block_S - 1) // block_S
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * block_H + tl.arange(0, block_H)
     split = tl.program_id(2)
-    offs_d = tl.arange(0, block_D)
     mask_h = heads < H
-    mask_d = offs_d < D
     chunk = tl.load(chunk_ptr + t).to(tl.int64)
     pos = tl.load(pos_ptr + t)
     slot = tl.load(slot_ptr + chunk).to(tl.int64)
     oldest = tl.maximum(pos - WINDOW + 1, tl.load(first_ptr + chunk))
-    length = tl.load(length_ptr + chunk) if TOPK > 0 else 0
-    q = tl.load(q_ptr + (t * H + heads)[:, None] * D + offs_d[None, :], mask=mask_h[:, None] & mask_d[None, :],
-                other=0.0)  # [block_H, block_D]
-    q = q.to(tl.float32) if DOT_FP32 else q.to(tl.bfloat16)
-    if SPLIT == 1:  # the sink's own term starts the softmax, as in sparse_attention_kernel
-        m_i = tl.load(sink_ptr + heads, mask=mask_h, other=0.0).to(tl.float32)
+    if DOT_FP32:
+        q_rows = (t * H + heads)[:, None] * D + 2 * tl.arange(0, D // 2)[None, :]  # [block_H, D / 2]: even columns
+        q_e = tl.load(q_ptr + q_rows, mask=mask_h[:, None], other=0.0)
+        q_o = tl.load(q_ptr + q_rows + 1, mask=mask_h[:, None], other=0.0)
+    else:  # bf16 q as 32-bit words [N, H, D / 2]: the even column in the low half
+        q_rows = (t * H + heads)[:, None] * (D // 2) + tl.arange(0, D // 2)[None, :]
+        q_e, q_o = bf16_halves(tl.load(q_ptr + q_rows, mask=mask_h[:, None], other=0).to(tl.uint32, bitcast=True))
+    if SPLIT == 1:  # the sink's own term starts the softmax: running max = sink, denominator = 2^0
+        m_i = tl.load(sink_ptr + heads, mask=mask_h, other=0.0).to(tl.float32) * LOG2E
         l_i = tl.full([block_H], 1.0, dtype=tl.float32)
-    else:
+    else:  # a part of the entries; the combine adds the sink. A finite floor keeps empty parts NaN-free.
         m_i = tl.full([block_H], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([block_H], dtype=tl.float32)
-    acc = tl.zeros([block_H, block_D], dtype=tl.float32)
-    if SPLIT == 1 and WINDOW % block_S == 0:  # the same blocks, each of one kind: window blocks, then pick blocks
-        for s0 in range(0, WINDOW, block_S):
-            li = s0 + tl.arange(0, block_S)
-            kv, valid = _window_entries(li, li < WINDOW, oldest, pos, slot, RING, w_codes_ptr, w_scales_ptr, offs_d,
-                                        mask_d, D, WINDOW, W_KIND, W_BLOCK)
-            m_i, l_i, acc = _online_softmax(q, kv, valid, m_i, l_i, acc, SCALE, DOT_FP32)
-        for s0 in range(WINDOW, WINDOW + TOPK, block_S):
-            li = s0 + tl.arange(0, block_S)
-            kv, valid = _picked_entries(li, li < WINDOW + TOPK, t, chunk, length, topk_ptr, table_ptr, TABLE_W, PER,
-                                        c_codes_ptr, c_scales_ptr, offs_d, mask_d, D, WINDOW, TOPK, C_KIND, C_BLOCK,
-                                        C_E4M3)
-            m_i, l_i, acc = _online_softmax(q, kv, valid, m_i, l_i, acc, SCALE, DOT_FP32)
-    else:  # blocks that may hold both kinds, or a split's part of the list
-        s_begin = split * S_PER_SPLIT
-        for s0 in range(0, S_PER_SPLIT, block_S):
-            li = s_begin + s0 + tl.arange(0, block_S)  # [block_S]: places in the token's entry list
-            inside = (li < WINDOW + TOPK) & (li < s_begin + S_PER_SPLIT)
-            kv, valid = _window_entries(li, inside, oldest, pos, slot, RING, w_codes_ptr, w_scales_ptr, offs_d,
-                                        mask_d, D, WINDOW, W_KIND, W_BLOCK)
-            if TOPK > 0:
-                kv_c, picked = _picked_entries(li, inside, t, chunk, length, topk_ptr, table_ptr, TABLE_W, PER,
-                                               c_codes_ptr, c_scales_ptr, offs_d, mask_d, D, WINDOW, TOPK, C_KIND,
-                                               C_BLOCK, C_E4M3)
-                kv = tl.where(picked[:, None], kv_c, kv)
-                valid = valid | picked
-            m_i, l_i, acc = _online_softmax(q, kv, valid, m_i, l_i, acc, SCALE, DOT_FP32)
+    acc_e = tl.zeros([block_H, D // 2], dtype=tl.float32)
+    acc_o = tl.zeros([block_H, D // 2], dtype=tl.float32)
+    QK_SCALE: tl.constexpr = SCALE * LOG2E
+    b_begin = split * BLOCKS_PER_SPLIT
+    b_end = tl.minimum(b_begin + BLOCKS_PER_SPLIT, NB)
+
+    # The window's blocks of this part: rows are arithmetic, codes load one block ahead.
+    w_end = tl.minimum(b_end, NW)
+    rows, valid = window_rows(b_begin, oldest, pos, slot, RING, WINDOW, block_S)
+    valid = valid & (b_begin < w_end)
+    codes, scales = load_tile(w_codes_ptr, w_scales_ptr, rows, valid, D, W_KIND, W_BLOCK)
+    for b in range(b_begin, w_end):
+        rows, valid_next = window_rows(b + 1, oldest, pos, slot, RING, WINDOW, block_S)
+        valid_next = valid_next & (b + 1 < w_end)
+        codes_next, scales_next = load_tile(w_codes_ptr, w_scales_ptr, rows, valid_next, D, W_KIND, W_BLOCK)
+        k_e, k_o = decode_tile(codes, scales, W_KIND, W_BLOCK, False, block_S, D, DTYPE)
+        m_i, l_i, acc_e, acc_o = _attend(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, QK_SCALE, DOT_FP32)
+        codes, scales, valid = codes_next, scales_next, valid_next
+
+    if TOPK > 0:  # the picks' blocks of this part: ids load two blocks ahead, codes one
+        length = tl.load(length_ptr + chunk)
+        p_begin = tl.maximum(b_begin, NW) - NW
+        p_end = b_end - NW
+        rows, valid = pick_rows(pick_ids(topk_ptr, t, p_begin, TOPK, block_S), chunk, length, table_ptr, TABLE_W,
+                                PER)
+        valid = valid & (p_begin < p_end)
+        codes, scales = load_tile(c_codes_ptr, c_scales_ptr, rows, valid, D, C_KIND, C_BLOCK)
+        rows, valid_next = pick_rows(pick_ids(topk_ptr, t, p_begin + 1, TOPK, block_S), chunk, length, table_ptr,
+                                     TABLE_W, PER)
+        for b in range(p_begin, p_end):
+            valid_next = valid_next & (b + 1 < p_end)
+            codes_next, scales_next = load_tile(c_codes_ptr, c_scales_ptr, rows, valid_next, D, C_KIND, C_BLOCK)
+            picks = pick_ids(topk_ptr, t, b + 2, TOPK, block_S)
+            k_e, k_o = decode_tile(codes, scales, C_KIND, C_BLOCK, C_E4M3, block_S, D, DTYPE)
+            m_i, l_i, acc_e, acc_o = _attend(q_e, q_o, k_e, k_o, valid, m_i, l_i, acc_e, acc_o, QK_SCALE, DOT_FP32)
+            rows, valid_after = pick_rows(picks, chunk, length, table_ptr, TABLE_W, PER)
+            codes, scales, valid, valid_next = codes_next, scales_next, valid_next, valid_after
+
+    offs_d = tl.arange(0, D)[None, :]
     if SPLIT == 1:
-        tl.store(out_ptr + (t * H + heads)[:, None] * D + offs_d[None, :], acc / l_i[:, None],
-                 mask=mask_h[:, None] & mask_d[None, :])
-    else:  # partial state for sparse_attention_combine_kernel: out_ptr [T, SPLIT, H, D], ml_ptr [T, SPLIT, H, 2]
+        out = tl.reshape(tl.join(acc_e / l_i[:, None], acc_o / l_i[:, None]), [block_H, D])  # columns in order
+        tl.store(out_ptr + (t * H + heads)[:, None] * D + offs_d, out, mask=mask_h[:, None])
+    else:  # this part's state: out_ptr [T, SPLIT, H, D], ml_ptr [T, SPLIT, H, 2] (base 2)
         row = (t * SPLIT + split) * H + heads
-        tl.store(out_ptr + row[:, None] * D + offs_d[None, :], acc, mask=mask_h[:, None] & mask_d[None, :])
+        tl.store(out_ptr + row[:, None] * D + offs_d, tl.reshape(tl.join(acc_e, acc_o), [block_H, D]),
+                 mask=mask_h[:, None])
         tl.store(ml_ptr + row * 2, m_i, mask=mask_h)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=mask_h)
+
+
+@triton.jit
+def paged_attention_combine_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, H: tl.constexpr, D: tl.constexpr,
+                                   SPLIT: tl.constexpr, block_P: tl.constexpr):
+    """out[t, h] from the SPLIT parts of token t, head h, in their order, with the sink's term (base 2)."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    parts = tl.arange(0, block_P)
+    offs_d = tl.arange(0, D)
+    rows = (t * SPLIT + parts) * H + h  # [block_P]
+    m = tl.load(ml_ptr + rows * 2, mask=parts < SPLIT, other=float("-inf"))
+    sink = tl.load(sink_ptr + h).to(tl.float32) * LOG2E
+    m_all = tl.maximum(tl.max(m, axis=0), sink)
+    w = tl.exp2(m - m_all)  # [block_P]
+    denom = tl.sum(tl.load(ml_ptr + rows * 2 + 1, mask=parts < SPLIT, other=0.0) * w, axis=0) + tl.exp2(sink - m_all)
+    part = tl.load(part_ptr + rows[:, None] * D + offs_d[None, :], mask=(parts < SPLIT)[:, None], other=0.0)
+    tl.store(out_ptr + (t * H + h) * D + offs_d, tl.sum(part * w[:, None], axis=0) / denom)  # part: [block_P, D]
 
 
 def _index(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -170,8 +171,14 @@ def _index(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def supports(dim: int) -> bool:
+    """Whether the kernel takes entries of `dim` values: a power of two of at least 32 (halves of 16 or more)."""
+    return dim >= 32 and dim & (dim - 1) == 0
+
+
 def _pool(fmt: EntryFormat, parts: list[torch.Tensor], d: int, name: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(codes, scales, constexprs) of a pool [blocks or slots, rows, ...] in `fmt` holding entries of d values."""
+    """(codes, scales, constexprs) of a pool [blocks or slots, rows, ...] in `fmt` holding entries of d values: codes
+    as the kernel reads them (fp8 and fp4: 32-bit words, fp32: values), scales as bytes."""
     if fmt.kind not in KINDS or (fmt.kind == "fp8" and fmt.e4m3_scale):
         raise ValueError(f"{name}: no in-place attention for {fmt}")
     width = d // 2 if fmt.kind == "fp4" else d
@@ -179,10 +186,35 @@ def _pool(fmt: EntryFormat, parts: list[torch.Tensor], d: int, name: str) -> tup
         raise ValueError(f"{name}: {fmt} entries of {d} values need contiguous parts [*, rows, {width}], got "
                          f"{[list(p.shape) for p in parts]}")
     block = fmt.block if fmt.kind != "fp32" else d
-    if fmt.kind != "fp32" and (d % block or parts[1].shape != (*parts[0].shape[:2], d // block)):
+    if fmt.kind != "fp32" and (d % block or block % 2 or parts[1].shape != (*parts[0].shape[:2], d // block)):
         raise ValueError(f"{name}: {fmt} scales must be [*, rows, {d // block}], got {list(parts[1].shape)}")
+    if fmt.kind != "fp32" and (block & (block - 1) or block < (4 if fmt.kind == "fp8" else 8)):
+        raise ValueError(f"{name}: {fmt} needs blocks of a power of two of whole 32-bit words of codes")
     as_bytes = [p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p for p in parts]
-    return as_bytes[0], as_bytes[-1], {"KIND": KINDS[fmt.kind], "BLOCK": block, "E4M3": fmt.e4m3_scale}
+    codes = as_bytes[0] if fmt.kind == "fp32" else as_bytes[0].view(torch.int32)
+    return codes, as_bytes[-1], {"KIND": KINDS[fmt.kind], "BLOCK": block, "E4M3": fmt.e4m3_scale}
+
+
+def default_split(num_tokens: int, heads: int, num_sms: int = 132) -> int:
+    """Parts of each token's entry list for `num_tokens` tokens and no plan: enough programs to fill the GPU (one a
+    token and part at V4.1's 64 heads), at most 16."""
+    programs, split = num_tokens * triton.cdiv(heads, 64), 1
+    while programs * split < num_sms and split < 16:
+        split *= 2
+    return split
+
+
+def tiles(config: dict | None, num_tokens: int, heads: int, head_dim: int, dot_fp32: bool) -> dict:
+    """The kernel's config from a plan's sparse_attention config, or None (then `default_split` for `num_tokens`):
+    all of a token's heads in one program (up to 64: wgmma's M), blocks of 64 entries, 8 warps at V4.1's 512 dims;
+    fp32 products (FMA dots, a test mode) take 16 heads and 16 entries. A plan's config gives the parts: its
+    `split_kv`, a count its bucket fixes (1 in batch-invariant runs), never the batch in it."""
+    split = default_split(num_tokens, heads) if config is None else config.get("split_kv", 1)
+    if dot_fp32:
+        return {"block_H": 16, "block_S": 16, "num_warps": 4, "num_stages": 1, "split": split}
+    block_h = min(64, max(16, triton.next_power_of_2(heads)))
+    return {"block_H": block_h, "block_S": 64, "num_warps": 8 if block_h * head_dim >= 8192 else 4, "num_stages": 1,
+            "split": split}
 
 
 def paged_attention(q: torch.Tensor, sink: torch.Tensor, *, window_fmt: EntryFormat, window_parts: list[torch.Tensor],
@@ -198,11 +230,14 @@ def paged_attention(q: torch.Tensor, sink: torch.Tensor, *, window_fmt: EntryFor
     row_chunks[t] [N] at positions[t] [N] sees (positions[t] - window_size, positions[t]] from first[b] [B] on. The
     picks topk [N, K] (-1 = none; None: window only) name entries of the pool `pool_parts` [blocks, PER, ...] in
     `pool_fmt`, entry e of chunk b at block tables[b, e // PER] ([B, W]), row e % PER, those below lengths[b] [B].
-    Index tensors of any integer type. `config`: sparse_attention's (block_H, block_S, num_warps, num_stages, split_kv).
+    Index tensors of any integer type. `config`: the kernel's (`tiles`: block_H, block_S, num_warps, num_stages,
+    split) or a plan's sparse_attention config.
     """
     if q.dim() != 3 or q.dtype not in (torch.float32, torch.bfloat16) or not q.is_contiguous():
         raise ValueError(f"q must be contiguous float32/bfloat16 [N, H, D], got {q.dtype} {list(q.shape)}")
     n, h, d = q.shape
+    if not supports(d):
+        raise ValueError(f"in-place attention needs a power-of-two head dim of at least 32, got {d}")
     if tuple(sink.shape) != (h,) or sink.dtype != torch.float32 or not sink.is_contiguous():
         raise ValueError(f"sink must be contiguous float32 [{h}], got {sink.dtype} {list(sink.shape)}")
     b = slots.shape[0]
@@ -224,38 +259,48 @@ def paged_attention(q: torch.Tensor, sink: torch.Tensor, *, window_fmt: EntryFor
         index += [index[0], index[0], index[0]]  # unread: the kernel has no picks to look up
     slots_i, first_i, tables_i, lengths_i, topk_i = index
     chunks_i, positions_i = _index(row_chunks, "row_chunks", (n,)), _index(positions, "positions", (n,))
-    config = config or default_config(n, h, d)
+    if "split" not in (config or {}):
+        config = tiles(config, n, h, d, dot_fp32)
     out = torch.empty(n, h, d, dtype=torch.float32, device=q.device)
     if n == 0 or h == 0:
         return out
-    split, block_s = config.get("split_kv", 1), config["block_S"]
-    per_split = triton.cdiv(triton.cdiv(window_size + k, split), block_s) * block_s
-    block_d = triton.next_power_of_2(d)
+    q_words = q.float() if dot_fp32 else q.to(torch.bfloat16).view(torch.int32)  # bf16: two columns a word
+    block_s = config["block_S"]
+    blocks = triton.cdiv(window_size, block_s) + triton.cdiv(k, block_s)
+    per_split = triton.cdiv(blocks, max(1, min(config["split"], blocks)))
+    split = triton.cdiv(blocks, per_split)  # parts that hold blocks
     part, ml = out, sink
     if split > 1:
         part = torch.empty(n, split, h, d, dtype=torch.float32, device=q.device)
         ml = torch.empty(n, split, h, 2, dtype=torch.float32, device=q.device)
     launch(paged_attention_kernel, (n, triton.cdiv(h, config["block_H"]), split),
-           (q, w_codes, w_scales, c_codes, c_scales, tables_i, slots_i, first_i, lengths_i, chunks_i, positions_i,
+           (q_words, w_codes, w_scales, c_codes, c_scales, tables_i, slots_i, first_i, lengths_i, chunks_i, positions_i,
             topk_i, sink, part, ml, window_parts[0].shape[1], per, width, per_split),
            dict(H=h, D=d, SCALE=float(scale), WINDOW=window_size, TOPK=k, W_KIND=w_c["KIND"], W_BLOCK=w_c["BLOCK"],
                 C_KIND=c_c["KIND"], C_BLOCK=c_c["BLOCK"], C_E4M3=c_c["E4M3"], SPLIT=split, DOT_FP32=dot_fp32,
-                block_H=config["block_H"], block_D=block_d, block_S=block_s),
+                block_H=config["block_H"], block_S=block_s),
            config["num_warps"], config["num_stages"])
     if split > 1:
-        launch(sparse_attention_combine_kernel, (n, h), (part, ml, sink, out), dict(H=h, D=d, SPLIT=split,
-                                                                                   block_D=block_d), 4, 1)
+        launch(paged_attention_combine_kernel, (n, h), (part, ml, sink, out),
+               dict(H=h, D=d, SPLIT=split, block_P=triton.next_power_of_2(split)), 4, 1)
     return out
 
 
-def reads_in_place(window, compressed, topk: torch.Tensor | None, *, causal: bool) -> bool:
-    """Whether `paged_attention_op` serves the DSL op's arguments: a causal attention over a paged window view whose
-    ring still holds it (decode and verification steps: `dsl.ops.attention.PagedWindow.intact`) and, with picks, a
-    paged compressed view. Prefill chunks and DSpark's draft blocks take the gathered path."""
+def in_place_chunks(window, compressed, topk: torch.Tensor | None, *, causal: bool) -> list[bool]:
+    """Per chunk of the forward: whether `paged_attention_op` serves its tokens. A causal attention over a paged
+    window view, with picks only from a paged compressed view, and a chunk whose ring still holds its view after
+    this forward's store (decode and verification chunks: `dsl.ops.attention.PagedWindow.intact_chunks`). Prefill
+    chunks and DSpark's draft blocks take the gathered path."""
     ring = getattr(window, "ring", None)
-    if not causal or ring is None or not ring.intact():
-        return False
-    return compressed is None or topk is None or compressed.paged is not None
+    if not causal or ring is None or not (compressed is None or topk is None or compressed.paged is not None):
+        return [False] * len(window.lengths)
+    return ring.intact_chunks()
+
+
+def reads_in_place(window, compressed, topk: torch.Tensor | None, *, causal: bool) -> bool:
+    """Whether `paged_attention_op` serves every chunk of the forward (`in_place_chunks`)."""
+    chunks = in_place_chunks(window, compressed, topk, causal=causal)
+    return bool(chunks) and all(chunks)
 
 
 def _int32(ctx, t: torch.Tensor) -> torch.Tensor:
@@ -265,27 +310,32 @@ def _int32(ctx, t: torch.Tensor) -> torch.Tensor:
 
 
 def paged_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=None, topk: torch.Tensor | None = None,
-                       *, window_size: int, scale: float, ctx, config: dict | None = None,
-                       dot_fp32: bool = False) -> torch.Tensor:
-    """The DSL op `sparse_attention` (same arguments, causal) on the in-place kernel, where `reads_in_place`:
-    q [N, H, D] -> fp32 [N, H, D], the gathered path's values bit for bit under the same config."""
+                       *, window_size: int, scale: float, ctx, config: dict | None = None, dot_fp32: bool = False,
+                       rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The DSL op `sparse_attention` (same arguments, causal) on the in-place kernel, for the chunks
+    `in_place_chunks` passes: q [N, H, D] -> fp32 [N, H, D]; with `rows` [M] (token rows of such chunks, on the
+    device, made once a forward: the lowering's memo), fp32 [M, H, D] of those rows alone."""
     ring = window.ring
     fmt, parts = ring.cache.windows[ring.layer]
     _, _, first = window.layout(ctx.device)
+    chunks, positions = _int32(ctx, ctx.row_chunks), _int32(ctx, ctx.positions)
+    if rows is not None:
+        q, chunks, positions = q[rows], chunks[rows], positions[rows]
+        topk = topk[rows] if topk is not None else None
     pool = {}
-    if topk is not None and compressed is not None and sum(compressed.lengths):  # no entries anywhere: window only,
-        # as the gathered path's entry lists then are
+    if topk is not None and compressed is not None and sum(compressed.lengths):  # no entries anywhere: window only
         entries = compressed.paged
         pool_fmt, _, pool_parts = entries.cache.compressed[(entries.name, entries.layer)]
         length, _, _ = compressed.layout(ctx.device)
+        picks = _int32(ctx, topk) if rows is None else _index(topk, "topk", tuple(topk.shape))
         pool = dict(pool_fmt=pool_fmt, pool_parts=pool_parts, tables=_int32(ctx, entries.tables),
-                    lengths=_int32(ctx, length), topk=_int32(ctx, topk))
+                    lengths=_int32(ctx, length), topk=picks)
     dtype = torch.float32 if dot_fp32 else torch.bfloat16
     q = q.to(dtype).contiguous()
     return paged_attention(q, sink.float().contiguous(), window_fmt=fmt, window_parts=parts,
-                           slots=_int32(ctx, ring.slots), first=_int32(ctx, first),
-                           row_chunks=_int32(ctx, ctx.row_chunks), positions=_int32(ctx, ctx.positions),
-                           window_size=window_size, scale=scale, config=config, dot_fp32=dot_fp32, **pool)
+                           slots=_int32(ctx, ring.slots), first=_int32(ctx, first), row_chunks=chunks,
+                           positions=positions, window_size=window_size, scale=scale, config=config, dot_fp32=dot_fp32,
+                           **pool)
 
 
 def trace(heads: int, dim: int, *, window_size: int, scale: float, window_fmt: EntryFormat,
@@ -306,4 +356,5 @@ def trace(heads: int, dim: int, *, window_size: int, scale: float, window_fmt: E
                         **pool)
 
 
-__all__ = ["paged_attention", "paged_attention_kernel", "paged_attention_op", "reads_in_place", "trace"]
+__all__ = ["default_split", "in_place_chunks", "paged_attention", "paged_attention_combine_kernel",
+           "paged_attention_kernel", "paged_attention_op", "reads_in_place", "supports", "tiles", "trace"]

@@ -159,10 +159,14 @@ def gather_indices(window, compressed, topk: torch.Tensor | None, *, window_size
 
 def sparse_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=None, topk: torch.Tensor | None = None,
                         *, window_size: int, scale: float, ctx, causal: bool = True, config: dict | None = None,
-                        dot_fp32: bool = False) -> torch.Tensor:
-    """The DSL op `sparse_attention` (same arguments) on the kernel: q [N, H, D] -> fp32 [N, H, D]."""
+                        dot_fp32: bool = False, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The DSL op `sparse_attention` (same arguments) on the kernel: q [N, H, D] -> fp32 [N, H, D]; with `rows` [M]
+    (token rows), fp32 [M, H, D] of those rows alone, bitwise their rows of the whole call (the entry lists keep
+    their width)."""
     dtype = torch.float32 if dot_fp32 else torch.bfloat16
     kv, idx = gather_indices(window, compressed, topk, window_size=window_size, ctx=ctx, dtype=dtype, causal=causal)
+    if rows is not None:
+        q, idx = q[rows], idx[rows].contiguous()
     return sparse_attention(cast(q, dtype).contiguous(), kv, idx, cast(sink, torch.float32).contiguous(), scale=scale,
                             config=config, dot_fp32=dot_fp32)
 

@@ -1,9 +1,9 @@
 """Kernel tests: on CPU they run under Triton's interpreter (TRITON_INTERPRET=1, set in tests/conftest.py).
 
-Triton 3.6's interpreter multiplies bfloat16 operands of `tl.dot` as their raw uint16 bits, casts fp32 to bf16 by
-truncation and widens subnormal bf16 wrongly (to zero, or to another value); the GPU does none of these. They are
-patched here, for the tests only, so interpreted kernels compute what compiled ones do: bf16 dot operands and casts
-widened exactly to fp32, fp32 -> bf16 rounded to nearest even.
+Triton 3.6's interpreter multiplies bfloat16 operands of `tl.dot` and of `*` as their raw uint16 bits, casts fp32 to
+bf16 by truncation and widens subnormal bf16 wrongly (to zero, or to another value); the GPU does none of these. They
+are patched here, for the tests only, so interpreted kernels compute what compiled ones do: bf16 dot operands, factors
+and casts widened exactly to fp32, fp32 -> bf16 (and bf16 products) rounded to nearest even.
 
 The interpreter's `tl.dot` is numpy's matmul, i.e. the host BLAS, whose result for one row of a block can depend on
 where the row sits and on the block's other rows (how the library splits the block into its micro-kernels). The
@@ -28,6 +28,7 @@ def _patch_interpreter() -> None:
     from triton.runtime import interpreter as ti
 
     create_dot, cast_impl = ti.InterpreterBuilder.create_dot, ti.InterpreterBuilder.cast_impl
+    create_fmul = ti.InterpreterBuilder.create_fmul
 
     def widen(h):
         if h.dtype.scalar == tl.bfloat16:
@@ -45,8 +46,15 @@ def _patch_interpreter() -> None:
             return ti.TensorHandle(bits.view(np.uint16), tl.bfloat16)
         return cast_impl(self, src, dst_type)
 
+    def fmul(self, lhs, rhs):
+        if lhs.dtype.scalar != tl.bfloat16:
+            return create_fmul(self, lhs, rhs)
+        product = torch.from_numpy(np.ascontiguousarray(widen(lhs).data * widen(rhs).data)).to(torch.bfloat16)
+        return ti.TensorHandle(product.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+
     ti.InterpreterBuilder.create_dot = dot
     ti.InterpreterBuilder.cast_impl = cast
+    ti.InterpreterBuilder.create_fmul = fmul
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":

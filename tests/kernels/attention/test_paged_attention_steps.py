@@ -1,6 +1,7 @@
-"""In-place decode attention in the plan runtime: a planned model's steps over paged pools give the same logits, bit
-for bit, whether attention reads the caches in place (decode and verification steps) or gathers them first. On the
-CPU the plan's kernels run under Triton's interpreter; on the GPU the compiled cubins, eager and captured."""
+"""In-place decode attention in the plan runtime: a planned model's steps over paged pools give the same logits,
+within a tolerance, whether attention reads the caches in place (decode and verification steps) or gathers them
+first (the two kernels sum in different orders), and bit for bit with CUDA graphs and without. On the CPU the plan's
+kernels run under Triton's interpreter; on the GPU the compiled cubins, eager and captured."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from dsl.passes import run_passes
 from graphs.compiled_model import CompiledModel
 from graphs.passes import make_plan
 from graphs.plan_runtime import PlanRuntime
+from tests.kernels.cases import rel_l2
 
 SPARE = 3  # drafts a verification step may take back: its chunks hold up to SPARE + 1 tokens
+LOGIT_TOLERANCE = 1e-2  # relative L2 of a step's logits, in place against gathered
 
 
 def planned(model, dot_fp32: bool) -> CompiledModel:
@@ -59,18 +62,20 @@ def test_steps_read_the_caches_in_place_as_they_gather_them(monkeypatch) -> None
     calls = in_place_calls(monkeypatch)
     got = run_steps(compiled, STEPS, "cpu")
     layers = compiled.config.num_hidden_layers
-    assert len(calls) == 3 * layers  # every layer of the decode and verification steps, none of the prefill
+    # every layer of every step: the decode and verification steps whole, the first step's chunk of 3 tokens while
+    # its chunk of 5 (past the ring's spare positions + 1) gathers
+    assert len(calls) == 4 * layers
     monkeypatch.setattr(paged, "IN_PLACE", False)  # the default: the gathered path
     want = run_steps(compiled, STEPS, "cpu")
-    assert len(calls) == 3 * layers
+    assert len(calls) == 4 * layers
     for g, w in zip(got, want, strict=True):
-        assert torch.equal(g, w)
+        assert rel_l2(g, w) < LOGIT_TOLERANCE
 
 
 @pytest.mark.gpu
 def test_gpu_steps_in_place_eager_and_captured_are_the_gathered_path(monkeypatch) -> None:
-    """Steps that cross the window (128) and the pools' blocks: in place with and without CUDA graphs, and gathered,
-    all bitwise the same."""
+    """Steps that cross the window (128) and the pools' blocks: in place, with CUDA graphs and without, bitwise the
+    same; gathered, within the tolerance."""
     import deepinfer
 
     compiled = deepinfer.compile(trained_model(), "sm90")
@@ -83,4 +88,4 @@ def test_gpu_steps_in_place_eager_and_captured_are_the_gathered_path(monkeypatch
     monkeypatch.setattr(paged, "reads_in_place", lambda *a, **k: False)
     gathered = run_steps(compiled, steps, "cuda")
     for c, e, g in zip(captured, eager, gathered, strict=True):
-        assert torch.equal(c, e) and torch.equal(e, g)
+        assert torch.equal(c, e) and rel_l2(e, g) < LOGIT_TOLERANCE
