@@ -1,4 +1,4 @@
-"""CUDA-graph capture of a planned graph's static runs: the stretches of nodes between the ops that read caches.
+"""CUDA-graph capture of a planned graph's static runs: the stretches of nodes whose shapes follow the token count.
 
 A forward's nodes split into *segments*, maximal runs of nodes whose every value is a plain tensor with a shape
 set by the forward's token count alone (dims in `N` and constants) and which read nothing of the forward's context
@@ -7,6 +7,13 @@ appends, attention, the compressor, the indexer) and whose shapes follow the cac
 most of a decode step's launches (the linears, MoE, hyper-connection mixes, norms, rope, rounding): on a decode
 step of a few tokens each launch costs far more on the host than on the GPU, so replaying them as CUDA graphs is
 what makes the step GPU-bound.
+
+A decode or verification step whose sequences share one set of pools and whose chunks fit the rings' spare
+positions (`StaticStep.fits`, dsl/step.py) is a *static step*: its segments (`find_segments(..., static=True)`, a
+`Split` of their own) also take in the cache ops with a static form (`dsl.step.STATIC_OPS`), which read the step's
+layout from one `StaticStep` per captured bucket, refreshed by one copy before the first segment runs, and never pass
+a cache view across a segment's edge. Such a step's graphs read and write one set of pools (a forward over another
+drops every graph) and are kept per block-table width (`table_width`) as well as per bucket and mode.
 
 Token counts are padded to buckets (`GRAPH_BUCKETS`): a segment always runs over `bucket(N)` rows, the forward's N and
 padding rows after them (zeros, or whatever an earlier replay left there; every node in a segment works row by row,
@@ -50,6 +57,7 @@ import torch
 
 from dsl.graph import Graph, Value
 from dsl.ops import OPS
+from dsl.step import StaticStep, has_static_form, table_width
 from dsl.tensor import OPAQUE_DTYPES, num_tokens
 
 # The token counts segments are captured at; each of the plan's tuning buckets (graphs/plan.py) up to 512 is one.
@@ -97,19 +105,44 @@ def _rows(value: Value) -> bool:
     return bool(shape) and not isinstance(shape[0], int) and sympy.sympify(shape[0]) == num_tokens
 
 
-def capturable(graph: Graph, index: int, uncaptured: frozenset[str] = frozenset()) -> bool:
+def capturable(graph: Graph, index: int, uncaptured: frozenset[str] = frozenset(), static: bool = False) -> bool:
     """Whether node `index` can sit in a segment; ops in `uncaptured` never do (the experts' exchange under expert
-    parallelism, whose shapes follow what the other ranks send)."""
+    parallelism, whose shapes follow what the other ranks send). With `static` (a step run over a `StaticStep`,
+    dsl/step.py) the nodes with a static form can too."""
     node = graph.nodes[index]
     opdef = OPS[node.op]
-    if node.op in uncaptured or (opdef.uses_context and node.op not in CONTEXT_TENSORS):
+    if node.op in uncaptured:
+        return False
+    if static and has_static_form(node):
+        return True
+    if opdef.uses_context and node.op not in CONTEXT_TENSORS:
         return False
     return all(_token_shaped(v) for v in node.inputs if v is None or v.name not in graph.params) \
         and all(_token_shaped(v) for v in node.outputs)
 
 
-def find_segments(graph: Graph, min_nodes: int = 2, uncaptured: frozenset[str] = frozenset()) -> list[Segment]:
-    """The graph's segments of at least `min_nodes` capturable nodes (no op of `uncaptured`), in program order."""
+def find_segments(graph: Graph, min_nodes: int = 2, uncaptured: frozenset[str] = frozenset(),
+                  static: bool = False) -> list[Segment]:
+    """The graph's segments of at least `min_nodes` capturable nodes (no op of `uncaptured`), in program order; with
+    `static`, as a static step runs them. A value that is no tensor of token rows (a cache view) never crosses a
+    segment's edge: the nodes that would pass one across stay out."""
+    allowed = {i for i in range(len(graph.nodes)) if capturable(graph, i, uncaptured, static)}
+    index_of = {id(node): i for i, node in enumerate(graph.nodes)}
+    while True:
+        segments = _runs(graph, allowed, min_nodes)
+        dropped = set()
+        for s in segments:
+            for v in s.inputs:  # made outside: its readers inside leave
+                if not _token_shaped(v):
+                    dropped |= {i for i in range(s.start, s.stop) if any(u is v for u in graph.nodes[i].inputs)}
+            dropped |= {index_of[id(v.producer)] for v in s.outputs if not _token_shaped(v)}  # read outside
+        if not dropped:
+            return segments
+        allowed -= dropped
+
+
+def _runs(graph: Graph, allowed: set[int], min_nodes: int) -> list[Segment]:
+    """The maximal runs of at least `min_nodes` nodes of `allowed`, as segments."""
     last_read: dict[int, int] = {}  # id(value) -> index of the last node reading it (len(nodes) for outputs)
     for i, node in enumerate(graph.nodes):
         for v in node.inputs:
@@ -120,7 +153,7 @@ def find_segments(graph: Graph, min_nodes: int = 2, uncaptured: frozenset[str] =
     params = {id(v) for v in graph.params.values()}
     segments, start = [], None
     for i in range(len(graph.nodes) + 1):
-        if i < len(graph.nodes) and capturable(graph, i, uncaptured):
+        if i < len(graph.nodes) and i in allowed:
             start = i if start is None else start
             continue
         if start is not None and i - start >= min_nodes:
@@ -132,10 +165,22 @@ def find_segments(graph: Graph, min_nodes: int = 2, uncaptured: frozenset[str] =
                         seen.add(id(v))
                         inputs.append(v)
                 outputs += [v for v in node.outputs if last_read.get(id(v), -1) >= i]
-            context = any(graph.nodes[j].op in CONTEXT_TENSORS for j in range(start, i))
+            context = any(OPS[graph.nodes[j].op].uses_context for j in range(start, i))
             segments.append(Segment(start, i, inputs, outputs, context))
         start = None
     return segments
+
+
+@dataclass
+class Split:
+    """A graph's segments as one kind of forward runs them: `at` by first node, and each segment output's maker
+    `made_by` (id of the value -> (segment start, index among its outputs))."""
+
+    segments: list[Segment]
+
+    def __post_init__(self) -> None:
+        self.at = {s.start: s for s in self.segments}
+        self.made_by = {id(v): (s.start, i) for s in self.segments for i, v in enumerate(s.outputs)}
 
 
 class _StaticContext:
@@ -160,6 +205,7 @@ class CapturedStep:
     """The graphs of one (bucket, mode): captured during one forward, replayed in the later ones."""
 
     positions: torch.Tensor | None = None
+    static: StaticStep | None = None  # a static step's layout, which its graphs read
     runs: dict[int, Run] = field(default_factory=dict)
     bytes: int = 0  # device memory its captures took (the growth of torch's reserved memory over them)
 
@@ -182,10 +228,11 @@ class CudaGraphs:
                  uncaptured: frozenset[str] = frozenset()) -> None:
         if max_tokens > GRAPH_BUCKETS[-1]:
             raise ValueError(f"max_tokens {max_tokens} is past the largest bucket, {GRAPH_BUCKETS[-1]}")
-        self.segments = find_segments(graph, uncaptured=uncaptured)
-        self.at = {s.start: s for s in self.segments}
-        # each segment output's maker: (segment start, index among its outputs)
-        self.made_by = {id(v): (s.start, i) for s in self.segments for i, v in enumerate(s.outputs)}
+        # the segments of forwards in general, and of static steps (dsl/step.py)
+        self.splits = {static: Split(find_segments(graph, uncaptured=uncaptured, static=static))
+                       for static in (False, True)}
+        self.segments, self.at = self.splits[False].segments, self.splits[False].at
+        self.cache = None  # the pools the static steps' graphs read and write
         self.max_tokens, self.max_steps, self.max_bytes = max_tokens, max_steps, max_bytes
         self.capture, self.pad = capture, pad
         self.ahead = ahead
@@ -199,16 +246,26 @@ class CudaGraphs:
     def begin(self, ctx, mode: tuple) -> _Forward | None:
         """This forward's way through the segments, or None to run every node eagerly and unpadded."""
         n = ctx.num_tokens
-        if n > self.max_tokens or not self.segments:
+        static = n <= self.max_tokens and StaticStep.fits(ctx)
+        split = self.splits[static]
+        if n > self.max_tokens or not split.segments:
             return None
+        width = 0
+        if static:  # graphs over other pools would write those: none kept
+            cache = ctx.chunks[0].state.cache
+            if cache is not self.cache:
+                self.clear()
+                self.cache = cache
+            width = table_width(max(len(c.state.block_table) for c in ctx.chunks))
+        mode = (static, width, *mode)
         rows = bucket(n)
         key = (rows, *mode)
         if key in self.steps:
             self.steps.move_to_end(key)
-            return _Forward(self, self.steps[key], ctx, rows)
+            return _Forward(self, split, self.steps[key], ctx, rows, width)
         if key not in self.seen or not self.capture:  # the warm-up forward: padded, eager
             self.seen.add(key)
-            return _Forward(self, None, ctx, rows)
+            return _Forward(self, split, None, ctx, rows, width)
         ahead = []
         if self.ahead and mode not in self.ahead_done:
             self.ahead_done.add(mode)
@@ -222,7 +279,7 @@ class CudaGraphs:
         for b, other in others:
             self.steps[(b, *mode)] = other
         step = self.steps[key] = CapturedStep()
-        return _Forward(self, step, ctx, rows, capturing=True, others=others)
+        return _Forward(self, split, step, ctx, rows, width, capturing=True, others=others)
 
     def evict(self, room: int = 1) -> None:
         """Drop the least recently used buckets' graphs until `room` more fit: at most `max_steps` kept, and less
@@ -236,18 +293,22 @@ class CudaGraphs:
         self.seen.clear()
         self.ahead_done.clear()
         self.pool = None
+        self.cache = None
 
 
 class _Forward:
     """One forward through the segments: `step` None runs them eagerly (padded), else replays or captures them."""
 
-    def __init__(self, owner: CudaGraphs, step: CapturedStep | None, ctx, rows: int, capturing: bool = False,
-                 others: list[tuple[int, CapturedStep]] = ()) -> None:
+    def __init__(self, owner: CudaGraphs, split: Split, step: CapturedStep | None, ctx, rows: int, width: int = 0,
+                 capturing: bool = False, others: list[tuple[int, CapturedStep]] = ()) -> None:
         self.owner, self.step, self.ctx, self.rows, self.capturing = owner, step, ctx, rows, capturing
+        self.width = width  # a static step's block table width (0 for other forwards)
+        self.split, self.at = split, split.at  # the segments this forward runs, by first node
         self.others = others  # (rows, step) of the buckets captured ahead beside this forward's, largest first
         self.padded: dict[int, torch.Tensor] = {}  # id of a segment output's first N rows -> its padded tensor
         self.static: set[int] = set()  # ids of the replays' static tensors (or views) this forward's env holds
         self.positions: torch.Tensor | None = None
+        self.layout: StaticStep | None = None  # a static step's, filled for this forward
 
     def run(self, segment: Segment, env: dict, run_nodes: RunNodes) -> None:
         """Run `segment` over `env`: replay its graph, capture it, or run its nodes eagerly over padded rows."""
@@ -300,9 +361,11 @@ class _Forward:
             out.append(full if r else a)
         return out
 
-    def _context(self, segment: Segment) -> _StaticContext | None:
+    def _context(self, segment: Segment) -> _StaticContext | StaticStep | None:
         if not segment.context:
             return None
+        if self.split is self.owner.splits[True]:
+            return self._layout()
         if self.positions is None:  # padding rows at position 0
             positions = self.ctx.positions
             if self.step is not None and self.step.positions is not None:
@@ -314,6 +377,18 @@ class _Forward:
                 if self.step is not None:
                     self.step.positions = self.positions
         return _StaticContext(self.positions)
+
+    def _layout(self) -> StaticStep:
+        """The static step's layout (the captured step's own, which its graphs read), filled for this forward once."""
+        if self.layout is None:
+            layout = self.step.static if self.step is not None else None
+            if layout is None:
+                layout = StaticStep(self.rows, self.width, self.owner.cache)
+                if self.step is not None:
+                    self.step.static = layout
+            layout.fill(self.ctx)
+            self.layout = layout
+        return self.layout
 
     def _eager(self, segment: Segment, env: dict, args: list[torch.Tensor], run_nodes: RunNodes) -> list:
         self.owner.eager += 1
@@ -351,14 +426,18 @@ class _Forward:
         reserved = torch.cuda.memory_reserved()
         inputs = []
         for v, a, r in zip(segment.inputs, args, segment.row_inputs, strict=True):
-            start, i = self.owner.made_by.get(id(v), (None, 0))
+            start, i = self.split.made_by.get(id(v), (None, 0))
             maker = step.runs.get(start)
             if maker is not None:
                 inputs.append(maker.outputs[i])
             else:
                 inputs.append(torch.zeros((rows, *a.shape[1:]) if r else a.shape, dtype=a.dtype, device=a.device))
         ctx = None
-        if segment.context:
+        if segment.context and self.split is self.owner.splits[True]:  # a layout of zeros: nothing stored
+            if step.static is None:
+                step.static = StaticStep(rows, self.width, self.owner.cache)
+            ctx = step.static
+        elif segment.context:
             if step.positions is None:
                 step.positions = torch.zeros(rows, dtype=self.ctx.positions.dtype, device=self.ctx.positions.device)
             ctx = _StaticContext(step.positions)
@@ -396,4 +475,5 @@ class _Forward:
         return {k: v.clone() if id(v) in self.static else v for k, v in outputs.items()}
 
 
-__all__ = ["CONTEXT_TENSORS", "GRAPH_BUCKETS", "CudaGraphs", "Segment", "bucket", "capturable", "find_segments"]
+__all__ = ["CONTEXT_TENSORS", "GRAPH_BUCKETS", "CudaGraphs", "Segment", "Split", "bucket", "capturable",
+           "find_segments"]

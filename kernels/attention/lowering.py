@@ -9,6 +9,7 @@ import torch
 import kernels.attention.paged_attention as paged
 import kernels.attention.sparse_attention as attention
 from dsl.graph import Node
+from dsl.ops.attention import StaticWindow
 from kernels.lowering import PLAIN, Call, Lowering, Params, Static, Variant, meta, param, token_planes
 
 
@@ -35,10 +36,14 @@ class SparseAttention(Lowering):
         return attention.default_config(tokens, static.h, static.d)
 
     def run(self, call: Call) -> torch.Tensor:
-        """Decode and verification steps over paged pools read the caches in place where `paged.IN_PLACE` (kernels/
-        attention/paged_attention.py, the same values as the gathered path at the same config); the rest gathers."""
+        """A static step's attention (dsl/step.py) reads the caches in place; other decode and verification steps over
+        paged pools do where `paged.IN_PLACE` (kernels/attention/paged_attention.py, the same values as the gathered
+        path at the same config); the rest gathers."""
         q, window, sink, compressed, topk = (list(call.args) + [None, None])[:5]
         a = call.attrs
+        if isinstance(window, StaticWindow):  # a static step (dsl/step.py): the in-place kernel, whatever IN_PLACE
+            return paged.static_attention_op(q, window, sink, window_size=a["window_size"], scale=a["scale"],
+                                             config=call.config, dot_fp32=call.dot_fp32)
         if paged.IN_PLACE and paged.reads_in_place(window, compressed, topk, causal=a.get("causal", True)):
             return paged.paged_attention_op(q, window, sink, compressed, topk, window_size=a["window_size"],
                                             scale=a["scale"], ctx=call.ctx, config=call.config,
