@@ -1,12 +1,12 @@
 """CUDA-graph capture of a planned graph's static runs: the stretches of nodes whose shapes follow the token count.
 
-A forward's nodes split into *segments*, maximal runs of nodes whose every value is a plain tensor with a shape
-set by the forward's token count alone (dims in `N` and constants) and which read nothing of the forward's context
-but a per-token tensor (rope's positions), and the nodes between them, which read and write the caches (window
-appends, attention, the compressor, the indexer) and whose shapes follow the caches' lengths. The segments hold
-most of a decode step's launches (the linears, MoE, hyper-connection mixes, norms, rope, rounding): on a decode
-step of a few tokens each launch costs far more on the host than on the GPU, so replaying them as CUDA graphs is
-what makes the step GPU-bound.
+A forward's nodes split into *segments* (graphs/segments.py finds them), maximal runs of nodes whose every value is
+a plain tensor with a shape set by the forward's token count alone (dims in `N` and constants) and which read nothing
+of the forward's context but a per-token tensor (rope's positions), and the nodes between them, which read and
+write the caches (window appends, attention, the compressor, the indexer) and whose shapes follow the caches'
+lengths. The segments hold most of a decode step's launches (the linears, MoE, hyper-connection mixes, norms,
+rope, rounding): on a decode step of a few tokens each launch costs far more on the host than on the GPU, so
+replaying them as CUDA graphs is what makes the step GPU-bound.
 
 A decode or verification step whose sequences share one set of pools and whose chunks fit the rings' spare
 positions (`StaticStep.fits`, dsl/step.py) is a *static step*: its segments (`find_segments(..., static=True)`, a
@@ -52,135 +52,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import sympy
 import torch
 
-from dsl.graph import Graph, Value
-from dsl.ops import OPS
-from dsl.step import StaticStep, has_static_form, table_width
-from dsl.tensor import OPAQUE_DTYPES, num_tokens
-
-# The token counts segments are captured at; each of the plan's tuning buckets (graphs/plan.py) up to 512 is one.
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-
-# Context-reading ops whose only use of the context is a tensor of one row per token: a captured segment reads
-# it from a static buffer, refreshed before each replay.
-CONTEXT_TENSORS = {"rope": "positions"}
-
-
-@dataclass
-class Segment:
-    """Nodes [start, stop) of a graph: `inputs` are the values they read that come from outside (graph inputs or
-    earlier nodes; weights excluded), `outputs` those they make that later nodes or the graph's outputs read."""
-
-    start: int
-    stop: int
-    inputs: list[Value]
-    outputs: list[Value]
-    context: bool  # whether a node reads the context's per-token tensor
-
-    def __post_init__(self) -> None:
-        self.row_inputs = [_rows(v) for v in self.inputs]  # which inputs and outputs padding extends
-        self.row_outputs = [_rows(v) for v in self.outputs]
-
-
-def _fixed(dim) -> bool:
-    return isinstance(dim, int) or not sympy.sympify(dim).free_symbols
-
-
-def _token_shaped(value: Value | None) -> bool:
-    """Whether the value is absent, a tensor of fixed shape, or one of one row per token ([N, fixed dims...])."""
-    if value is None:
-        return True
-    t = value.type
-    if t is None or t.dtype in OPAQUE_DTYPES:
-        return False
-    rest = t.shape[1:] if t.shape and _rows(value) else t.shape
-    return all(_fixed(d) for d in rest)
-
-
-def _rows(value: Value) -> bool:
-    """Whether the value has one row per token: a leading dim of N, the dim padding extends."""
-    shape = value.type.shape
-    return bool(shape) and not isinstance(shape[0], int) and sympy.sympify(shape[0]) == num_tokens
-
-
-def capturable(graph: Graph, index: int, uncaptured: frozenset[str] = frozenset(), static: bool = False) -> bool:
-    """Whether node `index` can sit in a segment; ops in `uncaptured` never do (the experts' exchange under expert
-    parallelism, whose shapes follow what the other ranks send). With `static` (a step run over a `StaticStep`,
-    dsl/step.py) the nodes with a static form can too."""
-    node = graph.nodes[index]
-    opdef = OPS[node.op]
-    if node.op in uncaptured:
-        return False
-    if static and has_static_form(node):
-        return True
-    if opdef.uses_context and node.op not in CONTEXT_TENSORS:
-        return False
-    return all(_token_shaped(v) for v in node.inputs if v is None or v.name not in graph.params) \
-        and all(_token_shaped(v) for v in node.outputs)
-
-
-def find_segments(graph: Graph, min_nodes: int = 2, uncaptured: frozenset[str] = frozenset(),
-                  static: bool = False) -> list[Segment]:
-    """The graph's segments of at least `min_nodes` capturable nodes (no op of `uncaptured`), in program order; with
-    `static`, as a static step runs them. A value that is no tensor of token rows (a cache view) never crosses a
-    segment's edge: the nodes that would pass one across stay out."""
-    allowed = {i for i in range(len(graph.nodes)) if capturable(graph, i, uncaptured, static)}
-    index_of = {id(node): i for i, node in enumerate(graph.nodes)}
-    while True:
-        segments = _runs(graph, allowed, min_nodes)
-        dropped = set()
-        for s in segments:
-            for v in s.inputs:  # made outside: its readers inside leave
-                if not _token_shaped(v):
-                    dropped |= {i for i in range(s.start, s.stop) if any(u is v for u in graph.nodes[i].inputs)}
-            dropped |= {index_of[id(v.producer)] for v in s.outputs if not _token_shaped(v)}  # read outside
-        if not dropped:
-            return segments
-        allowed -= dropped
-
-
-def _runs(graph: Graph, allowed: set[int], min_nodes: int) -> list[Segment]:
-    """The maximal runs of at least `min_nodes` nodes of `allowed`, as segments."""
-    last_read: dict[int, int] = {}  # id(value) -> index of the last node reading it (len(nodes) for outputs)
-    for i, node in enumerate(graph.nodes):
-        for v in node.inputs:
-            if v is not None:
-                last_read[id(v)] = i
-    for v in graph.outputs.values():
-        last_read[id(v)] = len(graph.nodes)
-    params = {id(v) for v in graph.params.values()}
-    segments, start = [], None
-    for i in range(len(graph.nodes) + 1):
-        if i < len(graph.nodes) and i in allowed:
-            start = i if start is None else start
-            continue
-        if start is not None and i - start >= min_nodes:
-            made = {id(v) for node in graph.nodes[start:i] for v in node.outputs}
-            inputs, outputs, seen = [], [], set()
-            for node in graph.nodes[start:i]:
-                for v in node.inputs:
-                    if v is not None and id(v) not in made and id(v) not in params and id(v) not in seen:
-                        seen.add(id(v))
-                        inputs.append(v)
-                outputs += [v for v in node.outputs if last_read.get(id(v), -1) >= i]
-            context = any(OPS[graph.nodes[j].op].uses_context for j in range(start, i))
-            segments.append(Segment(start, i, inputs, outputs, context))
-        start = None
-    return segments
-
-
-@dataclass
-class Split:
-    """A graph's segments as one kind of forward runs them: `at` by first node, and each segment output's maker
-    `made_by` (id of the value -> (segment start, index among its outputs))."""
-
-    segments: list[Segment]
-
-    def __post_init__(self) -> None:
-        self.at = {s.start: s for s in self.segments}
-        self.made_by = {id(v): (s.start, i) for s in self.segments for i, v in enumerate(s.outputs)}
+from dsl.graph import Graph
+from dsl.step import StaticStep, table_width
+from graphs.segments import CONTEXT_TENSORS, GRAPH_BUCKETS, Segment, Split, capturable, find_segments
 
 
 class _StaticContext:
@@ -240,7 +116,6 @@ class CudaGraphs:
         self.steps: OrderedDict[tuple, CapturedStep] = OrderedDict()
         self.seen: set[tuple] = set()
         self.ahead_done: set[tuple] = set()  # modes whose decode buckets were captured ahead
-        self.broken: set[int] = set()  # segments that failed to capture: eager from then on
         self.replays = self.captures = self.eager = 0  # segment runs by kind (eager: padded, in a bucket's first)
 
     def begin(self, ctx, mode: tuple) -> _Forward | None:
@@ -281,6 +156,11 @@ class CudaGraphs:
         step = self.steps[key] = CapturedStep()
         return _Forward(self, split, step, ctx, rows, width, capturing=True, others=others)
 
+    @property
+    def broken(self) -> set[tuple[bool, int]]:
+        """The segments that failed to capture, as (of a static step, first node)."""
+        return {(static, start) for static, split in self.splits.items() for start in split.broken}
+
     def evict(self, room: int = 1) -> None:
         """Drop the least recently used buckets' graphs until `room` more fit: at most `max_steps` kept, and less
         than `max_bytes` of device memory held by them (a full model's static tensors at 512 tokens are GBs)."""
@@ -314,7 +194,7 @@ class _Forward:
         """Run `segment` over `env`: replay its graph, capture it, or run its nodes eagerly over padded rows."""
         args = [env[v] for v in segment.inputs]
         n = self.ctx.num_tokens
-        if (segment.start in self.owner.broken or any(not isinstance(a, torch.Tensor) for a in args)
+        if (segment.start in self.split.broken or any(not isinstance(a, torch.Tensor) for a in args)
                 or any(r and a.shape[0] != n for a, r in zip(args, segment.row_inputs, strict=True))):
             run_nodes(env, self.ctx)  # e.g. a step's logit rows, fewer than its tokens: as they come
             return
@@ -405,7 +285,7 @@ class _Forward:
         self._context(segment)
 
     def _capture(self, segment: Segment, env: dict, args: list[torch.Tensor], run_nodes: RunNodes) -> Run | None:
-        if segment.start in self.owner.broken:  # a bucket captured ahead found it cannot be
+        if segment.start in self.split.broken:  # a bucket captured ahead found it cannot be
             return None
         reserved = torch.cuda.memory_reserved()
         # an input that is an earlier replay's padded output is read in place; others get a static tensor of their own
@@ -421,7 +301,7 @@ class _Forward:
         """Capture `segment` for another bucket of `rows` tokens into `step`, on zeros where this forward reads its
         own inputs (row inputs widened to `rows`; fixed-shape ones as they are) and, where another segment makes an
         input, on that segment's outputs in `step`, as a forward in that bucket reads them."""
-        if segment.start in self.owner.broken:
+        if segment.start in self.split.broken:
             return
         reserved = torch.cuda.memory_reserved()
         inputs = []
@@ -459,7 +339,7 @@ class _Forward:
             with torch.cuda.graph(graph, pool=self.owner.pool):
                 run_nodes(local, ctx)
         except RuntimeError as e:  # an op that syncs with the host, or allocates host memory: eager from now on
-            self.owner.broken.add(segment.start)
+            self.split.broken.add(segment.start)
             torch.cuda.synchronize()
             warnings.warn(f"nodes {segment.start}..{segment.stop - 1} cannot be captured ({type(e).__name__}: {e}); "
                           "they run eagerly", RuntimeWarning, stacklevel=4)

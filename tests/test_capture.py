@@ -20,17 +20,9 @@ from dsl.interpret import interpret
 from dsl.ops import OPS
 from dsl.passes import run_passes
 from dsl.step import has_static_form
-from graphs.capture import (
-    CONTEXT_TENSORS,
-    GRAPH_BUCKETS,
-    CudaGraphs,
-    _StaticContext,
-    _token_shaped,
-    bucket,
-    capturable,
-    find_segments,
-)
+from graphs.capture import CONTEXT_TENSORS, GRAPH_BUCKETS, CudaGraphs, _StaticContext, bucket, capturable, find_segments
 from graphs.plan import BUCKETS as PLAN_BUCKETS
+from graphs.segments import _token_shaped
 from tests.conftest import fixture_dir
 
 CACHE_OPS = {"kv_window_append", "kv_window_store", "kv_window_block", "cache_append", "sparse_attention",
