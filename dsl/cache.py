@@ -96,9 +96,16 @@ def _pool_rows(parts: list[torch.Tensor], major: torch.Tensor, minor: torch.Tens
 
 
 def store_rows(fmt: EntryFormat, parts: list[torch.Tensor], values: torch.Tensor, major: torch.Tensor,
-               minor: torch.Tensor, tables: torch.Tensor | None = None) -> None:
+               minor: torch.Tensor, tables: torch.Tensor | None = None, masked: bool = False) -> None:
     """Encode values [M, D] in `fmt` and store row m in every part [*, R, ...] at [block, minor[m] % R]: block
-    tables[major[m], minor[m] // R], or major[m] without `tables` (R rows per block or ring)."""
+    tables[major[m], minor[m] // R], or major[m] without `tables` (R rows per block or ring). `masked`: rows whose
+    major[m] is negative are not stored (a static step's padding rows and the groups it does not complete:
+    dsl/step.py); finding them waits for the device here, not in the cache kernel."""
+    if masked:
+        keep = major >= 0
+        values, major, minor = values[keep], major[keep], minor[keep]
+    if not values.shape[0]:
+        return
     blocks, rows = _pool_rows(parts, major, minor, tables)
     for part, encoded in zip(parts, fmt.encode(values), strict=True):
         part[blocks, rows] = encoded
@@ -147,10 +154,12 @@ class PagedCache:
         fmt, parts = self.windows[layer]
         return self.reader(fmt, parts, slots, positions)
 
-    def write_window_rows(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, values: torch.Tensor) -> None:
-        """Store values [M, D] in the window of `layer` at (slot, position) pairs [M]."""
+    def write_window_rows(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, values: torch.Tensor,
+                          masked: bool = False) -> None:
+        """Store values [M, D] in the window of `layer` at (slot, position) pairs [M]; `masked`: not where the slot
+        is negative."""
         fmt, parts = self.windows[layer]
-        self.writer(fmt, parts, values, slots, positions)
+        self.writer(fmt, parts, values, slots, positions, masked=masked)
 
     def entry_rows(self, name: str, layer: int, tables: torch.Tensor, run: torch.Tensor,
                    index: torch.Tensor) -> torch.Tensor:
@@ -160,10 +169,11 @@ class PagedCache:
         return self.reader(fmt, parts, run, index, tables)
 
     def write_entry_rows(self, name: str, layer: int, tables: torch.Tensor, run: torch.Tensor, index: torch.Tensor,
-                         values: torch.Tensor) -> None:
-        """Store compressed entries values [M, D] at entry indices index [M] of the sequences of tables[run]."""
+                         values: torch.Tensor, masked: bool = False) -> None:
+        """Store compressed entries values [M, D] at entry indices index [M] of the sequences of tables[run];
+        `masked`: not where run is negative."""
         fmt, _, parts = self.compressed[(name, layer)]
-        self.writer(fmt, parts, values, run, index, tables)
+        self.writer(fmt, parts, values, run, index, tables, masked=masked)
 
     def partial_rows(self, layer: int, slots: torch.Tensor,
                      positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

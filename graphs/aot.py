@@ -90,7 +90,8 @@ def record_attention_launches(plan: Plan, graph: Graph) -> dict[str, Launch]:
         for node in plan.kernel_nodes():
             op = graph.nodes[node.index]
             window = op.inputs[1].producer if node.op == "sparse_attention" else None
-            if window is None or window.op != "kv_window_append" or not op.attrs.get("causal", True):
+            if (window is None or window.op != "kv_window_append" or not op.attrs.get("causal", True)
+                    or not paged_attention.supports(node.static.d)):  # head dims the kernel does not take gather
                 continue
             compressed, topk = (list(op.inputs) + [None, None])[3:5]
             pool_fmt, k = None, 0

@@ -1,12 +1,19 @@
-"""CUDA-graph capture of a planned graph's static runs: the stretches of nodes between the ops that read caches.
+"""CUDA-graph capture of a planned graph's static runs: the stretches of nodes whose shapes follow the token count.
 
-A forward's nodes split into *segments*, maximal runs of nodes whose every value is a plain tensor with a shape
-set by the forward's token count alone (dims in `N` and constants) and which read nothing of the forward's context
-but a per-token tensor (rope's positions), and the nodes between them, which read and write the caches (window
-appends, attention, the compressor, the indexer) and whose shapes follow the caches' lengths. The segments hold
-most of a decode step's launches (the linears, MoE, hyper-connection mixes, norms, rope, rounding): on a decode
-step of a few tokens each launch costs far more on the host than on the GPU, so replaying them as CUDA graphs is
-what makes the step GPU-bound.
+A forward's nodes split into *segments* (graphs/segments.py finds them), maximal runs of nodes whose every value is
+a plain tensor with a shape set by the forward's token count alone (dims in `N` and constants) and which read nothing
+of the forward's context but a per-token tensor (rope's positions), and the nodes between them, which read and
+write the caches (window appends, attention, the compressor, the indexer) and whose shapes follow the caches'
+lengths. The segments hold most of a decode step's launches (the linears, MoE, hyper-connection mixes, norms,
+rope, rounding): on a decode step of a few tokens each launch costs far more on the host than on the GPU, so
+replaying them as CUDA graphs is what makes the step GPU-bound.
+
+A decode or verification step whose sequences share one set of pools and whose chunks fit the rings' spare
+positions (`StaticStep.fits`, dsl/step.py) is a *static step*: its segments (`find_segments(..., static=True)`, a
+`Split` of their own) also take in the cache ops with a static form (`dsl.step.STATIC_OPS`), which read the step's
+layout from one `StaticStep` per captured bucket, refreshed by one copy before the first segment runs, and never pass
+a cache view across a segment's edge. Such a step's graphs read and write one set of pools (a forward over another
+drops every graph) and are kept per block-table width (`table_width`) as well as per bucket and mode.
 
 Token counts are padded to buckets (`GRAPH_BUCKETS`): a segment always runs over `bucket(N)` rows, the forward's N and
 padding rows after them (zeros, or whatever an earlier replay left there; every node in a segment works row by row,
@@ -45,97 +52,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import sympy
 import torch
 
-from dsl.graph import Graph, Value
-from dsl.ops import OPS
-from dsl.tensor import OPAQUE_DTYPES, num_tokens
-
-# The token counts segments are captured at; each of the plan's tuning buckets (graphs/plan.py) up to 512 is one.
-GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
-
-# Context-reading ops whose only use of the context is a tensor of one row per token: a captured segment reads
-# it from a static buffer, refreshed before each replay.
-CONTEXT_TENSORS = {"rope": "positions"}
-
-
-@dataclass
-class Segment:
-    """Nodes [start, stop) of a graph: `inputs` are the values they read that come from outside (graph inputs or
-    earlier nodes; weights excluded), `outputs` those they make that later nodes or the graph's outputs read."""
-
-    start: int
-    stop: int
-    inputs: list[Value]
-    outputs: list[Value]
-    context: bool  # whether a node reads the context's per-token tensor
-
-    def __post_init__(self) -> None:
-        self.row_inputs = [_rows(v) for v in self.inputs]  # which inputs and outputs padding extends
-        self.row_outputs = [_rows(v) for v in self.outputs]
-
-
-def _fixed(dim) -> bool:
-    return isinstance(dim, int) or not sympy.sympify(dim).free_symbols
-
-
-def _token_shaped(value: Value | None) -> bool:
-    """Whether the value is absent, a tensor of fixed shape, or one of one row per token ([N, fixed dims...])."""
-    if value is None:
-        return True
-    t = value.type
-    if t is None or t.dtype in OPAQUE_DTYPES:
-        return False
-    rest = t.shape[1:] if t.shape and _rows(value) else t.shape
-    return all(_fixed(d) for d in rest)
-
-
-def _rows(value: Value) -> bool:
-    """Whether the value has one row per token: a leading dim of N, the dim padding extends."""
-    shape = value.type.shape
-    return bool(shape) and not isinstance(shape[0], int) and sympy.sympify(shape[0]) == num_tokens
-
-
-def capturable(graph: Graph, index: int, uncaptured: frozenset[str] = frozenset()) -> bool:
-    """Whether node `index` can sit in a segment; ops in `uncaptured` never do (the experts' exchange under expert
-    parallelism, whose shapes follow what the other ranks send)."""
-    node = graph.nodes[index]
-    opdef = OPS[node.op]
-    if node.op in uncaptured or (opdef.uses_context and node.op not in CONTEXT_TENSORS):
-        return False
-    return all(_token_shaped(v) for v in node.inputs if v is None or v.name not in graph.params) \
-        and all(_token_shaped(v) for v in node.outputs)
-
-
-def find_segments(graph: Graph, min_nodes: int = 2, uncaptured: frozenset[str] = frozenset()) -> list[Segment]:
-    """The graph's segments of at least `min_nodes` capturable nodes (no op of `uncaptured`), in program order."""
-    last_read: dict[int, int] = {}  # id(value) -> index of the last node reading it (len(nodes) for outputs)
-    for i, node in enumerate(graph.nodes):
-        for v in node.inputs:
-            if v is not None:
-                last_read[id(v)] = i
-    for v in graph.outputs.values():
-        last_read[id(v)] = len(graph.nodes)
-    params = {id(v) for v in graph.params.values()}
-    segments, start = [], None
-    for i in range(len(graph.nodes) + 1):
-        if i < len(graph.nodes) and capturable(graph, i, uncaptured):
-            start = i if start is None else start
-            continue
-        if start is not None and i - start >= min_nodes:
-            made = {id(v) for node in graph.nodes[start:i] for v in node.outputs}
-            inputs, outputs, seen = [], [], set()
-            for node in graph.nodes[start:i]:
-                for v in node.inputs:
-                    if v is not None and id(v) not in made and id(v) not in params and id(v) not in seen:
-                        seen.add(id(v))
-                        inputs.append(v)
-                outputs += [v for v in node.outputs if last_read.get(id(v), -1) >= i]
-            context = any(graph.nodes[j].op in CONTEXT_TENSORS for j in range(start, i))
-            segments.append(Segment(start, i, inputs, outputs, context))
-        start = None
-    return segments
+from dsl.graph import Graph
+from dsl.step import StaticStep, table_width
+from graphs.segments import CONTEXT_TENSORS, GRAPH_BUCKETS, Segment, Split, capturable, find_segments
 
 
 class _StaticContext:
@@ -160,6 +81,7 @@ class CapturedStep:
     """The graphs of one (bucket, mode): captured during one forward, replayed in the later ones."""
 
     positions: torch.Tensor | None = None
+    static: StaticStep | None = None  # a static step's layout, which its graphs read
     runs: dict[int, Run] = field(default_factory=dict)
     bytes: int = 0  # device memory its captures took (the growth of torch's reserved memory over them)
 
@@ -182,10 +104,11 @@ class CudaGraphs:
                  uncaptured: frozenset[str] = frozenset()) -> None:
         if max_tokens > GRAPH_BUCKETS[-1]:
             raise ValueError(f"max_tokens {max_tokens} is past the largest bucket, {GRAPH_BUCKETS[-1]}")
-        self.segments = find_segments(graph, uncaptured=uncaptured)
-        self.at = {s.start: s for s in self.segments}
-        # each segment output's maker: (segment start, index among its outputs)
-        self.made_by = {id(v): (s.start, i) for s in self.segments for i, v in enumerate(s.outputs)}
+        # the segments of forwards in general, and of static steps (dsl/step.py)
+        self.splits = {static: Split(find_segments(graph, uncaptured=uncaptured, static=static))
+                       for static in (False, True)}
+        self.segments, self.at = self.splits[False].segments, self.splits[False].at
+        self.cache = None  # the pools the static steps' graphs read and write
         self.max_tokens, self.max_steps, self.max_bytes = max_tokens, max_steps, max_bytes
         self.capture, self.pad = capture, pad
         self.ahead = ahead
@@ -193,22 +116,31 @@ class CudaGraphs:
         self.steps: OrderedDict[tuple, CapturedStep] = OrderedDict()
         self.seen: set[tuple] = set()
         self.ahead_done: set[tuple] = set()  # modes whose decode buckets were captured ahead
-        self.broken: set[int] = set()  # segments that failed to capture: eager from then on
         self.replays = self.captures = self.eager = 0  # segment runs by kind (eager: padded, in a bucket's first)
 
     def begin(self, ctx, mode: tuple) -> _Forward | None:
         """This forward's way through the segments, or None to run every node eagerly and unpadded."""
         n = ctx.num_tokens
-        if n > self.max_tokens or not self.segments:
+        static = n <= self.max_tokens and StaticStep.fits(ctx)
+        split = self.splits[static]
+        if n > self.max_tokens or not split.segments:
             return None
+        width = 0
+        if static:  # graphs over other pools would write those: none kept
+            cache = ctx.chunks[0].state.cache
+            if cache is not self.cache:
+                self.clear()
+                self.cache = cache
+            width = table_width(max(len(c.state.block_table) for c in ctx.chunks))
+        mode = (static, width, *mode)
         rows = bucket(n)
         key = (rows, *mode)
         if key in self.steps:
             self.steps.move_to_end(key)
-            return _Forward(self, self.steps[key], ctx, rows)
+            return _Forward(self, split, self.steps[key], ctx, rows, width)
         if key not in self.seen or not self.capture:  # the warm-up forward: padded, eager
             self.seen.add(key)
-            return _Forward(self, None, ctx, rows)
+            return _Forward(self, split, None, ctx, rows, width)
         ahead = []
         if self.ahead and mode not in self.ahead_done:
             self.ahead_done.add(mode)
@@ -222,7 +154,12 @@ class CudaGraphs:
         for b, other in others:
             self.steps[(b, *mode)] = other
         step = self.steps[key] = CapturedStep()
-        return _Forward(self, step, ctx, rows, capturing=True, others=others)
+        return _Forward(self, split, step, ctx, rows, width, capturing=True, others=others)
+
+    @property
+    def broken(self) -> set[tuple[bool, int]]:
+        """The segments that failed to capture, as (of a static step, first node)."""
+        return {(static, start) for static, split in self.splits.items() for start in split.broken}
 
     def evict(self, room: int = 1) -> None:
         """Drop the least recently used buckets' graphs until `room` more fit: at most `max_steps` kept, and less
@@ -236,24 +173,28 @@ class CudaGraphs:
         self.seen.clear()
         self.ahead_done.clear()
         self.pool = None
+        self.cache = None
 
 
 class _Forward:
     """One forward through the segments: `step` None runs them eagerly (padded), else replays or captures them."""
 
-    def __init__(self, owner: CudaGraphs, step: CapturedStep | None, ctx, rows: int, capturing: bool = False,
-                 others: list[tuple[int, CapturedStep]] = ()) -> None:
+    def __init__(self, owner: CudaGraphs, split: Split, step: CapturedStep | None, ctx, rows: int, width: int = 0,
+                 capturing: bool = False, others: list[tuple[int, CapturedStep]] = ()) -> None:
         self.owner, self.step, self.ctx, self.rows, self.capturing = owner, step, ctx, rows, capturing
+        self.width = width  # a static step's block table width (0 for other forwards)
+        self.split, self.at = split, split.at  # the segments this forward runs, by first node
         self.others = others  # (rows, step) of the buckets captured ahead beside this forward's, largest first
         self.padded: dict[int, torch.Tensor] = {}  # id of a segment output's first N rows -> its padded tensor
         self.static: set[int] = set()  # ids of the replays' static tensors (or views) this forward's env holds
         self.positions: torch.Tensor | None = None
+        self.layout: StaticStep | None = None  # a static step's, filled for this forward
 
     def run(self, segment: Segment, env: dict, run_nodes: RunNodes) -> None:
         """Run `segment` over `env`: replay its graph, capture it, or run its nodes eagerly over padded rows."""
         args = [env[v] for v in segment.inputs]
         n = self.ctx.num_tokens
-        if (segment.start in self.owner.broken or any(not isinstance(a, torch.Tensor) for a in args)
+        if (segment.start in self.split.broken or any(not isinstance(a, torch.Tensor) for a in args)
                 or any(r and a.shape[0] != n for a, r in zip(args, segment.row_inputs, strict=True))):
             run_nodes(env, self.ctx)  # e.g. a step's logit rows, fewer than its tokens: as they come
             return
@@ -300,9 +241,11 @@ class _Forward:
             out.append(full if r else a)
         return out
 
-    def _context(self, segment: Segment) -> _StaticContext | None:
+    def _context(self, segment: Segment) -> _StaticContext | StaticStep | None:
         if not segment.context:
             return None
+        if self.split is self.owner.splits[True]:
+            return self._layout()
         if self.positions is None:  # padding rows at position 0
             positions = self.ctx.positions
             if self.step is not None and self.step.positions is not None:
@@ -314,6 +257,18 @@ class _Forward:
                 if self.step is not None:
                     self.step.positions = self.positions
         return _StaticContext(self.positions)
+
+    def _layout(self) -> StaticStep:
+        """The static step's layout (the captured step's own, which its graphs read), filled for this forward once."""
+        if self.layout is None:
+            layout = self.step.static if self.step is not None else None
+            if layout is None:
+                layout = StaticStep(self.rows, self.width, self.owner.cache)
+                if self.step is not None:
+                    self.step.static = layout
+            layout.fill(self.ctx)
+            self.layout = layout
+        return self.layout
 
     def _eager(self, segment: Segment, env: dict, args: list[torch.Tensor], run_nodes: RunNodes) -> list:
         self.owner.eager += 1
@@ -330,7 +285,7 @@ class _Forward:
         self._context(segment)
 
     def _capture(self, segment: Segment, env: dict, args: list[torch.Tensor], run_nodes: RunNodes) -> Run | None:
-        if segment.start in self.owner.broken:  # a bucket captured ahead found it cannot be
+        if segment.start in self.split.broken:  # a bucket captured ahead found it cannot be
             return None
         reserved = torch.cuda.memory_reserved()
         # an input that is an earlier replay's padded output is read in place; others get a static tensor of their own
@@ -346,19 +301,23 @@ class _Forward:
         """Capture `segment` for another bucket of `rows` tokens into `step`, on zeros where this forward reads its
         own inputs (row inputs widened to `rows`; fixed-shape ones as they are) and, where another segment makes an
         input, on that segment's outputs in `step`, as a forward in that bucket reads them."""
-        if segment.start in self.owner.broken:
+        if segment.start in self.split.broken:
             return
         reserved = torch.cuda.memory_reserved()
         inputs = []
         for v, a, r in zip(segment.inputs, args, segment.row_inputs, strict=True):
-            start, i = self.owner.made_by.get(id(v), (None, 0))
+            start, i = self.split.made_by.get(id(v), (None, 0))
             maker = step.runs.get(start)
             if maker is not None:
                 inputs.append(maker.outputs[i])
             else:
                 inputs.append(torch.zeros((rows, *a.shape[1:]) if r else a.shape, dtype=a.dtype, device=a.device))
         ctx = None
-        if segment.context:
+        if segment.context and self.split is self.owner.splits[True]:  # a layout of zeros: nothing stored
+            if step.static is None:
+                step.static = StaticStep(rows, self.width, self.owner.cache)
+            ctx = step.static
+        elif segment.context:
             if step.positions is None:
                 step.positions = torch.zeros(rows, dtype=self.ctx.positions.dtype, device=self.ctx.positions.device)
             ctx = _StaticContext(step.positions)
@@ -380,7 +339,7 @@ class _Forward:
             with torch.cuda.graph(graph, pool=self.owner.pool):
                 run_nodes(local, ctx)
         except RuntimeError as e:  # an op that syncs with the host, or allocates host memory: eager from now on
-            self.owner.broken.add(segment.start)
+            self.split.broken.add(segment.start)
             torch.cuda.synchronize()
             warnings.warn(f"nodes {segment.start}..{segment.stop - 1} cannot be captured ({type(e).__name__}: {e}); "
                           "they run eagerly", RuntimeWarning, stacklevel=4)
@@ -396,4 +355,5 @@ class _Forward:
         return {k: v.clone() if id(v) in self.static else v for k, v in outputs.items()}
 
 
-__all__ = ["CONTEXT_TENSORS", "GRAPH_BUCKETS", "CudaGraphs", "Segment", "bucket", "capturable", "find_segments"]
+__all__ = ["CONTEXT_TENSORS", "GRAPH_BUCKETS", "CudaGraphs", "Segment", "Split", "bucket", "capturable",
+           "find_segments"]

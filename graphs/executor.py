@@ -136,7 +136,7 @@ class Executor:
                     env |= {v: empty_output(v.type, ctx.device) for v in graph.outputs.values() if v not in env}
                     break
                 continue
-            segment = forward and replays and self.cuda_graphs.at.get(index)
+            segment = forward and replays and forward.at.get(index)
             if segment:
                 def run_nodes(env: dict, ctx, segment=segment) -> None:
                     for i in range(segment.start, segment.stop):

@@ -19,8 +19,10 @@ from dsl.context import ForwardContext, SequenceState
 from dsl.interpret import interpret
 from dsl.ops import OPS
 from dsl.passes import run_passes
+from dsl.step import has_static_form
 from graphs.capture import CONTEXT_TENSORS, GRAPH_BUCKETS, CudaGraphs, _StaticContext, bucket, capturable, find_segments
 from graphs.plan import BUCKETS as PLAN_BUCKETS
+from graphs.segments import _token_shaped
 from tests.conftest import fixture_dir
 
 CACHE_OPS = {"kv_window_append", "kv_window_store", "kv_window_block", "cache_append", "sparse_attention",
@@ -48,6 +50,29 @@ def test_segments_hold_no_cache_op_and_most_nodes(name: str, drafting: bool) -> 
             if i not in inside and capturable(graph, i):
                 assert not any(0 <= j < len(graph.nodes) and capturable(graph, j) for j in (i - 1, i + 1))
         assert len(inside) > 0.6 * len(graph.nodes)
+
+
+@pytest.mark.parametrize("name,drafting", [("v41-smooth-engram", False), ("trained", True)])
+def test_static_segments_pass_only_token_rows_across_their_edges(name: str, drafting: bool) -> None:
+    """A static step's segments (dsl/step.py) take in the cache ops with a static form, and no cache view crosses a
+    segment's edge: the nodes that would pass one to a node outside stay out with it."""
+    _, found = graphs(name, drafting)
+    for graph in found:
+        plain, static = find_segments(graph), find_segments(graph, static=True)
+        inside = {i for s in static for i in range(s.start, s.stop)}
+        assert inside >= {i for s in plain for i in range(s.start, s.stop)}
+        for s in static:
+            assert all(_token_shaped(v) for v in s.inputs + s.outputs)
+            for i in range(s.start, s.stop):
+                node = graph.nodes[i]
+                assert capturable(graph, i, static=True)
+                assert not OPS[node.op].uses_context or node.op in CONTEXT_TENSORS or has_static_form(node)
+        appends = [i for i, n in enumerate(graph.nodes) if n.op == "kv_window_append"]
+        windows = [i for i in appends if all(has_static_form(r) for r in graph.nodes if graph.nodes[i].outputs[0]
+                                             in r.inputs)]
+        assert bool(windows) == bool(appends)  # the main graph's window-only layers (a draft graph has no append)
+        assert all(i in inside for i in windows)
+        assert all(i not in inside for i in appends if i not in windows)
 
 
 def run_nodes(graph, start: int, stop: int, env: dict, ctx) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from dsl.context import ForwardContext, cast, segments, take_rows
 from dsl.ops.registry import op
+from dsl.step import StaticStep
 from dsl.tensor import TensorType, context
 from dsl.transfer import to_device
 
@@ -60,6 +61,16 @@ class PagedWindow:
     def intact(self) -> bool:
         """Whether every chunk's ring still holds its view (`intact_chunks`)."""
         return all(self.intact_chunks())
+
+
+@dataclass
+class StaticWindow:
+    """A window as a static step's attention reads it (dsl/step.py): the ring of `layer` in the step's pools, after the
+    step's store; the token of row t sees the positions (pos_t - window_size, pos_t] from its chunk's floor on."""
+
+    step: StaticStep
+    layer: int
+    window: int
 
 
 class CacheView:
@@ -192,6 +203,9 @@ def kv_window_append(kv: torch.Tensor, *, layer: int, window: int, ctx) -> Cache
     The returned view holds the kept entries followed by the whole chunk, with their positions. A paged view is
     gathered when first read where the store leaves the ring holding all of it (`PagedWindow.intact`), else now.
     """
+    if isinstance(ctx, StaticStep):
+        kv_window_store(kv, layer=layer, window=window, ctx=ctx)
+        return StaticWindow(ctx, layer, window)
     view = _window_view(kv, layer, window, ctx, lazy=True)
     if view.ring is not None and not view.ring.intact():
         view.flat()
@@ -203,6 +217,9 @@ def kv_window_append(kv: torch.Tensor, *, layer: int, window: int, ctx) -> Cache
 def kv_window_store(kv: torch.Tensor, *, layer: int, window: int, ctx) -> None:
     """Store each chunk's kv [N, D] in its sequence's window of `layer` (the cache keeps the last `window - 1`
     entries) without attending: DSpark's main keys, which the draft layers read later."""
+    if isinstance(ctx, StaticStep):  # every row at its position; padding rows nowhere
+        ctx.cache.write_window_rows(layer, ctx.write_slots, ctx.positions, kv, masked=True)
+        return
     batch = ctx.paged
     if batch is None:
         for c in ctx.chunks:
@@ -317,6 +334,8 @@ def sparse_attention(q: torch.Tensor, window: CacheView, sink: torch.Tensor, com
     compressed entries picked by `topk` [N, K] (-1 = none). The per-head sink logit `sink` [H] joins the
     softmax denominator only. With `causal` False every key of the window view is visible to every query of the
     chunk (a DSpark draft block). Returns fp32 [N, H, D]."""
+    if isinstance(window, StaticWindow):
+        return static_attention(q, window, sink, window_size=window_size, scale=scale)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     if not ctx.compute_per_chunk:
         kv, idx = visible_entries(window, compressed, topk, window_size=window_size, ctx=ctx, dtype=torch.float32,
@@ -358,3 +377,29 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch
     full = torch.cat([logits, sink.float()[None, :, None].expand(q.shape[0], -1, 1)], dim=-1)
     probs = torch.softmax(full - full.amax(-1, keepdim=True), dim=-1)[..., :-1]
     return torch.einsum("ths,tsd->thd", probs, keys)
+
+
+def static_window_entries(window: StaticWindow, window_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each row of a static step sees of its window, oldest first: fp32 keys [R, window_size, D] (zeros where
+    not visible) and which are visible [R, window_size]: positions from max(pos - window_size + 1, floor) to pos."""
+    step = window.step
+    pos = step.positions  # [R]
+    oldest = torch.maximum(pos - window_size + 1, step.floors[step.row_chunks].long())  # [R]
+    seen = oldest[:, None] + torch.arange(window_size, device=pos.device)  # [R, S] positions
+    visible = seen <= pos[:, None]
+    slots = step.chunk_slots[step.row_chunks].long()[:, None].expand_as(seen)
+    keys = step.cache.window_rows(window.layer, slots.reshape(-1), seen.reshape(-1))  # [R * S, D]
+    keys = keys.reshape(*seen.shape, -1)
+    return torch.where(visible[..., None], keys, 0.0), visible
+
+
+def static_attention(q: torch.Tensor, window: StaticWindow, sink: torch.Tensor, *, window_size: int,
+                     scale: float) -> torch.Tensor:
+    """`sparse_attention` of a static step's rows over their windows (the reference of the in-place kernel's static
+    use, kernels/attention/paged_attention.py): q [R, H, D] -> fp32 [R, H, D]."""
+    keys, visible = static_window_entries(window, window_size)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for begin in range(0, q.shape[0], ATTENTION_ROWS):
+        rows = slice(begin, begin + ATTENTION_ROWS)
+        out[rows] = _attend(q[rows].float(), keys[rows], visible[rows], sink, scale)
+    return out

@@ -9,6 +9,7 @@ import torch
 import kernels.attention.paged_attention as paged
 import kernels.attention.sparse_attention as attention
 from dsl.graph import Node
+from dsl.ops.attention import StaticWindow
 from kernels.lowering import PLAIN, Call, Lowering, Params, Static, Variant, meta, param, token_planes
 
 
@@ -35,11 +36,15 @@ class SparseAttention(Lowering):
         return attention.default_config(tokens, static.h, static.d)
 
     def run(self, call: Call) -> torch.Tensor:
-        """Where `paged.IN_PLACE`, the chunks of decode and verification steps over paged pools read the caches in
-        place (kernels/attention/paged_attention.py); the rest gathers. The choice is a chunk's own, never its
-        batch's, so a token's path (and its values) does not follow what it is batched with."""
+        """A static step's attention (dsl/step.py) reads the caches in place. Elsewhere, where `paged.IN_PLACE`, the
+        chunks of decode and verification steps over paged pools read the caches in place
+        (kernels/attention/paged_attention.py); the rest gathers. The choice is a chunk's own, never its batch's, so a
+        token's path (and its values) does not follow what it is batched with."""
         q, window, sink, compressed, topk = (list(call.args) + [None, None])[:5]
         a, ctx = call.attrs, call.ctx
+        if isinstance(window, StaticWindow):  # a static step (dsl/step.py): the in-place kernel, whatever IN_PLACE
+            return paged.static_attention_op(q, window, sink, window_size=a["window_size"], scale=a["scale"],
+                                             config=call.config, dot_fp32=call.dot_fp32)
         causal = a.get("causal", True)
         common = dict(window_size=a["window_size"], scale=a["scale"], ctx=ctx, config=call.config,
                       dot_fp32=call.dot_fp32)

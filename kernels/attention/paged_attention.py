@@ -338,6 +338,21 @@ def paged_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=N
                            **pool)
 
 
+def static_attention_op(q: torch.Tensor, window, sink: torch.Tensor, *, window_size: int, scale: float,
+                        config: dict | None = None, dot_fp32: bool = False) -> torch.Tensor:
+    """The DSL op `sparse_attention` of a static step (dsl/step.py) over its window (`dsl.ops.attention.StaticWindow`):
+    q [R, H, D] -> fp32 [R, H, D], every index the kernel reads taken from the step's tensors, so the launch reads
+    whatever a later step writes there. The rows' values are the gathered path's (`paged_attention_op`) bit for bit:
+    a token's oldest visible position is max(pos - window_size + 1, floor) either way."""
+    step = window.step
+    fmt, parts = step.cache.windows[window.layer]
+    dtype = torch.float32 if dot_fp32 else torch.bfloat16
+    return paged_attention(q.to(dtype).contiguous(), sink.float().contiguous(), window_fmt=fmt, window_parts=parts,
+                           slots=step.chunk_slots, first=step.floors, row_chunks=step.row_chunks,
+                           positions=step.positions32, window_size=window_size, scale=scale, config=config,
+                           dot_fp32=dot_fp32)
+
+
 def trace(heads: int, dim: int, *, window_size: int, scale: float, window_fmt: EntryFormat,
           pool_fmt: EntryFormat | None, topk: int, config: dict, dot_fp32: bool, device: str = "meta") -> None:
     """Call the wrapper once on empty pools of `device` for a node of `heads` x `dim` queries over a window in
@@ -357,4 +372,5 @@ def trace(heads: int, dim: int, *, window_size: int, scale: float, window_fmt: E
 
 
 __all__ = ["default_split", "in_place_chunks", "paged_attention", "paged_attention_combine_kernel",
-           "paged_attention_kernel", "paged_attention_op", "reads_in_place", "supports", "tiles", "trace"]
+           "paged_attention_kernel", "paged_attention_op", "reads_in_place", "static_attention_op", "supports", "tiles",
+           "trace"]

@@ -30,14 +30,15 @@ KERNEL_NAMES = ("store_rows_kernel", "load_rows_kernel")
 @triton.jit
 def _pool_row(major_ptr, minor_ptr, table_ptr, m, PER, TABLE_W, HAS_TABLE: tl.constexpr):
     """Row block * PER + minor % PER of the pool (parts flat over [blocks * PER]): block tables[major, minor // PER],
-    or major without a table."""
+    or major without a table; and whether the row is there at all (major >= 0)."""
     major = tl.load(major_ptr + m)
     minor = tl.load(minor_ptr + m)
+    present = major >= 0
     if HAS_TABLE:
-        block = tl.load(table_ptr + major * TABLE_W + minor // PER)
+        block = tl.load(table_ptr + major * TABLE_W + minor // PER, mask=present, other=0)
     else:
         block = major
-    return block * PER + minor % PER
+    return block * PER + minor % PER, present
 
 
 @triton.jit
@@ -148,10 +149,11 @@ def store_rows_kernel(x_ptr, major_ptr, minor_ptr, table_ptr, codes_ptr, scales_
                       KIND: tl.constexpr, BLOCK: tl.constexpr, E4M3_SCALE: tl.constexpr, HAS_TABLE: tl.constexpr,
                       block_B: tl.constexpr, block_C: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
-    dst = _pool_row(major_ptr, minor_ptr, table_ptr, m, PER, TABLE_W, HAS_TABLE)
+    dst, present = _pool_row(major_ptr, minor_ptr, table_ptr, m, PER, TABLE_W, HAS_TABLE)
     blocks = tl.arange(0, block_B)
     b = blocks[:, None]
     c = tl.arange(0, block_C)[None, :]
+    stored_b = (blocks < D // BLOCK) & present  # a row of negative major is not stored
     if KIND == 2:  # fp4: columns 2c and 2c + 1 of each block
         mask = (b < D // BLOCK) & (c < BLOCK // 2)
         xe = tl.load(x_ptr + m * D + b * BLOCK + 2 * c, mask=mask, other=0.0)
@@ -166,18 +168,18 @@ def store_rows_kernel(x_ptr, major_ptr, minor_ptr, table_ptr, codes_ptr, scales_
             stored = _pow2_byte(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)))
             inv = ((254 - stored) << 23).to(tl.float32, bitcast=True)[:, None]  # 1 / 2^(byte - 127)
             packed = _e2m1_codes(xe * inv) | (_e2m1_codes(xo * inv) << 4)
-        tl.store(codes_ptr + dst * (D // 2) + b * (BLOCK // 2) + c, packed.to(tl.uint8), mask=mask)
-        tl.store(scales_ptr + dst * (D // BLOCK) + blocks, stored.to(tl.uint8), mask=blocks < D // BLOCK)
+        tl.store(codes_ptr + dst * (D // 2) + b * (BLOCK // 2) + c, packed.to(tl.uint8), mask=mask & present)
+        tl.store(scales_ptr + dst * (D // BLOCK) + blocks, stored.to(tl.uint8), mask=stored_b)
     else:
         mask = (b < D // BLOCK) & (c < BLOCK)
         x = tl.load(x_ptr + m * D + b * BLOCK + c, mask=mask, other=0.0)
         if KIND == 0:
-            tl.store(codes_ptr + dst * D + b * BLOCK + c, x, mask=mask)
+            tl.store(codes_ptr + dst * D + b * BLOCK + c, x, mask=mask & present)
         else:  # fp8, power-of-two scales
             byte = _pow2_byte(tl.math.div_rn(tl.max(tl.abs(x), axis=1), tl.full([block_B], 448.0, tl.float32)))
             inv = ((254 - byte) << 23).to(tl.float32, bitcast=True)[:, None]
-            tl.store(codes_ptr + dst * D + b * BLOCK + c, _e4m3_bits(x * inv).to(tl.uint8), mask=mask)
-            tl.store(scales_ptr + dst * (D // BLOCK) + blocks, byte.to(tl.uint8), mask=blocks < D // BLOCK)
+            tl.store(codes_ptr + dst * D + b * BLOCK + c, _e4m3_bits(x * inv).to(tl.uint8), mask=mask & present)
+            tl.store(scales_ptr + dst * (D // BLOCK) + blocks, byte.to(tl.uint8), mask=stored_b)
 
 
 @triton.jit
@@ -185,7 +187,7 @@ def load_rows_kernel(codes_ptr, scales_ptr, major_ptr, minor_ptr, table_ptr, out
                      KIND: tl.constexpr, BLOCK: tl.constexpr, E4M3_SCALE: tl.constexpr, HAS_TABLE: tl.constexpr,
                      block_B: tl.constexpr, block_C: tl.constexpr):
     m = tl.program_id(0).to(tl.int64)
-    src = _pool_row(major_ptr, minor_ptr, table_ptr, m, PER, TABLE_W, HAS_TABLE)
+    src, _ = _pool_row(major_ptr, minor_ptr, table_ptr, m, PER, TABLE_W, HAS_TABLE)
     blocks = tl.arange(0, block_B)
     b = blocks[:, None]
     c = tl.arange(0, block_C)[None, :]
@@ -239,10 +241,11 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def store_rows(fmt: EntryFormat, parts: list[torch.Tensor], values: torch.Tensor, major: torch.Tensor,
-               minor: torch.Tensor, tables: torch.Tensor | None = None) -> None:
+               minor: torch.Tensor, tables: torch.Tensor | None = None, masked: bool = False) -> None:
     """`dsl.cache.store_rows` in one launch: encode values [M, D] (fp32, or cast to it) in `fmt` and store row m in
     every part [*, R, ...] at [block, minor[m] % R], block tables[major[m], minor[m] // R] ([B, W]) or major[m].
-    major, minor: integer [M]. Parts: the codes (fp32 / float8_e4m3fn / uint8 packed fp4) and the scales."""
+    major, minor: integer [M]. Parts: the codes (fp32 / float8_e4m3fn / uint8 packed fp4) and the scales. A row whose
+    major[m] is negative is never stored, `masked` or not: the kernel checks it where it stands, without a wait."""
     (major, minor, table, codes, scales, per, width), consts, d = _layout(fmt, parts, major, minor, tables)
     if values.dim() != 2 or values.shape[1] != d or values.shape[0] != major.shape[0]:
         raise ValueError(f"values must be [M, {d}] for M = {major.shape[0]} rows, got {list(values.shape)}")

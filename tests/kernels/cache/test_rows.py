@@ -99,6 +99,30 @@ def test_store_and_load_match_the_torch_path(fmt, d, paged, m, device) -> None:
     check(fmt, m, d, paged, device, seed=m + d)
 
 
+@pytest.mark.parametrize("fmt, d", [(FP8, 64), (KV_FP4, 48), (KEY_FP4, 64), (FP32, 24)])
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("m, skipped", [(1, [0]), (5, [0, 3]), (6, [1, 2, 3, 4, 5]), (4, [])])
+def test_rows_of_negative_major_are_not_stored(fmt, d, paged, m, skipped, device) -> None:
+    """A static step's padding rows and the groups it does not complete come with major -1: neither the kernel nor the
+    masked torch path stores them, and every other row lands as before (pools of random bytes show a stray write)."""
+    blocks, per = 4 * (2 + m // 16), 8
+    x = values(fmt, m, d, seed=m + d).to(device)
+    major, minor, tables = placement(m, blocks, per, paged, m + d, device)
+    kept = torch.ones(m, dtype=torch.bool)
+    kept[skipped] = False
+    want = pools(fmt, blocks, per, d, seed=1)
+    dsl.cache.store_rows(fmt, want, x.cpu()[kept], major.cpu()[kept], minor.cpu()[kept],
+                         None if tables is None else tables.cpu())
+    masked_major = torch.where(kept.to(device), major, -1)
+    masked = pools(fmt, blocks, per, d, seed=1)
+    dsl.cache.store_rows(fmt, masked, x.cpu(), masked_major.cpu(), minor.cpu(),
+                         None if tables is None else tables.cpu(), masked=True)
+    got = [p.to(device) for p in pools(fmt, blocks, per, d, seed=1)]
+    kernel.store_rows(fmt, got, x, masked_major, minor, tables)
+    for a, b, c in zip(got, masked, want, strict=True):
+        assert same(a, c) and same(b, c), f"{fmt}: a row of negative major was stored, or a kept row was not"
+
+
 @pytest.mark.parametrize("fmt", [FP8, KEY_FP4])
 def test_values_off_the_grid_encode_as_the_reference(fmt, device) -> None:
     """fp8 and power-of-two fp4 encode any values (rounding them); the kernel rounds as torch does."""

@@ -1,0 +1,152 @@
+"""A decode or verification step's layout as device tensors whose shapes follow a token-count bucket alone.
+
+`ForwardContext` (dsl/context.py) describes a forward with host lists and device tensors sized by its chunks, and the
+cache ops built on it make tensors whose shapes follow the caches' lengths. A `StaticStep` describes a step of up to
+`rows` tokens (a bucket: the step's N tokens, then padding rows) in which every chunk fits its sequence's window
+rings (`fits`): per row its position and chunk, per chunk its slot, first position, first row, window floor and block
+table, all at fixed places in one buffer that `fill` refreshes from a `ForwardContext` with one copy from pinned
+host memory. The ops with a static form (`STATIC_OPS`) read only these tensors and make only tensors whose shapes
+follow `rows` and static bounds, so a CUDA graph captured over them serves every later step of the bucket: a replay
+reads what `fill` wrote.
+
+Padding rows lie at position 0 of chunk 0, so what they read exists; they write nothing (`write_slots` is -1 there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dsl.cache import PagedCache
+from dsl.graph import Node
+
+_ALIGN = 16  # bytes: every region starts at an address a kernel argument may have
+
+# (name, dtype, rows of `rows` entries each, whether it has one entry per block table column): the buffer's regions
+_REGIONS = (("positions", torch.int64, False), ("positions32", torch.int32, False),
+            ("row_chunks", torch.int32, False), ("write_slots", torch.int32, False),
+            ("chunk_slots", torch.int32, False), ("chunk_starts", torch.int32, False),
+            ("chunk_rows", torch.int32, False), ("floors", torch.int32, False), ("tables", torch.int32, True))
+
+
+def _size(rows: int, width: int, dtype: torch.dtype, tabular: bool) -> int:
+    size = rows * (width if tabular else 1) * dtype.itemsize
+    return -(-size // _ALIGN) * _ALIGN
+
+
+def table_width(longest: int) -> int:
+    """The block tables' width for a step whose longest table has `longest` blocks: a power of two, at least 8, so a
+    sequence's growth changes it (and the graphs captured for it) only a few times over its life."""
+    width = 8
+    while width < longest:
+        width *= 2
+    return width
+
+
+def _regions(buffer: torch.Tensor, rows: int, width: int) -> dict[str, torch.Tensor]:
+    """The typed views of a step's byte buffer (device or host), by region name."""
+    views, at = {}, 0
+    for name, dtype, tabular in _REGIONS:
+        count = rows * (width if tabular else 1)
+        view = buffer[at: at + count * dtype.itemsize].view(dtype)
+        views[name] = view.view(rows, width) if tabular else view
+        at += _size(rows, width, dtype, tabular)
+    return views
+
+
+class StaticStep:
+    """The layout of a step of up to `rows` tokens whose sequences live in `cache`, block tables `width` wide.
+
+    Per row [rows]: `positions` (int64, and `positions32`), `row_chunks` (its chunk), `write_slots` (its sequence's
+    slot; -1 for padding rows, which store nothing). Per chunk [rows] (a step has at most one chunk a row; those past
+    the step's are zeros): `chunk_slots`, `chunk_starts` (first position), `chunk_rows` (first row), `floors` (the
+    first position its windows see: 0, or bounded replay's `replay_from`) and `tables` [rows, width] (zero-padded).
+    """
+
+    def __init__(self, rows: int, width: int, cache: PagedCache, device: torch.device | str | None = None) -> None:
+        if rows < 1 or width < 1:
+            raise ValueError(f"a static step needs at least one row and one table column, got {rows} and {width}")
+        self.rows, self.width, self.cache = rows, width, cache
+        self.device = torch.device(device) if device is not None else cache.device
+        self.buffer = torch.zeros(sum(_size(rows, width, d, t) for _, d, t in _REGIONS), dtype=torch.uint8,
+                                  device=self.device)
+        views = _regions(self.buffer, rows, width)
+        self.positions: torch.Tensor = views["positions"]
+        self.positions32: torch.Tensor = views["positions32"]
+        self.row_chunks: torch.Tensor = views["row_chunks"]
+        self.write_slots: torch.Tensor = views["write_slots"]
+        self.chunk_slots: torch.Tensor = views["chunk_slots"]
+        self.chunk_starts: torch.Tensor = views["chunk_starts"]
+        self.chunk_rows: torch.Tensor = views["chunk_rows"]
+        self.floors: torch.Tensor = views["floors"]
+        self.tables: torch.Tensor = views["tables"]
+        self.write_slots.fill_(-1)  # nothing to store until filled
+        self.num_tokens = rows  # the rows every op of the step runs over
+
+    def fill(self, ctx) -> None:
+        """Write the layout of forward `ctx` (a `ForwardContext` whose every chunk `fits` this step): one packed host
+        buffer, copied to the device in one asynchronous copy from pinned memory."""
+        states, n = [c.state for c in ctx.chunks], ctx.num_tokens
+        if n > self.rows or any(len(s.block_table) > self.width for s in states):
+            raise ValueError(f"a step of {n} tokens with block tables of up to "
+                             f"{max(len(s.block_table) for s in states)} blocks does not fit a static step of "
+                             f"{self.rows} rows and {self.width} table columns")
+        host = torch.zeros(self.buffer.shape[0], dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        views = _regions(host, self.rows, self.width)
+        lengths = torch.tensor(ctx.lengths, dtype=torch.int64)
+        b = len(states)
+        chunks = torch.repeat_interleave(torch.arange(b), lengths, output_size=n)
+        starts = torch.tensor(ctx.starts, dtype=torch.int64)
+        rows = torch.cumsum(lengths, 0) - lengths
+        positions = torch.arange(n) - rows[chunks] + starts[chunks]
+        views["positions"][:n] = positions
+        views["positions32"][:n] = positions
+        views["row_chunks"][:n] = chunks
+        slots = torch.tensor([s.slot for s in states], dtype=torch.int32)
+        views["write_slots"][:n] = slots[chunks]
+        views["write_slots"][n:] = -1
+        views["chunk_slots"][:b] = slots
+        views["chunk_starts"][:b] = starts
+        views["chunk_rows"][:b] = rows
+        if ctx.visible_from is not None:
+            views["floors"][:b] = torch.tensor(ctx.visible_from)
+        flat = [block for s in states for block in s.block_table + [0] * (self.width - len(s.block_table))]
+        views["tables"][:b] = torch.tensor(flat, dtype=torch.int32).view(b, self.width)
+        self.buffer.copy_(host, non_blocking=True)
+
+    @staticmethod
+    def fits(ctx) -> bool:
+        """Whether forward `ctx` (a `ForwardContext`) can run as a static step: its sequences share one set of pools
+        (`ctx.paged`) and every chunk fits the rings' spare positions (a decode or verification step: a chunk of T
+        tokens leaves a ring of `window + spare` positions holding the window before it when T <= spare + 1)."""
+        states = [c.state for c in ctx.chunks]
+        cache = states[0].cache if states else None
+        if cache is None or any(s.cache is not cache for s in states) or len({s.slot for s in states}) < len(states):
+            return False
+        return ctx.visible_from is None and max(ctx.lengths) <= cache.spec.spare + 1
+
+
+def _window_attention(node) -> bool:
+    """A causal attention over a window the step appends to, with no compressed entries."""
+    window = node.inputs[1].producer
+    extra = [v for v in node.inputs[3:] if v is not None]
+    return node.attrs.get("causal", True) and window is not None and window.op == "kv_window_append" and not extra
+
+
+# The ops with a static form, each with the condition on its node: given a `StaticStep` as their context they read
+# and write the caches through it alone, and make values whose shapes follow its rows and static bounds.
+STATIC_OPS: dict[str, Callable[[Node], bool]] = {
+    "kv_window_append": lambda node: True,
+    "kv_window_store": lambda node: True,
+    "sparse_attention": _window_attention,
+}
+
+
+def has_static_form(node: Node) -> bool:
+    """Whether `node` runs over a `StaticStep` (`STATIC_OPS`)."""
+    check = STATIC_OPS.get(node.op)
+    return check is not None and check(node)
+
+
+__all__ = ["STATIC_OPS", "StaticStep", "has_static_form", "table_width"]

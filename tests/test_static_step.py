@@ -1,0 +1,69 @@
+"""Static steps (dsl/step.py) in the plan runtime on a machine without a GPU: a decode or verification step run as its
+CUDA graphs would run it, over a bucket of rows whose cache ops read the step's layout from its tensors, gives the
+eager path's logits bit for bit. The kernels run under Triton's interpreter, the segments padded without capture
+(`CudaGraphs(capture=False)`); padding rows enter as NaN where a segment's inputs are padded, so a row that leaked
+into a real one would show. On the GPU, tests/test_gpu_static_step.py replays the captured graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels.attention.paged_attention as paged
+from deepinfer.models import DeepseekV41Flash
+from dsl.passes import run_passes
+from dsl.step import StaticStep
+from graphs.capture import CudaGraphs
+from graphs.compiled_model import CompiledModel
+from graphs.passes import make_plan
+from graphs.plan_runtime import PlanRuntime
+from tests.conftest import fixture_dir
+from tests.schedules import Pools, Schedule, mixed
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs where there is no GPU")
+
+
+def planned(model: DeepseekV41Flash, dot_fp32: bool, padded: bool) -> CompiledModel:
+    """`model` planned for sm90 on the CPU: eager, or (`padded`) its forwards through the CUDA-graph segments
+    uncaptured, static steps included."""
+    graph = run_passes(model.graph())
+    plan = make_plan(graph, model.params(), "sm90", buckets=(16,), dot_fp32=dot_fp32)
+    runtime = PlanRuntime(graph, plan, {}, {}, model.params(), device="cpu")
+    if padded:
+        main, _ = runtime.executors()
+        main.cuda_graphs = CudaGraphs(graph, capture=False, pad=float("nan"))
+    return CompiledModel(model.config, graph, "sm90", runtime)
+
+
+def spy(monkeypatch) -> dict[str, int]:
+    """Counts of the static steps filled and of the static attention launches."""
+    counts = {"fill": 0, "attention": 0}
+    fill, attention = StaticStep.fill, paged.static_attention_op
+
+    def counted_fill(self, ctx) -> None:
+        counts["fill"] += 1
+        fill(self, ctx)
+
+    def counted_attention(*a, **k) -> torch.Tensor:
+        counts["attention"] += 1
+        return attention(*a, **k)
+    monkeypatch.setattr(StaticStep, "fill", counted_fill)
+    monkeypatch.setattr(paged, "static_attention_op", counted_attention)
+    return counts
+
+
+@pytest.mark.parametrize("name, dot_fp32, prefill", [("v41-tiny", True, False), ("v41-tiny-engram", False, True)])
+def test_static_steps_give_the_eager_logits(name: str, dot_fp32: bool, prefill: bool, monkeypatch) -> None:
+    model = DeepseekV41Flash.from_pretrained(fixture_dir(name))
+    eager = planned(model, dot_fp32, padded=False)
+    counts = spy(monkeypatch)
+    want = mixed(Schedule(eager, Pools.make(eager)), prefill)
+    assert counts == {"fill": 0, "attention": 0}
+    static = planned(model, dot_fp32, padded=True)
+    schedule = Schedule(static, Pools.make(static))
+    got = mixed(schedule, prefill)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(g, w), f"step {i}: static logits differ from the eager ones"
+    window_only = sum(1 for r in model.config.compress_ratios if r == 0)
+    assert counts["fill"] == schedule.num_fitting == len(got) - 2 * prefill  # every step but the prefill chunks
+    assert counts["attention"] == counts["fill"] * window_only
