@@ -99,7 +99,8 @@ def record_attention_launches(plan: Plan, graph: Graph) -> dict[str, Launch]:
                 source = compressed.producer.attrs
                 pool_fmt, k = pools[(source["name"], source["layer"])], int(topk.type.shape[-1])
             for chosen in [node.buckets[b] for b in plan.buckets] + [node.invariant]:
-                for picks in sorted({k, 0}):  # a step where no sequence has compressed entries yet: window only
+                # the widths a forward's picks run at, and none: a step where no sequence has compressed entries yet
+                for picks in [0, *paged_attention.pick_widths(k)] if k else [0]:
                     paged_attention.trace(node.static.h, node.static.d, window_size=op.attrs["window_size"],
                                           scale=op.attrs["scale"], window_fmt=windows[window.attrs["layer"]],
                                           pool_fmt=pool_fmt, topk=picks, config=chosen.config,

@@ -32,10 +32,11 @@ from kernels.attention.paged_entries import KINDS, bf16_halves, decode_tile, loa
 from kernels.lang import tl, triton
 from kernels.launch import launch
 
-# Whether the sparse_attention lowering takes this kernel for the chunks `in_place_chunks` passes:
-# DEEPINFER_PAGED_ATTENTION=1. Off by default until its GPU tests (tests/kernels/attention/test_paged_*.py -m gpu)
-# and bench/bench_decode_attention.py have run on the GPU.
-IN_PLACE = os.environ.get("DEEPINFER_PAGED_ATTENTION", "0") == "1"
+# Whether the sparse_attention lowering takes this kernel for the chunks `in_place_chunks` passes, and static steps
+# (dsl/step.py) capture their window-only attention with it: on by default; DEEPINFER_PAGED_ATTENTION=0 gathers
+# instead, and static steps then leave attention to the eager nodes, so a step's logits are the same with CUDA graphs
+# and without either way.
+IN_PLACE = os.environ.get("DEEPINFER_PAGED_ATTENTION", "1") != "0"
 
 
 @triton.jit
@@ -303,6 +304,22 @@ def reads_in_place(window, compressed, topk: torch.Tensor | None, *, causal: boo
     return bool(chunks) and all(chunks)
 
 
+def pick_width(width: int) -> int:
+    """The width the kernel runs a forward's picks at, for a top-k `width` wide (the longest compressed cache's entry
+    count, up to the indexer's top-k): the next power of two, at least 64 (a block of entries), the picks past
+    `width` none (-1). The ahead-of-time build compiles every width up to the indexer's top-k's (`pick_widths`): a
+    few variants, where the forward's own width would make one for every cache length below the top-k."""
+    return max(64, triton.next_power_of_2(width))
+
+
+def pick_widths(topk: int) -> list[int]:
+    """Every width `pick_width` gives for a top-k of up to `topk` picks."""
+    widths = [64]
+    while widths[-1] < pick_width(topk):
+        widths.append(widths[-1] * 2)
+    return widths
+
+
 def _int32(ctx, t: torch.Tensor) -> torch.Tensor:
     """t as the kernel's int32 index, once per forward for each tensor the layers share (the memo keeps t alive, so
     its id stays its own)."""
@@ -328,6 +345,8 @@ def paged_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=N
         pool_fmt, _, pool_parts = entries.cache.compressed[(entries.name, entries.layer)]
         length, _, _ = compressed.layout(ctx.device)
         picks = _int32(ctx, topk) if rows is None else _index(topk, "topk", tuple(topk.shape))
+        if picks.shape[1] != pick_width(picks.shape[1]):  # none past the forward's own width
+            picks = torch.nn.functional.pad(picks, (0, pick_width(picks.shape[1]) - picks.shape[1]), value=-1)
         pool = dict(pool_fmt=pool_fmt, pool_parts=pool_parts, tables=_int32(ctx, entries.tables),
                     lengths=_int32(ctx, length), topk=picks)
     dtype = torch.float32 if dot_fp32 else torch.bfloat16
@@ -372,5 +391,5 @@ def trace(heads: int, dim: int, *, window_size: int, scale: float, window_fmt: E
 
 
 __all__ = ["default_split", "in_place_chunks", "paged_attention", "paged_attention_combine_kernel",
-           "paged_attention_kernel", "paged_attention_op", "reads_in_place", "static_attention_op", "supports", "tiles",
-           "trace"]
+           "paged_attention_kernel", "paged_attention_op", "pick_width", "pick_widths", "reads_in_place",
+           "static_attention_op", "supports", "tiles", "trace"]

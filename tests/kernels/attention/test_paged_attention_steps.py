@@ -65,7 +65,7 @@ def test_steps_read_the_caches_in_place_as_they_gather_them(monkeypatch) -> None
     # every layer of every step: the decode and verification steps whole, the first step's chunk of 3 tokens while
     # its chunk of 5 (past the ring's spare positions + 1) gathers
     assert len(calls) == 4 * layers
-    monkeypatch.setattr(paged, "IN_PLACE", False)  # the default: the gathered path
+    monkeypatch.setattr(paged, "IN_PLACE", False)  # DEEPINFER_PAGED_ATTENTION=0: the gathered path
     want = run_steps(compiled, STEPS, "cpu")
     assert len(calls) == 4 * layers
     for g, w in zip(got, want, strict=True):
