@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from dsl.context import cast
 from dsl.ops.invariant import MIN_COLS, pad_rows, padded
 from dsl.ops.registry import invariant, op, same_as_first
 from dsl.ragged import Ragged, ragged_map
@@ -14,7 +15,7 @@ from dsl.tensor import TensorType
 def weight_values(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """The fp32 values of a stored weight: plain float, fp8 32x32 blocks or packed fp4 with per-32 scales."""
     if scale is None:
-        return w.float()
+        return cast(w, torch.float32)
     from dsl.quant import dequantize
 
     return dequantize(w, scale)
@@ -62,9 +63,10 @@ def invariant_linear(x, w: torch.Tensor, scale: torch.Tensor | None = None):
     from 12 on, dsl/ops/invariant.py): x [..., I] (or Ragged) -> fp32 [..., O]."""
     if isinstance(x, Ragged):
         return x.replace(invariant_linear(x.values, w, scale))
-    rows = x.reshape(-1, x.shape[-1]).float()  # [R, I]
+    rows = cast(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), torch.float32)  # [R, I]
     out = torch.mm(weight_values(w, scale), pad_rows(rows, max(MIN_COLS, rows.shape[0])).t())  # [O, >= R]
-    return out[:, : rows.shape[0]].t().contiguous().reshape(*x.shape[:-1], w.shape[0])
+    out = out.t()[: rows.shape[0]].contiguous()  # [R, O]
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], w.shape[0])
 
 
 invariant("grouped_linear")(padded(grouped_linear))

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
+from dsl.context import cast
 from dsl.ops.dense import invariant_linear
 from dsl.ops.invariant import sigmoid
 from dsl.ops.registry import invariant, op
@@ -30,32 +34,61 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     comb = (m[:, 2 * hc :] * scale[2] + base[2 * hc :]).reshape(-1, hc, hc)
-    comb = torch.softmax(comb, dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return pre, post, comb
+    return pre, post, sinkhorn(torch.softmax(comb, dim=-1) + eps, iters, eps)
 
 
 @invariant("hc_mixes")
 def invariant_hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, iters: int,
                        eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`hc_mixes` with its projection as `invariant_linear` and the invariant sigmoid. Written out rather than run
-    under InvariantElementwise: the Sinkhorn loop's many small calls would each pay the mode's dispatch."""
+    under InvariantElementwise: the Sinkhorn loop's many small calls would each pay the mode's dispatch. The three
+    scales multiply their columns as one vector (the same products), and one sigmoid covers pre and post: the invariant
+    sigmoid rounds an element alike whatever the tensor's size."""
     hc = h.shape[1]
-    flat = h.reshape(h.shape[0], -1).float()  # [N, hc * D]
+    flat = cast(h.reshape(h.shape[0], -1), torch.float32)  # [N, hc * D]
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    m = invariant_linear(flat, fn.float())  # [N, (2 + hc) * hc]
-    scale, base = scale.float(), base.float()
-    pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * sigmoid(m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
-    comb = torch.softmax((m[:, 2 * hc :] * scale[2] + base[2 * hc :]).reshape(-1, hc, hc), dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+    m = invariant_linear(flat, cast(fn, torch.float32))  # [N, (2 + hc) * hc]
+    z = m * cast(scale, torch.float32).repeat_interleave(_scale_repeats(hc, scale.device)) + cast(base, torch.float32)
+    gates = sigmoid(z[:, : 2 * hc])
+    pre, post = gates[:, :hc] + eps, 2 * gates[:, hc:]
+    return pre, post, sinkhorn(torch.softmax(z[:, 2 * hc :].reshape(-1, hc, hc), dim=-1) + eps, iters, eps)
+
+
+@functools.cache
+def _scale_repeats(hc: int, device: torch.device) -> torch.Tensor:
+    """How many columns of the mixes each of the three scales multiplies: pre's hc, post's hc, comb's hc * hc."""
+    return torch.tensor([hc, hc, hc * hc], device=device)
+
+
+NUMPY_SINKHORN_ROWS = 32  # up to this many tokens numpy's per-call cost wins; above, torch's vectorised reductions
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """comb [N, hc, hc] (positive) made doubly stochastic: divided by its column sums plus eps, then `iters - 1`
+    times by its row sums plus eps and by its column sums plus eps. Up to NUMPY_SINKHORN_ROWS tokens on the CPU the
+    same float32 sums (of hc values, added in torch's order) and divisions run in numpy, in place, whose calls cost a
+    fraction of torch's: the loop is 6 * iters small calls (tests/test_hyper_sinkhorn.py checks the bits)."""
+    if comb.device.type != "cpu" or comb.shape[0] > NUMPY_SINKHORN_ROWS or not comb.is_contiguous():
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return pre, post, comb
+        for _ in range(iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        return comb
+    a = comb.numpy()  # the caller's fresh tensor, normalised in place
+    n, hc = a.shape[0], a.shape[1]
+    rows, cols, e = np.empty((n, hc, 1), np.float32), np.empty((n, 1, hc), np.float32), np.float32(eps)
+    add, divide, reduce = np.add, np.divide, np.add.reduce
+    reduce(a, axis=1, keepdims=True, out=cols)
+    add(cols, e, out=cols)
+    divide(a, cols, out=a)
+    for _ in range(iters - 1):
+        reduce(a, axis=2, keepdims=True, out=rows)
+        add(rows, e, out=rows)
+        divide(a, rows, out=a)
+        reduce(a, axis=1, keepdims=True, out=cols)
+        add(cols, e, out=cols)
+        divide(a, cols, out=a)
+    return comb
 
 
 @op("hc_collapse", lambda h, pre: (TensorType((h.shape[0], h.shape[2])),))

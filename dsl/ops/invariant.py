@@ -39,7 +39,9 @@ def padded_rows(rows: int) -> int:
 def pad_rows(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     """x [n, ...] with zero rows appended up to `rows` (default: `padded_rows(n)`)."""
     rows = padded_rows(x.shape[0]) if rows is None else rows
-    return x if x.shape[0] >= rows else torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+    if x.shape[0] >= rows:
+        return x
+    return torch.constant_pad_nd(x, (0, 0) * (x.dim() - 1) + (0, rows - x.shape[0]))
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
