@@ -94,7 +94,7 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 @op("hc_collapse", lambda h, pre: (TensorType((h.shape[0], h.shape[2])),))
 def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """sum_k pre[:, k] * h[:, k]: streams [N, hc, D] -> [N, D]."""
-    return (pre.unsqueeze(-1) * h.float()).sum(dim=1)
+    return (pre.unsqueeze(-1) * cast(h, torch.float32)).sum(dim=1)
 
 
 @op("hc_mean", lambda h: (TensorType((h.shape[0], h.shape[2])),))
@@ -106,12 +106,12 @@ def hc_mean(h: torch.Tensor) -> torch.Tensor:
 @op("hc_expand", lambda y, h, post, comb: (TensorType(h.shape),))
 def hc_expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New streams: out[:, k] = post[:, k] * y + sum_j comb[:, j, k] * h[:, j]. y [N, D], h [N, hc, D]."""
-    mixed = torch.einsum("njk,njd->nkd", comb.float(), h.float())
-    return post.unsqueeze(-1) * y.float().unsqueeze(1) + mixed
+    mixed = torch.einsum("njk,njd->nkd", cast(comb, torch.float32), cast(h, torch.float32))
+    return post.unsqueeze(-1) * cast(y, torch.float32).unsqueeze(1) + mixed
 
 
 @op("hc_collapse_rms_norm", lambda h, pre, w, **a: (TensorType((h.shape[0], h.shape[2])),))
 def hc_collapse_rms_norm(h: torch.Tensor, pre: torch.Tensor, w: torch.Tensor, *, eps: float) -> torch.Tensor:
     """hc_collapse followed by rms_norm, one pass over the streams (made by the fusion pass)."""
     x = hc_collapse(h, pre)
-    return w.float() * (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps))
+    return cast(w, torch.float32) * (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps))

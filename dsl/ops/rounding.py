@@ -22,9 +22,14 @@ _FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _FP4_TIE_UP = (False, True, False, True, False, True, False)
 
 
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """`t.float()` without the dispatch where it is one already."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
 def pow2_ceil(t: torch.Tensor) -> torch.Tensor:
     """2^ceil(log2(t)) for positive fp32 `t`, from the bits: exponent - 127, plus one if the mantissa is non-zero."""
-    bits = t.float().contiguous().view(torch.int32)
+    bits = _fp32(t).contiguous().view(torch.int32)
     exponent = (bits >> 23) & 0xFF
     k = exponent - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
     return torch.exp2(k.float())
@@ -56,7 +61,7 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor | None:
     n = x.shape[-1]
     if n % block:
         return None
-    return x.float().reshape(*x.shape[:-1], n // block, block)
+    return _fp32(x).reshape(*x.shape[:-1], n // block, block)
 
 
 @op("fp8_round", same_as_first)
