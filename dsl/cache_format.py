@@ -9,6 +9,7 @@ the even column in the low nibble.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,13 @@ from dsl.quant import scale_to_float
 
 # The largest |code| an fp4 block can hold, largest first: an e4m3-scaled block's scale is its amax over one of them.
 _FP4_MAXIMA = (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5)
+
+
+@functools.cache
+def _e8m0_values(device: torch.device) -> torch.Tensor:
+    """fp32 values [256] of the ue8m0 scale bytes (`scale_to_float` of each), per device: decoding a scale is then one
+    lookup."""
+    return scale_to_float(torch.arange(256, dtype=torch.uint8).view(torch.float8_e8m0fnu)).to(device)
 
 
 @dataclass(frozen=True)
@@ -75,7 +83,7 @@ class EntryFormat:
         if self.kind == "fp32":
             return parts[0]
         codes, scales = parts
-        scale = scales.float() if self.e4m3_scale else scale_to_float(scales.view(torch.float8_e8m0fnu))
+        scale = scales.float() if self.e4m3_scale else _e8m0_values(scales.device)[scales.long()]
         if self.kind == "fp8":
             values = codes.float()
         else:
