@@ -54,7 +54,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None 
     """
     wv = weight_values(w, scale).reshape(groups, -1, w.shape[-1])  # [G, R, K]
     xg = cast(x, torch.float32).reshape(x.shape[0], groups, -1)  # [N, G, K]
-    return torch.einsum("ngk,grk->ngr", xg, wv).reshape(x.shape[0], -1)
+    return torch.bmm(xg.transpose(0, 1), wv.transpose(1, 2)).transpose(0, 1).reshape(x.shape[0], -1)  # "ngk,grk->ngr"
 
 
 @invariant("linear")
@@ -72,7 +72,7 @@ def invariant_linear(x, w: torch.Tensor, scale: torch.Tensor | None = None):
 @invariant("grouped_linear")
 def invariant_grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *,
                              groups: int) -> torch.Tensor:
-    """`grouped_linear` over rows padded as for a linear (its einsum has no size-dependent elementwise function)."""
+    """`grouped_linear` over rows padded as for a linear (its bmm has no size-dependent elementwise function)."""
     return grouped_linear(pad_rows(x), w, scale, groups=groups)[: x.shape[0]]
 
 

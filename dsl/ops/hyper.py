@@ -48,16 +48,16 @@ def invariant_hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, b
     flat = cast(h.reshape(h.shape[0], -1), torch.float32)  # [N, hc * D]
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
     m = invariant_linear(flat, cast(fn, torch.float32))  # [N, (2 + hc) * hc]
-    z = m * cast(scale, torch.float32).repeat_interleave(_scale_repeats(hc, scale.device)) + cast(base, torch.float32)
+    z = m * cast(scale, torch.float32)[_scale_columns(hc, scale.device)] + cast(base, torch.float32)
     gates = sigmoid(z[:, : 2 * hc])
     pre, post = gates[:, :hc] + eps, 2 * gates[:, hc:]
     return pre, post, sinkhorn(torch.softmax(z[:, 2 * hc :].reshape(-1, hc, hc), dim=-1) + eps, iters, eps)
 
 
 @functools.cache
-def _scale_repeats(hc: int, device: torch.device) -> torch.Tensor:
-    """How many columns of the mixes each of the three scales multiplies: pre's hc, post's hc, comb's hc * hc."""
-    return torch.tensor([hc, hc, hc * hc], device=device)
+def _scale_columns(hc: int, device: torch.device) -> torch.Tensor:
+    """Which of the three scales multiplies each column of the mixes: pre's hc, post's hc, comb's hc * hc."""
+    return torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
 
 
 NUMPY_SINKHORN_ROWS = 32  # up to this many tokens numpy's per-call cost wins; above, torch's vectorised reductions
@@ -106,7 +106,7 @@ def hc_mean(h: torch.Tensor) -> torch.Tensor:
 @op("hc_expand", lambda y, h, post, comb: (TensorType(h.shape),))
 def hc_expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New streams: out[:, k] = post[:, k] * y + sum_j comb[:, j, k] * h[:, j]. y [N, D], h [N, hc, D]."""
-    mixed = torch.einsum("njk,njd->nkd", cast(comb, torch.float32), cast(h, torch.float32))
+    mixed = torch.bmm(cast(comb, torch.float32).transpose(1, 2), cast(h, torch.float32))  # einsum "njk,njd->nkd"
     return post.unsqueeze(-1) * cast(y, torch.float32).unsqueeze(1) + mixed
 
 

@@ -19,6 +19,7 @@ Everything else in the model (norms, softmax over a fixed dim, reductions over a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -41,7 +42,15 @@ def pad_rows(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     rows = padded_rows(x.shape[0]) if rows is None else rows
     if x.shape[0] >= rows:
         return x
-    return torch.constant_pad_nd(x, (0, 0) * (x.dim() - 1) + (0, rows - x.shape[0]))
+    return torch.cat([x, _zeros((rows - x.shape[0], *x.shape[1:]), x.dtype, x.device)])
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor of `shape`, made once: padding rows, only ever read (copied by the `cat` that pads); a normal
+    tensor even when first asked for under inference mode, so autograd code may read it too."""
+    with torch.inference_mode(False):
+        return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
