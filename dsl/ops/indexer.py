@@ -7,7 +7,7 @@ import torch
 
 from dsl.context import cast
 from dsl.ops.attention import CacheView
-from dsl.ops.invariant import MIN_COLS, pad_rows, padded_rows
+from dsl.ops.invariant import MIN_COLS, padded_rows
 from dsl.ops.registry import invariant, op
 from dsl.tensor import TensorType, context
 from dsl.transfer import to_device

@@ -41,8 +41,8 @@ def moe_gate(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, *, topk: int,
              normalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Route x [N, D] with gate w [E, D]: pick the top-k of score + bias, weight by the unbiased scores
     (renormalised when `normalize`, then times `scaling`). Returns weights fp32 [N, k], experts int64 [N, k]."""
-    return gate_topk(torch.nn.functional.linear(cast(x, torch.float32), cast(w, torch.float32)), bias, topk=topk, func=func, temp=temp,
-                     normalize=normalize, scaling=scaling)
+    logits = torch.nn.functional.linear(cast(x, torch.float32), cast(w, torch.float32))
+    return gate_topk(logits, bias, topk=topk, func=func, temp=temp, normalize=normalize, scaling=scaling)
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
