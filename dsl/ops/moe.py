@@ -176,8 +176,8 @@ def _stacked_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tens
     k, inner_dim = w1.shape[0], w1.shape[1]
     inner = _inner(w1.reshape(k * inner_dim, dim), w3.reshape(k * inner_dim, dim), columns, limit)  # [k * I, P]
     inner = dense.t()[:, None, :] * inner.view(k, inner_dim, -1)  # the routing weight times the activations
-    out = torch.bmm(w2, inner).transpose(1, 2)  # [k, P, D]
+    out = torch.bmm(w2, inner).transpose(1, 2)[:, :n]  # [k, N, D]
     y = torch.zeros(n, dim, device=x.device)
     for j in range(k):
-        y += out[j, :n]
+        y += out[j]
     return y
