@@ -159,25 +159,31 @@ def invariant_moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch
 
 def _stacked_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                      w3: torch.Tensor, limit: float) -> torch.Tensor:
-    """`invariant_moe_experts` with the experts in use stacked: their W1 and W3 rows in one GEMM each over every
-    token's column, their W2 in one `bmm`, each expert's output then added in ascending id. The bits are the expert
-    by expert ones (dsl/ops/invariant.py): a GEMM row's result does not follow how many rows are stacked, a column's
-    how many columns, a `bmm` element is that element's GEMM. A token an expert was not chosen for has weight 0
-    there: its column of that expert's output is zero, and adding it leaves the token's sum as it was (no sum is
-    -0, the accumulator starting at +0)."""
+    """`invariant_moe_experts` with the experts in use (every expert, when they are small) stacked: their W1 and W3
+    rows in one GEMM each over every token's column, their W2 in one `bmm`, the outputs of the experts in use then
+    added in ascending id. The bits are the expert by expert ones (dsl/ops/invariant.py): a GEMM row's result does not
+    follow how many rows are stacked, a column's how many columns, a `bmm` element is that element's GEMM. A token an
+    expert was not chosen for has weight 0 there: its column of that expert's output is zero, and adding it leaves
+    the token's sum as it was (no sum is -0, the accumulator starting at +0)."""
     n, dim = x.shape
     used = torch.unique(experts).tolist()  # ascending
     columns = _columns(x)  # [D, P]
     dense = torch.zeros(columns.shape[1], w1.shape[0], device=x.device)
     dense[:n].scatter_(1, experts, cast(weights, torch.float32))  # [P, E]: each token's weight for each expert
-    if len(used) < w1.shape[0]:
+    if len(used) < w1.shape[0] and w1.numel() > ALL_EXPERTS_VALUES:
         chosen = torch.tensor(used, device=x.device)
         w1, w2, w3, dense = w1[chosen], w2[chosen], w3[chosen], dense[:, chosen]
+        used = list(range(len(used)))
     k, inner_dim = w1.shape[0], w1.shape[1]
     inner = _inner(w1.reshape(k * inner_dim, dim), w3.reshape(k * inner_dim, dim), columns, limit)  # [k * I, P]
     inner = dense.t()[:, None, :] * inner.view(k, inner_dim, -1)  # the routing weight times the activations
     out = torch.bmm(w2, inner).transpose(1, 2)[:, :n]  # [k, N, D]
     y = torch.zeros(n, dim, device=x.device)
-    for j in range(k):
+    for j in used:
         y += out[j]
     return y
+
+
+# Up to this many values in an expert stack (W1's), every expert runs rather than the ones in use gathered: the GEMMs
+# of small experts cost less than the three gathers of their weights.
+ALL_EXPERTS_VALUES = 1 << 18
