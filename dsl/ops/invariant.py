@@ -8,7 +8,9 @@ tests/test_engine_batch_invariance.py re-checks every claim):
   at 1 to 3, 5 to 7, 9 to 11 (a GEMV, and kernels for the remainder rows); a column's is the same for every column
   count from 12 on. So the GEMMs inside ops get zero rows added up to a multiple of 4 below 12 (`padded_rows`), and
   the linears and the GEMMs over a sequence's cache at least `MIN_COLS` columns;
-- `bmm` gives each batch element the same result whatever the batch count;
+- `bmm` gives each batch element the same result whatever the batch count, the bits of that element's `mm`;
+- in `mm(W, B)` a row of W gives the same result whatever rows are stacked around it (12 or more in all), and a
+  column of B whether B is a transposed view or laid out as it is (the stacked experts, `moe.py`);
 - elementwise kernels round an element alike wherever it sits, except sigmoid, silu and softplus (and exp2), whose
   vector and scalar-tail paths differ: an element's bits depend on the tensor's size. Softmax over a dim other than
   the last does too, unless the inner size is a multiple of 64. Inside the ops that use them these are computed from
