@@ -34,7 +34,7 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     comb = (m[:, 2 * hc :] * scale[2] + base[2 * hc :]).reshape(-1, hc, hc)
-    return pre, post, sinkhorn(torch.softmax(comb, dim=-1) + eps, iters, eps)
+    return pre, post, doubly_stochastic(comb, iters, eps)
 
 
 @invariant("hc_mixes")
@@ -51,7 +51,7 @@ def invariant_hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, b
     z = m * cast(scale, torch.float32)[_scale_columns(hc, scale.device)] + cast(base, torch.float32)
     gates = sigmoid(z[:, : 2 * hc])
     pre, post = gates[:, :hc] + eps, 2 * gates[:, hc:]
-    return pre, post, sinkhorn(torch.softmax(z[:, 2 * hc :].reshape(-1, hc, hc), dim=-1) + eps, iters, eps)
+    return pre, post, doubly_stochastic(z[:, 2 * hc :].reshape(-1, hc, hc), iters, eps)
 
 
 @functools.cache
@@ -61,6 +61,18 @@ def _scale_columns(hc: int, device: torch.device) -> torch.Tensor:
 
 
 NUMPY_SINKHORN_ROWS = 32  # up to this many tokens numpy's per-call cost wins; above, torch's vectorised reductions
+
+
+def doubly_stochastic(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """comb [N, hc, hc] from its logits: softmax over the last dim, plus eps, then `sinkhorn`. Where the loop runs in
+    numpy, the softmax plus eps is written straight into a numpy array's memory (no tensor made and then viewed)."""
+    probs = torch.softmax(logits, dim=-1)
+    if probs.device.type != "cpu" or probs.shape[0] > NUMPY_SINKHORN_ROWS:
+        return sinkhorn(probs + eps, iters, eps)
+    a = np.empty(tuple(probs.shape), np.float32)
+    comb = torch.add(probs, eps, out=torch.from_numpy(a))
+    _numpy_sinkhorn(a, iters, eps)
+    return comb
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -74,7 +86,12 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
             comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
         return comb
-    a = comb.numpy()  # the caller's fresh tensor, normalised in place
+    _numpy_sinkhorn(comb.numpy(), iters, eps)  # the caller's fresh tensor, normalised in place
+    return comb
+
+
+def _numpy_sinkhorn(a: np.ndarray, iters: int, eps: float) -> None:
+    """`sinkhorn`'s loop on a float32 array [N, hc, hc], in place."""
     n, hc = a.shape[0], a.shape[1]
     rows, cols, e = np.empty((n, hc, 1), np.float32), np.empty((n, 1, hc), np.float32), np.float32(eps)
     add, divide, reduce = np.add, np.divide, np.add.reduce
@@ -88,7 +105,6 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         reduce(a, axis=1, keepdims=True, out=cols)
         add(cols, e, out=cols)
         divide(a, cols, out=a)
-    return comb
 
 
 @op("hc_collapse", lambda h, pre: (TensorType((h.shape[0], h.shape[2])),))
