@@ -9,15 +9,23 @@ the even column in the low nibble.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from dsl.ops.rounding import FP4_MAX, FP8_MAX, fp4_codes, fp4_values, pow2_ceil
+from dsl.ops.rounding import FP4_MAX, FP8_MAX, _fp32, fp4_codes, fp4_values, pow2_ceil
 from dsl.quant import scale_to_float
 
 # The largest |code| an fp4 block can hold, largest first: an e4m3-scaled block's scale is its amax over one of them.
 _FP4_MAXIMA = (6.0, 4.0, 3.0, 2.0, 1.5, 1.0, 0.5)
+
+
+@functools.cache
+def _e8m0_values(device: torch.device) -> torch.Tensor:
+    """fp32 values [256] of the ue8m0 scale bytes (`scale_to_float` of each), per device: decoding a scale is then one
+    lookup."""
+    return scale_to_float(torch.arange(256, dtype=torch.uint8).view(torch.float8_e8m0fnu)).to(device)
 
 
 @dataclass(frozen=True)
@@ -57,8 +65,8 @@ class EntryFormat:
         """Codes and scales of fp32 values x [..., D] that lie on this format's grid (the rounding ops put them
         there)."""
         if self.kind == "fp32":
-            return [x.float()]
-        blocks = x.float().reshape(*x.shape[:-1], -1, self.block)  # [..., D / block, block]
+            return [_fp32(x)]
+        blocks = _fp32(x).reshape(*x.shape[:-1], -1, self.block)  # [..., D / block, block]
         amax = blocks.abs().amax(-1, keepdim=True)
         if self.kind == "fp8":
             # x = q * s with s a power of two; any power of two >= amax / 448 represents x exactly: e4m3 is closed
@@ -75,7 +83,7 @@ class EntryFormat:
         if self.kind == "fp32":
             return parts[0]
         codes, scales = parts
-        scale = scales.float() if self.e4m3_scale else scale_to_float(scales.view(torch.float8_e8m0fnu))
+        scale = scales.float() if self.e4m3_scale else _e8m0_values(scales.device)[scales.long()]
         if self.kind == "fp8":
             values = codes.float()
         else:
@@ -98,16 +106,14 @@ class EntryFormat:
         if not self.e4m3_scale:
             return pow2_ceil(amax / FP4_MAX)  # e2m1 is closed under doubling below 6, as e4m3 below 448
         # An e4m3 scale is amax over the block's largest |code|, which is not always 6 (small blocks round it
-        # down): take the first candidate that is an e4m3 value and reproduces the block exactly.
-        chosen = torch.ones_like(amax)
-        found = amax == 0
-        for top in _FP4_MAXIMA:
-            scale = amax / top
-            scale_e = scale.to(torch.float8_e4m3fn).float()
-            exact = (fp4_values(fp4_codes((blocks / scale_e).clamp(-FP4_MAX, FP4_MAX))) * scale_e == blocks)
-            ok = ~found & (scale_e == scale) & exact.all(-1, keepdim=True)
-            chosen = torch.where(ok, scale_e, chosen)
-            found |= ok
-        if not bool(found.all()):
+        # down): the first candidate that is an e4m3 value and reproduces the block exactly, all tried at once.
+        tops = torch.tensor(_FP4_MAXIMA, device=amax.device).view(-1, *[1] * amax.dim())
+        scale = amax / tops  # [candidates, ..., B, 1]
+        scale_e = scale.to(torch.float8_e4m3fn).float()
+        exact = (fp4_values(fp4_codes((blocks / scale_e).clamp(-FP4_MAX, FP4_MAX))) * scale_e == blocks)
+        ok = (scale_e == scale) & exact.all(-1, keepdim=True)
+        zero = amax == 0
+        if not bool((ok.any(0) | zero).all()):
             raise ValueError("a cache entry is not on the fp4 grid with an e4m3 scale: round it with fp4_round first")
-        return chosen
+        first = ok.to(torch.uint8).argmax(0, keepdim=True)  # the first candidate that holds
+        return torch.where(zero, 1.0, scale_e.gather(0, first).squeeze(0))

@@ -1,4 +1,9 @@
-"""Runs a graph with every op's torch reference: the semantics of the DSL, and the cpu target."""
+"""Runs a graph with every op's torch reference: the semantics of the DSL, and the cpu target.
+
+A `Program` is a graph made ready to run many times: each node's implementation looked up once, its inputs and
+outputs numbered slots of a list rather than keys of a dict, its keywords built once (the context is the one added
+per forward). `interpret` builds one and runs it once; the cpu target's runtime keeps one per graph and mode.
+"""
 
 from __future__ import annotations
 
@@ -13,33 +18,57 @@ from dsl.ops import OPS
 from dsl.tensor import TensorType
 
 
+class Program:
+    """`graph` with `kernels` (op name -> implementation used instead of its reference, same signature) bound."""
+
+    def __init__(self, graph: Graph, kernels: dict[str, Callable] | None = None) -> None:
+        kernels = kernels or {}
+        slots: dict = {}
+        for value in [*graph.inputs.values(), *graph.params.values()]:
+            slots.setdefault(value, len(slots))
+        self.inputs = [(name, slots[v]) for name, v in graph.inputs.items()]
+        self.params = [(name, slots[v]) for name, v in graph.params.items()]
+        # per node: implementation, input slots (None: no input), attributes, whether it takes / sets the context,
+        # its output's slot (an int) or its outputs' (a list)
+        self.steps: list[tuple[Callable, list[int | None], dict, bool, bool, int | list[int]]] = []
+        for node in graph.nodes:
+            opdef = OPS[node.op]
+            inputs = [None if v is None else slots[v] for v in node.inputs]
+            outputs = [slots.setdefault(v, len(slots)) for v in node.outputs]
+            single = opdef.num_outputs == 1 and not opdef.sets_context
+            self.steps.append((kernels.get(node.op, opdef.reference), inputs, node.attrs, opdef.uses_context,
+                               opdef.sets_context, outputs[0] if single else outputs))
+        self.size = len(slots)
+        self.outputs = [(name, slots.get(v), v.type) for name, v in graph.outputs.items()]
+
+    def run(self, inputs: dict[str, Any], params: dict[str, Any], ctx: ForwardContext) -> dict[str, Any]:
+        """The graph's outputs by name. A node whose op sets the context (`decoder_context`) gives the context every
+        later node runs in; where that has no rows, the outputs not made yet are empty."""
+        env: list = [None] * self.size
+        for name, slot in self.inputs:
+            env[slot] = inputs[name]
+        for name, slot in self.params:
+            env[slot] = params[name]
+        for fn, ins, attrs, uses_context, sets_context, out in self.steps:
+            args = [None if i is None else env[i] for i in ins]
+            result = fn(*args, **attrs, ctx=ctx) if uses_context else fn(*args, **attrs)
+            if sets_context:
+                ctx = result
+                if ctx.num_tokens == 0:  # every later node runs over no row: nothing to compute, nothing to store
+                    return {name: env[s] if s is not None and env[s] is not None else empty_output(t, ctx.device)
+                            for name, s, t in self.outputs}
+            elif type(out) is int:
+                env[out] = result
+            else:
+                for slot, r in zip(out, result, strict=True):
+                    env[slot] = r
+        return {name: env[s] for name, s, _ in self.outputs}
+
+
 def interpret(graph: Graph, inputs: dict[str, Any], params: dict[str, Any], ctx: ForwardContext,
               kernels: dict[str, Callable] | None = None) -> dict[str, Any]:
-    """Run `graph`; `kernels` maps op names to implementations used instead of their reference (same signature).
-    A node whose op sets the context (`decoder_context`) gives the context every later node runs in; where that has
-    no rows, the outputs not made yet are empty."""
-    kernels = kernels or {}
-    env: dict = {}
-    for name, value in graph.inputs.items():
-        env[value] = inputs[name]
-    for name, value in graph.params.items():
-        env[value] = params[name]
-    for node in graph.nodes:
-        opdef = OPS[node.op]
-        args = [None if v is None else env[v] for v in node.inputs]
-        kwargs = dict(node.attrs, ctx=ctx) if opdef.uses_context else node.attrs
-        result = kernels.get(node.op, opdef.reference)(*args, **kwargs)
-        if opdef.sets_context:
-            ctx = result
-            if ctx.num_tokens == 0:  # every later node runs over no row: nothing to compute, nothing to store
-                return {name: env[v] if v in env else empty_output(v.type, ctx.device)
-                        for name, v in graph.outputs.items()}
-            continue
-        if opdef.num_outputs == 1:
-            result = (result,)
-        for value, r in zip(node.outputs, result, strict=True):
-            env[value] = r
-    return {name: env[v] for name, v in graph.outputs.items()}
+    """Run `graph` once (`Program`); `kernels` maps op names to implementations used instead of their reference."""
+    return Program(graph, kernels).run(inputs, params, ctx)
 
 
 def empty_output(t: TensorType, device: torch.device) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 
 from dsl.context import ForwardContext
 from dsl.graph import Graph
-from dsl.interpret import interpret
+from dsl.interpret import Program
 from graphs.runtime import select_graph
 from graphs.segments import StepSegment, step_segments
 
@@ -31,6 +31,8 @@ class Interpreter:
         self.device = torch.device(device)
         self.kernels = kernels
         self.overrides = overrides or {}
+        # the graph made ready to run (dsl/interpret.py) by (draft, batch_invariant), with the implementations bound
+        self._programs: dict[tuple[bool, bool], tuple[dict[str, Callable], Program]] = {}
 
     def implementations(self, batch_invariant: bool) -> dict[str, Callable]:
         """The ops run other than by their reference: the batch-invariant ones when asked for, the overrides."""
@@ -45,8 +47,11 @@ class Interpreter:
 
     def run(self, input_ids: torch.Tensor, ctx: ForwardContext, batch_invariant: bool,
             draft: bool = False) -> dict[str, torch.Tensor]:
-        return interpret(self._graph(draft), {"input_ids": input_ids}, self._params, ctx,
-                         self.implementations(batch_invariant))
+        kernels = self.implementations(batch_invariant)
+        made = self._programs.get((draft, batch_invariant))
+        if made is None or made[0] != kernels:  # made again where an implementation was replaced since
+            made = self._programs[draft, batch_invariant] = (kernels, Program(self._graph(draft), kernels))
+        return made[1].run({"input_ids": input_ids}, self._params, ctx)
 
     def graph_segments(self, num_tokens: int, draft: bool = False) -> list[StepSegment]:
         """Every node of a step runs eagerly, one by one: one segment, not captured."""

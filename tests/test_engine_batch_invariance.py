@@ -43,6 +43,21 @@ def test_bmm_elements_do_not_depend_on_the_batch_count() -> None:
     assert all(torch.equal(torch.bmm(a[:n], b[:n]), reference[:n]) for n in range(1, 50))
 
 
+def test_bmm_elements_are_their_own_mm() -> None:
+    g = torch.Generator().manual_seed(7)
+    a, b = torch.randn(8, 64, 32, generator=g), torch.randn(8, 32, 16, generator=g)
+    together = torch.bmm(a, b)
+    assert all(torch.equal(together[e], torch.mm(a[e], b[e])) for e in range(8))
+
+
+def test_gemm_rows_agree_when_stacked_and_columns_whatever_their_layout() -> None:
+    g = torch.Generator().manual_seed(8)
+    w, x = torch.randn(6, 32, 64, generator=g), torch.randn(16, 64, generator=g)  # 6 experts of 32 rows
+    stacked = torch.mm(w.reshape(-1, 64), x.t())
+    assert all(torch.equal(stacked[32 * e : 32 * (e + 1)], torch.mm(w[e], x.t())) for e in range(6))
+    assert torch.equal(torch.mm(w[0], x.t()), torch.mm(w[0], x.t().contiguous()))
+
+
 @pytest.mark.parametrize("fn", [torch.sigmoid, torch.nn.functional.silu, torch.nn.functional.softplus])
 def test_invariant_elementwise_functions_do_not_depend_on_the_tensor_size(fn) -> None:
     x = torch.randn(4096, generator=torch.Generator().manual_seed(3)) * 4

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from dsl.ops.invariant import MIN_COLS, pad_rows, padded
+from dsl.context import cast
+from dsl.ops.invariant import MIN_COLS, pad_rows
 from dsl.ops.registry import invariant, op, same_as_first
 from dsl.ragged import Ragged, ragged_map
 from dsl.tensor import TensorType
@@ -14,7 +15,7 @@ from dsl.tensor import TensorType
 def weight_values(w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """The fp32 values of a stored weight: plain float, fp8 32x32 blocks or packed fp4 with per-32 scales."""
     if scale is None:
-        return w.float()
+        return cast(w, torch.float32)
     from dsl.quant import dequantize
 
     return dequantize(w, scale)
@@ -52,8 +53,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None 
     Returns fp32 [N, G*R]: the groups' outputs concatenated.
     """
     wv = weight_values(w, scale).reshape(groups, -1, w.shape[-1])  # [G, R, K]
-    xg = x.float().reshape(x.shape[0], groups, -1)  # [N, G, K]
-    return torch.einsum("ngk,grk->ngr", xg, wv).reshape(x.shape[0], -1)
+    xg = cast(x, torch.float32).reshape(x.shape[0], groups, -1)  # [N, G, K]
+    return torch.bmm(xg.transpose(0, 1), wv.transpose(1, 2)).transpose(0, 1).reshape(x.shape[0], -1)  # "ngk,grk->ngr"
 
 
 @invariant("linear")
@@ -62,12 +63,17 @@ def invariant_linear(x, w: torch.Tensor, scale: torch.Tensor | None = None):
     from 12 on, dsl/ops/invariant.py): x [..., I] (or Ragged) -> fp32 [..., O]."""
     if isinstance(x, Ragged):
         return x.replace(invariant_linear(x.values, w, scale))
-    rows = x.reshape(-1, x.shape[-1]).float()  # [R, I]
+    rows = cast(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), torch.float32)  # [R, I]
     out = torch.mm(weight_values(w, scale), pad_rows(rows, max(MIN_COLS, rows.shape[0])).t())  # [O, >= R]
-    return out[:, : rows.shape[0]].t().contiguous().reshape(*x.shape[:-1], w.shape[0])
+    out = out.t()[: rows.shape[0]].contiguous()  # [R, O]
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], w.shape[0])
 
 
-invariant("grouped_linear")(padded(grouped_linear))
+@invariant("grouped_linear")
+def invariant_grouped_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, *,
+                             groups: int) -> torch.Tensor:
+    """`grouped_linear` over rows padded as for a linear (its bmm has no size-dependent elementwise function)."""
+    return grouped_linear(pad_rows(x), w, scale, groups=groups)[: x.shape[0]]
 
 
 def _norm_type(x: TensorType, w: TensorType | None = None, **attrs) -> tuple[TensorType]:
@@ -78,9 +84,9 @@ def _norm_type(x: TensorType, w: TensorType | None = None, **attrs) -> tuple[Ten
 @ragged_map
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None = None, *, eps: float) -> torch.Tensor:
     """w * x * rsqrt(mean(x^2) + eps) over the last dim, in fp32; no weight when `w` is None."""
-    x = x.float()
+    x = cast(x, torch.float32)
     y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
-    return y if w is None else w.float() * y
+    return y if w is None else cast(w, torch.float32) * y
 
 
 @op("reshape", lambda x, *, shape: (TensorType(tuple(x.shape[:1]) + tuple(shape), x.dtype),))

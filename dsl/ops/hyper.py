@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 
+from dsl.context import cast
 from dsl.ops.dense import invariant_linear
 from dsl.ops.invariant import sigmoid
 from dsl.ops.registry import invariant, op
@@ -30,38 +34,83 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
     comb = (m[:, 2 * hc :] * scale[2] + base[2 * hc :]).reshape(-1, hc, hc)
-    comb = torch.softmax(comb, dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return pre, post, comb
+    return pre, post, doubly_stochastic(comb, iters, eps)
 
 
 @invariant("hc_mixes")
 def invariant_hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, iters: int,
                        eps: float, norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`hc_mixes` with its projection as `invariant_linear` and the invariant sigmoid. Written out rather than run
-    under InvariantElementwise: the Sinkhorn loop's many small calls would each pay the mode's dispatch."""
+    under InvariantElementwise: the Sinkhorn loop's many small calls would each pay the mode's dispatch. The three
+    scales multiply their columns as one vector (the same products), and one sigmoid covers pre and post: the invariant
+    sigmoid rounds an element alike whatever the tensor's size."""
     hc = h.shape[1]
-    flat = h.reshape(h.shape[0], -1).float()  # [N, hc * D]
+    flat = cast(h.reshape(h.shape[0], -1), torch.float32)  # [N, hc * D]
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    m = invariant_linear(flat, fn.float())  # [N, (2 + hc) * hc]
-    scale, base = scale.float(), base.float()
-    pre = sigmoid(m[:, :hc] * scale[0] + base[:hc]) + eps
-    post = 2 * sigmoid(m[:, hc : 2 * hc] * scale[1] + base[hc : 2 * hc])
-    comb = torch.softmax((m[:, 2 * hc :] * scale[2] + base[2 * hc :]).reshape(-1, hc, hc), dim=-1) + eps
-    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+    m = invariant_linear(flat, cast(fn, torch.float32))  # [N, (2 + hc) * hc]
+    z = m * cast(scale, torch.float32)[_scale_columns(hc, scale.device)] + cast(base, torch.float32)
+    gates = sigmoid(z[:, : 2 * hc])
+    pre, post = gates[:, :hc] + eps, 2 * gates[:, hc:]
+    return pre, post, doubly_stochastic(z[:, 2 * hc :].reshape(-1, hc, hc), iters, eps)
+
+
+@functools.cache
+def _scale_columns(hc: int, device: torch.device) -> torch.Tensor:
+    """Which of the three scales multiplies each column of the mixes: pre's hc, post's hc, comb's hc * hc."""
+    return torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
+
+
+NUMPY_SINKHORN_ROWS = 32  # up to this many tokens numpy's per-call cost wins; above, torch's vectorised reductions
+
+
+def doubly_stochastic(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """comb [N, hc, hc] from its logits: softmax over the last dim, plus eps, then `sinkhorn`. Where the loop runs in
+    numpy, the softmax plus eps is written straight into a numpy array's memory (no tensor made and then viewed)."""
+    probs = torch.softmax(logits, dim=-1)
+    if probs.device.type != "cpu" or probs.shape[0] > NUMPY_SINKHORN_ROWS:
+        return sinkhorn(probs + eps, iters, eps)
+    a = np.empty(tuple(probs.shape), np.float32)
+    comb = torch.add(probs, eps, out=torch.from_numpy(a))
+    _numpy_sinkhorn(a, iters, eps)
+    return comb
+
+
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """comb [N, hc, hc] (positive) made doubly stochastic: divided by its column sums plus eps, then `iters - 1`
+    times by its row sums plus eps and by its column sums plus eps. Up to NUMPY_SINKHORN_ROWS tokens on the CPU the
+    same float32 sums (of hc values, added in torch's order) and divisions run in numpy, in place, whose calls cost a
+    fraction of torch's: the loop is 6 * iters small calls (tests/test_hyper_sinkhorn.py checks the bits)."""
+    if comb.device.type != "cpu" or comb.shape[0] > NUMPY_SINKHORN_ROWS or not comb.is_contiguous():
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
-    return pre, post, comb
+        for _ in range(iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+        return comb
+    _numpy_sinkhorn(comb.numpy(), iters, eps)  # the caller's fresh tensor, normalised in place
+    return comb
+
+
+def _numpy_sinkhorn(a: np.ndarray, iters: int, eps: float) -> None:
+    """`sinkhorn`'s loop on a float32 array [N, hc, hc], in place."""
+    n, hc = a.shape[0], a.shape[1]
+    rows, cols, e = np.empty((n, hc, 1), np.float32), np.empty((n, 1, hc), np.float32), np.float32(eps)
+    add, divide, reduce = np.add, np.divide, np.add.reduce
+    reduce(a, axis=1, keepdims=True, out=cols)
+    add(cols, e, out=cols)
+    divide(a, cols, out=a)
+    for _ in range(iters - 1):
+        reduce(a, axis=2, keepdims=True, out=rows)
+        add(rows, e, out=rows)
+        divide(a, rows, out=a)
+        reduce(a, axis=1, keepdims=True, out=cols)
+        add(cols, e, out=cols)
+        divide(a, cols, out=a)
 
 
 @op("hc_collapse", lambda h, pre: (TensorType((h.shape[0], h.shape[2])),))
 def hc_collapse(h: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """sum_k pre[:, k] * h[:, k]: streams [N, hc, D] -> [N, D]."""
-    return (pre.unsqueeze(-1) * h.float()).sum(dim=1)
+    return (pre.unsqueeze(-1) * cast(h, torch.float32)).sum(dim=1)
 
 
 @op("hc_mean", lambda h: (TensorType((h.shape[0], h.shape[2])),))
@@ -73,12 +122,12 @@ def hc_mean(h: torch.Tensor) -> torch.Tensor:
 @op("hc_expand", lambda y, h, post, comb: (TensorType(h.shape),))
 def hc_expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New streams: out[:, k] = post[:, k] * y + sum_j comb[:, j, k] * h[:, j]. y [N, D], h [N, hc, D]."""
-    mixed = torch.einsum("njk,njd->nkd", comb.float(), h.float())
-    return post.unsqueeze(-1) * y.float().unsqueeze(1) + mixed
+    mixed = torch.bmm(cast(comb, torch.float32).transpose(1, 2), cast(h, torch.float32))  # einsum "njk,njd->nkd"
+    return post.unsqueeze(-1) * cast(y, torch.float32).unsqueeze(1) + mixed
 
 
 @op("hc_collapse_rms_norm", lambda h, pre, w, **a: (TensorType((h.shape[0], h.shape[2])),))
 def hc_collapse_rms_norm(h: torch.Tensor, pre: torch.Tensor, w: torch.Tensor, *, eps: float) -> torch.Tensor:
     """hc_collapse followed by rms_norm, one pass over the streams (made by the fusion pass)."""
     x = hc_collapse(h, pre)
-    return w.float() * (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps))
+    return cast(w, torch.float32) * (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps))

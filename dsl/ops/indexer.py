@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from dsl.context import cast
 from dsl.ops.attention import CacheView
-from dsl.ops.invariant import MIN_COLS, pad_rows, padded_rows
+from dsl.ops.invariant import MIN_COLS, padded_rows
 from dsl.ops.registry import invariant, op
 from dsl.tensor import TensorType, context
 from dsl.transfer import to_device
@@ -139,23 +140,44 @@ def topk_select(scores: torch.Tensor, candidates: torch.Tensor | None = None, *,
 def invariant_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: CacheView, *, ratio: int,
                            ctx) -> torch.Tensor:
     """`index_scores` with at least MIN_COLS keys per GEMM, and the sum over heads as a sequential loop: a sum over a
-    middle dim rounds differently with the size of the inner dim."""
-    width = max((k.shape[0] for k in keys.keys), default=0)
-    out = torch.full((q.shape[0], width), float("-inf"), dtype=torch.float32, device=q.device)
-    heads, dim = q.shape[1], q.shape[2]
-    for i, c in enumerate(ctx.chunks):
-        k = keys.keys[i].float()  # [L, d]
-        if k.shape[0] == 0:
-            continue
-        # One GEMM of (token, head) rows by keys: rows padded as for a linear, at least MIN_COLS keys.
-        qc = pad_rows(q[c.rows].float(), _padded_tokens(c.length, heads))
-        s = torch.einsum("thd,ld->thl", qc, pad_rows(k, MIN_COLS))[: c.length, :, : k.shape[0]].relu_() * dim**-0.5
-        w = weights[c.rows].float() * heads**-0.5  # [T, H]
-        scores = s[:, 0] * w[:, :1]
-        for h in range(1, heads):
-            scores = scores + s[:, h] * w[:, h : h + 1]
-        out[c.rows, : k.shape[0]] = mask_incomplete(scores, ctx.positions[c.rows], ratio)
-    return out
+    middle dim rounds differently with the size of the inner dim. Every chunk at once: its (token, head) rows padded
+    to the longest chunk's (a row count `padded_rows` leaves alone), its keys to the longest cache's (zeros, which
+    score -inf as entries not complete yet), one `bmm` (each chunk's element its own GEMM, dsl/ops/invariant.py)."""
+    n, heads, dim = q.shape
+    width = max(keys.lengths, default=0)
+    if not width or not n:
+        return torch.full((n, width), float("-inf"), dtype=torch.float32, device=q.device)
+    tokens, columns = _padded_tokens(max(ctx.lengths), heads), max(MIN_COLS, width)
+    rows, real, key_rows, key_real, written = ctx.memo(
+        ("invariant scores", tuple(keys.lengths), tokens, columns), lambda: _scores_layout(ctx, keys, tokens, columns))
+    flat = cast(keys.flat(), torch.float32, q.device)  # [sum L, d]
+    k = torch.where(key_real, flat[key_rows], 0.0)  # [B, columns, d]
+    qb = torch.where(real[..., None, None], cast(q, torch.float32)[rows], 0.0)  # [B, T, H, d]
+    b = rows.shape[0]
+    s = torch.bmm(qb.reshape(b, tokens * heads, dim), k.transpose(1, 2)).view(b, tokens, heads, columns)
+    s = s[..., :width].relu_() * dim**-0.5  # [B, T, H, width]
+    w = cast(weights, torch.float32)[rows] * heads**-0.5  # [B, T, H]
+    scores = s[:, :, 0] * w[..., :1]
+    for h in range(1, heads):
+        scores = scores + s[:, :, h] * w[..., h : h + 1]
+    scores = mask_incomplete(scores.reshape(b * tokens, width), ctx.positions[rows].reshape(-1), ratio)
+    return scores[written]
+
+
+def _scores_layout(ctx, keys: CacheView, tokens: int, columns: int) -> tuple[torch.Tensor, ...]:
+    """For chunks padded to `tokens` tokens and `columns` keys: each (chunk, token)'s row [B, T] (clamped) and whether
+    it is real, each (chunk, key)'s row of the flat cache [B, columns, 1] (clamped) and whether it is real, and for
+    each of the forward's rows in order its place among the B * T."""
+    dev = ctx.device
+    t = torch.arange(tokens, device=dev)
+    real = t < ctx.chunk_lengths[:, None]  # [B, T]
+    rows = (ctx.chunk_rows[:, None] + t).clamp(max=max(ctx.num_tokens - 1, 0))
+    length, offset, _ = keys.layout(dev)
+    c = torch.arange(columns, device=dev)
+    key_real = (c < length[:, None])[..., None]  # [B, columns, 1]
+    key_rows = (offset[:, None] + c).clamp(max=max(sum(keys.lengths) - 1, 0))
+    written = real.reshape(-1).nonzero().squeeze(1)  # chunk after chunk, token after token: the forward's order
+    return rows, real, key_rows, key_real, written
 
 
 def _padded_tokens(tokens: int, heads: int) -> int:

@@ -8,7 +8,9 @@ tests/test_engine_batch_invariance.py re-checks every claim):
   at 1 to 3, 5 to 7, 9 to 11 (a GEMV, and kernels for the remainder rows); a column's is the same for every column
   count from 12 on. So the GEMMs inside ops get zero rows added up to a multiple of 4 below 12 (`padded_rows`), and
   the linears and the GEMMs over a sequence's cache at least `MIN_COLS` columns;
-- `bmm` gives each batch element the same result whatever the batch count;
+- `bmm` gives each batch element the same result whatever the batch count, the bits of that element's `mm`;
+- in `mm(W, B)` a row of W gives the same result whatever rows are stacked around it (12 or more in all), and a
+  column of B whether B is a transposed view or laid out as it is (the stacked experts, `moe.py`);
 - elementwise kernels round an element alike wherever it sits, except sigmoid, silu and softplus (and exp2), whose
   vector and scalar-tail paths differ: an element's bits depend on the tensor's size. Softmax over a dim other than
   the last does too, unless the inner size is a multiple of 64. Inside the ops that use them these are computed from
@@ -19,6 +21,7 @@ Everything else in the model (norms, softmax over a fixed dim, reductions over a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -39,7 +42,17 @@ def padded_rows(rows: int) -> int:
 def pad_rows(x: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     """x [n, ...] with zero rows appended up to `rows` (default: `padded_rows(n)`)."""
     rows = padded_rows(x.shape[0]) if rows is None else rows
-    return x if x.shape[0] >= rows else torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+    if x.shape[0] >= rows:
+        return x
+    return torch.cat([x, _zeros((rows - x.shape[0], *x.shape[1:]), x.dtype, x.device)])
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero tensor of `shape`, made once: padding rows, only ever read (copied by the `cat` that pads); a normal
+    tensor even when first asked for under inference mode, so autograd code may read it too."""
+    with torch.inference_mode(False):
+        return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:

@@ -86,8 +86,8 @@ def _rotated(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """x [T, ..., D] with its last rope_dim dims rotated pair by pair by `rotation` [T, rope_dim / 2, 2, 2]. Each
     output is even * r[0] + odd * r[1], which is bitwise the written-out even * cos - odd * sin: subtracting is
     adding the negation, and negating a factor negates the rounded product."""
-    half = rotation.shape[1]
-    for _ in range(x.dim() - 2):
+    half = rotation.shape[-3]
+    for _ in range(x.dim() + 2 - rotation.dim()):  # [T, rope_dim / 2, 2, 2] meets x [T, ..., D]
         rotation = rotation.unsqueeze(1)
     nope, pe = x[..., : -2 * half], x[..., -2 * half :]
     pairs = cast(pe, torch.float32).reshape(*pe.shape[:-1], half, 2, 1)
@@ -97,8 +97,14 @@ def _rotated(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
 
 @op("rope", same_as_first, uses_context=True)
 def rope(x: torch.Tensor, *, params: RopeParams, rope_dim: int, inverse: bool = False, ctx) -> torch.Tensor:
-    """Rotate each token's trailing `rope_dim` dims at its absolute position: x [N, ..., D] -> same."""
-    return rotate(x, ctx.positions, params, rope_dim, inverse)
+    """Rotate each token's trailing `rope_dim` dims at its absolute position: x [N, ..., D] -> same. The rotation
+    depends on the positions alone: made once per forward for each rope, direction and rank of x."""
+    def make() -> torch.Tensor:
+        rotation = _rotation(ctx.positions, params, rope_dim, x.device, inverse)
+        for _ in range(x.dim() - 2):
+            rotation = rotation.unsqueeze(1)
+        return rotation
+    return _rotated(x, ctx.memo(("rope", params, rope_dim, inverse, x.dim(), x.device), make))
 
 
 @op("rope_entries", same_as_first, uses_context=True)

@@ -22,11 +22,22 @@ _FP4_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _FP4_TIE_UP = (False, True, False, True, False, True, False)
 
 
+def _fp32(t: torch.Tensor) -> torch.Tensor:
+    """`t.float()` without the dispatch where it is one already."""
+    return t if t.dtype == torch.float32 else t.float()
+
+
+def _as(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """fp32 `y` in `x`'s dtype (no dispatch where that is fp32)."""
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+
 def pow2_ceil(t: torch.Tensor) -> torch.Tensor:
-    """2^ceil(log2(t)) for positive fp32 `t`, from the bits: exponent - 127, plus one if the mantissa is non-zero."""
-    bits = t.float().contiguous().view(torch.int32)
-    exponent = (bits >> 23) & 0xFF
-    k = exponent - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    """2^ceil(log2(t)) for positive fp32 `t`, from the bits: exponent - 127, plus one if the mantissa is non-zero.
+    Adding 0x7FFFFF to the bits (sign cleared, in int64 so NaN's do not overflow) carries into the exponent exactly
+    when the mantissa is non-zero: the same k for every input (0 and subnormals, inf and NaN included)."""
+    bits = (_fp32(t).contiguous().view(torch.int32) & 0x7FFFFFFF).long()
+    k = ((bits + 0x7FFFFF) >> 23) - 127
     return torch.exp2(k.float())
 
 
@@ -56,7 +67,7 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor | None:
     n = x.shape[-1]
     if n % block:
         return None
-    return x.float().reshape(*x.shape[:-1], n // block, block)
+    return _fp32(x).reshape(*x.shape[:-1], n // block, block)
 
 
 @op("fp8_round", same_as_first)
@@ -69,7 +80,7 @@ def fp8_round(x: torch.Tensor, *, block: int = 32) -> torch.Tensor:
     amax = blocks.abs().amax(-1, keepdim=True).clamp_min(1e-4)
     scale = pow2_ceil(amax * (1.0 / FP8_MAX))  # a product, as the reference: not always amax / 448
     q = (blocks / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
-    return (q * scale).reshape(x.shape).to(x.dtype)
+    return _as(x, (q * scale).reshape(x.shape))
 
 
 @op("fp4_round", same_as_first)
@@ -93,4 +104,4 @@ def fp4_round(x: torch.Tensor, *, block: int, e4m3_scale: bool) -> torch.Tensor:
     else:
         scale = pow2_ceil(amax.clamp_min(FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))
     q = fp4_values(fp4_codes((blocks / scale).clamp(-FP4_MAX, FP4_MAX)))
-    return (q * scale).reshape(x.shape).to(x.dtype)
+    return _as(x, (q * scale).reshape(x.shape))
