@@ -1,7 +1,6 @@
 """Decode attention at V4.1-Flash's shapes, side by side in one process: the in-place kernel
-(kernels/attention/paged_attention.py), its previous form (bench/paged_attention_baseline.py) and the gathered path
-(the window gathered from its fp8 ring, the picks from the paged fp4 pool, the entry lists of `visible_entries`,
-then the sparse attention kernel).
+(kernels/attention/paged_attention.py) and the gathered path (the window gathered from its fp8 ring, the picks from
+the paged fp4 pool, the entry lists of `visible_entries`, then the sparse attention kernel).
 
 One decode token per sequence, B sequences at ctx positions each: 64 heads x 512, window 128 (fp8, per-32
 power-of-two scales), 512 picks from a decoder layer's pool (fp4, per-16 e4m3 scales, one entry a position, 64
@@ -26,9 +25,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import paged_attention_baseline as baseline  # noqa: E402
 
 import kernels.cache.rows as cache_kernels  # noqa: E402
 from autotune.tune import time_us  # noqa: E402
@@ -110,18 +106,15 @@ def measure(batch: int, context: int) -> list[dict]:
             view = kv_window_block(s["kv"], layer=0, window=WINDOW, ctx=s["ctx"])
             return sparse_attention_op(s["q"], view, *args[2:], config=config, **common)
 
-        def old(config=config):
-            return baseline.paged_attention_op(*args, config=config, **common)
-
         def new(config=config):
             return paged_attention_op(*args, config=config, **common)
 
         want = reference(s["q"].double(), s["gathered"], s["sink"].double(), s["compressed"], s["topk"], **common)
-        errors = {name: rel_l2(fn(), want) for name, fn in (("new", new), ("old", old), ("gathered", gather))}
+        errors = {name: rel_l2(fn(), want) for name, fn in (("new", new), ("gathered", gather))}
         row = dict(B=batch, ctx=context, mode=mode, split=config["split_kv"], errors=errors,
                    ok=all(e < TOLERANCE for e in errors.values()))
         if row["ok"]:
-            row |= dict(old_us=time_us(old), new_us=time_us(new, graph=False), graphed_us=time_us(new),
+            row |= dict(new_us=time_us(new, graph=False), graphed_us=time_us(new),
                         gather_us=time_us(gather, graph=False))
             row["gbs"] = batch * token_bytes() / row["graphed_us"] / 1e3
         rows.append(row)
@@ -141,16 +134,15 @@ def main() -> int:
         for batch in map(int, args.batches.split(",")):
             rows += measure(batch, context)
             torch.cuda.empty_cache()
-    print(f"\n{'B':>4s} {'ctx':>6s} {'config':>9s} {'split':>5s} {'old us':>8s} {'new us':>8s} {'graphed':>8s} "
-          f"{'gather us':>9s} {'GB/s':>6s} {'of HBM':>6s} {'x old':>6s} {'x gather':>8s} {'rel err new':>11s}")
+    print(f"\n{'B':>4s} {'ctx':>6s} {'config':>9s} {'split':>5s} {'in place':>8s} {'graphed':>8s} "
+          f"{'gather us':>9s} {'GB/s':>6s} {'of HBM':>6s} {'x gather':>8s} {'rel err':>8s}")
     for r in rows:
         if not r["ok"]:
             print(f"{r['B']:4d} {r['ctx']:6d} {r['mode']:>9s} {r['split']:5d}  FAILED the check: {r['errors']}")
             continue
-        print(f"{r['B']:4d} {r['ctx']:6d} {r['mode']:>9s} {r['split']:5d} {r['old_us']:8.1f} {r['new_us']:8.1f} "
+        print(f"{r['B']:4d} {r['ctx']:6d} {r['mode']:>9s} {r['split']:5d} {r['new_us']:8.1f} "
               f"{r['graphed_us']:8.1f} {r['gather_us']:9.1f} {r['gbs']:6.0f} {r['gbs'] * 1e9 / HBM:6.1%} "
-              f"{r['old_us'] / r['graphed_us']:6.1f} {r['gather_us'] / r['new_us']:8.1f} "
-              f"{r['errors']['new']:11.1e}")
+              f"{r['gather_us'] / r['new_us']:8.1f} {r['errors']['new']:8.1e}")
     return 0 if all(r["ok"] for r in rows) else 1
 
 
