@@ -41,8 +41,10 @@ segment's outputs, as in a real forward), each after one eager run that loads it
 temporaries are then free blocks the smaller ones fit into, and a step at any decode size replays from its first.
 
 Forwards of more than `max_tokens` tokens (prefill chunks, GPU-bound already) run eagerly, unpadded; at most
-`max_steps` buckets keep graphs, holding at most about `max_bytes` of device memory (the least recently used are
-dropped).
+`max_steps` (bucket, mode) pairs keep graphs, holding at most about `max_bytes` of device memory (the least recently
+used are dropped). Static and other steps are modes of their own, and each mode's first capture takes every decode
+bucket up to `ahead` (23 at most), so the default keeps two modes' buckets whole: an engine whose steps alternate
+between them would otherwise evict and capture again as it goes.
 """
 
 from __future__ import annotations
@@ -99,7 +101,7 @@ class CudaGraphs:
     `capture=False` pads the segments without capturing them (what a forward in a new bucket does; on a CPU, the
     padding alone can be tested); `pad` fills the padding rows of tensors made for it (floating point only)."""
 
-    def __init__(self, graph: Graph, max_tokens: int = GRAPH_BUCKETS[-1], max_steps: int = 32, max_bytes: int = 4 << 30,
+    def __init__(self, graph: Graph, max_tokens: int = GRAPH_BUCKETS[-1], max_steps: int = 64, max_bytes: int = 4 << 30,
                  capture: bool = True, pad: float = 0.0, ahead: int = 0,
                  uncaptured: frozenset[str] = frozenset()) -> None:
         if max_tokens > GRAPH_BUCKETS[-1]:
