@@ -115,6 +115,11 @@ class StaticStep:
         views["tables"][:b] = torch.tensor(flat, dtype=torch.int32).view(b, self.width)
         self.buffer.copy_(host, non_blocking=True)
 
+    def memo(self, key: tuple, make: Callable[[], object]) -> object:
+        """`make()`: what `ForwardContext.memo` keeps for a forward, a static step computes each time, since its
+        tensors hold a new step's layout at every replay."""
+        return make()
+
     @staticmethod
     def fits(ctx) -> bool:
         """Whether forward `ctx` (a `ForwardContext`) can run as a static step: its sequences share one set of pools

@@ -66,6 +66,14 @@ class _StaticContext:
 
     def __init__(self, positions: torch.Tensor | None) -> None:
         self.positions = positions
+        self._memo: dict = {}
+
+    def memo(self, key: tuple, make: Callable[[], object]) -> object:
+        """`make()`, once per segment run for each `key` (as `ForwardContext.memo` once per forward): a capture
+        records it with the segment, so a replay computes it again from the refreshed positions."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
 
 @dataclass
