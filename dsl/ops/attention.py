@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from dsl.context import ForwardContext, cast, segments, take_rows
+from dsl.ops.attend import ATTENTION_ROWS, attend
 from dsl.ops.registry import op
+from dsl.ops.static_attention import StaticWindow, static_attention
 from dsl.step import StaticStep
 from dsl.tensor import TensorType, context
 from dsl.transfer import to_device
@@ -61,16 +63,6 @@ class PagedWindow:
     def intact(self) -> bool:
         """Whether every chunk's ring still holds its view (`intact_chunks`)."""
         return all(self.intact_chunks())
-
-
-@dataclass
-class StaticWindow:
-    """A window as a static step's attention reads it (dsl/step.py): the ring of `layer` in the step's pools, after the
-    step's store; the token of row t sees the positions (pos_t - window_size, pos_t] from its chunk's floor on."""
-
-    step: StaticStep
-    layer: int
-    window: int
 
 
 class CacheView:
@@ -342,7 +334,7 @@ def sparse_attention(q: torch.Tensor, window: CacheView, sink: torch.Tensor, com
                                   causal=causal)
         for begin in range(0, q.shape[0], ATTENTION_ROWS):  # keys gathered for a block of queries: bounded memory
             rows = slice(begin, begin + ATTENTION_ROWS)
-            out[rows] = _attend(q[rows].float(), kv[idx[rows].clamp(min=0)], idx[rows] >= 0, sink, scale)
+            out[rows] = attend(q[rows].float(), kv[idx[rows].clamp(min=0)], idx[rows] >= 0, sink, scale)
         return out
     for i, c in enumerate(ctx.chunks):
         qc = q[c.rows].float()  # [T, H, D]
@@ -363,43 +355,4 @@ def sparse_attention(q: torch.Tensor, window: CacheView, sink: torch.Tensor, com
         full = torch.cat([logits, sinks], dim=-1)
         probs = torch.softmax(full - full.amax(-1, keepdim=True), dim=-1)[..., :-1]
         out[c.rows] = torch.einsum("hts,sd->thd", probs, kv)
-    return out
-
-
-ATTENTION_ROWS = 512
-
-
-def _attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """Queries q [T, H, D] each over their own keys [T, S, D] (present where mask [T, S]), the sink logit sink [H] in
-    the denominator: fp32 [T, H, D]. The batched form of the per-chunk loop above."""
-    logits = torch.einsum("thd,tsd->ths", q, keys) * scale
-    logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
-    full = torch.cat([logits, sink.float()[None, :, None].expand(q.shape[0], -1, 1)], dim=-1)
-    probs = torch.softmax(full - full.amax(-1, keepdim=True), dim=-1)[..., :-1]
-    return torch.einsum("ths,tsd->thd", probs, keys)
-
-
-def static_window_entries(window: StaticWindow, window_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """What each row of a static step sees of its window, oldest first: fp32 keys [R, window_size, D] (zeros where
-    not visible) and which are visible [R, window_size]: positions from max(pos - window_size + 1, floor) to pos."""
-    step = window.step
-    pos = step.positions  # [R]
-    oldest = torch.maximum(pos - window_size + 1, step.floors[step.row_chunks].long())  # [R]
-    seen = oldest[:, None] + torch.arange(window_size, device=pos.device)  # [R, S] positions
-    visible = seen <= pos[:, None]
-    slots = step.chunk_slots[step.row_chunks].long()[:, None].expand_as(seen)
-    keys = step.cache.window_rows(window.layer, slots.reshape(-1), seen.reshape(-1))  # [R * S, D]
-    keys = keys.reshape(*seen.shape, -1)
-    return torch.where(visible[..., None], keys, 0.0), visible
-
-
-def static_attention(q: torch.Tensor, window: StaticWindow, sink: torch.Tensor, *, window_size: int,
-                     scale: float) -> torch.Tensor:
-    """`sparse_attention` of a static step's rows over their windows (the reference of the in-place kernel's static
-    use, kernels/attention/paged_attention.py): q [R, H, D] -> fp32 [R, H, D]."""
-    keys, visible = static_window_entries(window, window_size)
-    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-    for begin in range(0, q.shape[0], ATTENTION_ROWS):
-        rows = slice(begin, begin + ATTENTION_ROWS)
-        out[rows] = _attend(q[rows].float(), keys[rows], visible[rows], sink, scale)
     return out

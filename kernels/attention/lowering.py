@@ -9,7 +9,7 @@ import torch
 import kernels.attention.paged_attention as paged
 import kernels.attention.sparse_attention as attention
 from dsl.graph import Node
-from dsl.ops.attention import StaticWindow
+from dsl.ops.static_attention import StaticWindow
 from kernels.lowering import PLAIN, Call, Lowering, Params, Static, Variant, meta, param, token_planes
 
 

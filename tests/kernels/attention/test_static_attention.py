@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dsl.ops.attention import StaticWindow, kv_window_append, static_attention
+from dsl.ops.attention import kv_window_append
 from dsl.ops.rounding import fp8_round
+from dsl.ops.static_attention import StaticWindow, static_attention
 from dsl.step import StaticStep, table_width
 from kernels.attention.paged_attention import paged_attention_op, static_attention_op
 from tests.kernels.attention.test_paged_attention import STEPS, make_step

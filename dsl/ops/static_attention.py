@@ -1,0 +1,50 @@
+"""A static step's window (dsl/step.py) as its attention reads it, and the torch reference of that attention: the
+rows of a decode or verification step over the window rings, every index read from the step's tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsl.ops.attend import ATTENTION_ROWS, attend
+from dsl.step import StaticStep
+
+
+@dataclass
+class StaticWindow:
+    """A window as a static step's attention reads it (dsl/step.py): the ring of `layer` in the step's pools, after the
+    step's store; the token of row t sees the positions (pos_t - window_size, pos_t] from its chunk's floor on."""
+
+    step: StaticStep
+    layer: int
+    window: int
+
+
+def static_window_entries(window: StaticWindow, window_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What each row of a static step sees of its window, oldest first: fp32 keys [R, window_size, D] (zeros where
+    not visible) and which are visible [R, window_size]: positions from max(pos - window_size + 1, floor) to pos."""
+    step = window.step
+    pos = step.positions  # [R]
+    oldest = torch.maximum(pos - window_size + 1, step.floors[step.row_chunks].long())  # [R]
+    seen = oldest[:, None] + torch.arange(window_size, device=pos.device)  # [R, S] positions
+    visible = seen <= pos[:, None]
+    slots = step.chunk_slots[step.row_chunks].long()[:, None].expand_as(seen)
+    keys = step.cache.window_rows(window.layer, slots.reshape(-1), seen.reshape(-1))  # [R * S, D]
+    keys = keys.reshape(*seen.shape, -1)
+    return torch.where(visible[..., None], keys, 0.0), visible
+
+
+def static_attention(q: torch.Tensor, window: StaticWindow, sink: torch.Tensor, *, window_size: int,
+                     scale: float) -> torch.Tensor:
+    """`sparse_attention` of a static step's rows over their windows (the reference of the in-place kernel's static
+    use, kernels/attention/paged_attention.py): q [R, H, D] -> fp32 [R, H, D]."""
+    keys, visible = static_window_entries(window, window_size)
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for begin in range(0, q.shape[0], ATTENTION_ROWS):
+        rows = slice(begin, begin + ATTENTION_ROWS)
+        out[rows] = attend(q[rows].float(), keys[rows], visible[rows], sink, scale)
+    return out
+
+
+__all__ = ["StaticWindow", "static_attention", "static_window_entries"]
