@@ -72,8 +72,8 @@ def capturable(graph: Graph, index: int, uncaptured: frozenset[str] = frozenset(
     if node.op in uncaptured:
         return False
     if static and has_static_form(node):
-        # a static step's attention is the in-place kernel's (the eager steps' too where it is on), at its head dims
-        return node.op != "sparse_attention" or (paged.IN_PLACE and paged.supports(int(node.inputs[0].type.shape[-1])))
+        # a static step's attention is the in-place kernel's, as the eager steps' is where that serves the head dim
+        return node.op != "sparse_attention" or paged.serves(int(node.inputs[0].type.shape[-1]))
     if opdef.uses_context and node.op not in CONTEXT_TENSORS:
         return False
     return all(_token_shaped(v) for v in node.inputs if v is None or v.name not in graph.params) \

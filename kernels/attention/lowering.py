@@ -42,14 +42,14 @@ class SparseAttention(Lowering):
         token's path (and its values) does not follow what it is batched with."""
         q, window, sink, compressed, topk = (list(call.args) + [None, None])[:5]
         a, ctx = call.attrs, call.ctx
-        if isinstance(window, StaticWindow):  # a static step (dsl/step.py): the in-place kernel, whatever IN_PLACE
+        if isinstance(window, StaticWindow):  # a static step (dsl/step.py): only where `paged.serves` the head dim
             return paged.static_attention_op(q, window, sink, window_size=a["window_size"], scale=a["scale"],
                                              config=call.config, dot_fp32=call.dot_fp32)
         causal = a.get("causal", True)
         common = dict(window_size=a["window_size"], scale=a["scale"], ctx=ctx, config=call.config,
                       dot_fp32=call.dot_fp32)
         chunks = []
-        if paged.IN_PLACE and paged.supports(q.shape[-1]):
+        if paged.serves(q.shape[-1]):
             chunks = paged.in_place_chunks(window, compressed, topk, causal=causal)
         if chunks and all(chunks):
             return paged.paged_attention_op(q, window, sink, compressed, topk, **common)

@@ -177,6 +177,13 @@ def supports(dim: int) -> bool:
     return dim >= 32 and dim & (dim - 1) == 0
 
 
+def serves(dim: int) -> bool:
+    """Whether decode and verification attention over entries of `dim` values runs on this kernel: it is on
+    (`IN_PLACE`) and takes the dim. The eager lowering and a static step's segments (graphs/segments.py) ask the same,
+    so a step's logits are the same with CUDA graphs and without."""
+    return IN_PLACE and supports(dim)
+
+
 def _pool(fmt: EntryFormat, parts: list[torch.Tensor], d: int, name: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """(codes, scales, constexprs) of a pool [blocks or slots, rows, ...] in `fmt` holding entries of d values: codes
     as the kernel reads them (fp8 and fp4: 32-bit words, fp32: values), scales as bytes."""
@@ -298,12 +305,6 @@ def in_place_chunks(window, compressed, topk: torch.Tensor | None, *, causal: bo
     return ring.intact_chunks()
 
 
-def reads_in_place(window, compressed, topk: torch.Tensor | None, *, causal: bool) -> bool:
-    """Whether `paged_attention_op` serves every chunk of the forward (`in_place_chunks`)."""
-    chunks = in_place_chunks(window, compressed, topk, causal=causal)
-    return bool(chunks) and all(chunks)
-
-
 def pick_width(width: int) -> int:
     """The width the kernel runs a forward's picks at, for a top-k `width` wide (the longest compressed cache's entry
     count, up to the indexer's top-k): the next power of two, at least 64 (a block of entries), the picks past
@@ -391,5 +392,5 @@ def trace(heads: int, dim: int, *, window_size: int, scale: float, window_fmt: E
 
 
 __all__ = ["default_split", "in_place_chunks", "paged_attention", "paged_attention_combine_kernel",
-           "paged_attention_kernel", "paged_attention_op", "pick_width", "pick_widths", "reads_in_place",
+           "paged_attention_kernel", "paged_attention_op", "pick_width", "pick_widths", "serves",
            "static_attention_op", "supports", "tiles", "trace"]
