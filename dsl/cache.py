@@ -137,9 +137,11 @@ class PagedCache:
                             for layer, dim, size, fmt in spec.windows}
             self.compressed = {(name, layer): (fmt, ratio, fmt.storage((num_blocks, block_size // ratio), dim))
                                for name, layer, dim, ratio, fmt in spec.compressed}
-            self.partials = {layer: torch.empty(2, num_slots, ratio - 1 + spec.spare, dim)
+            # one slot more than the sequences': the rows a static step stores nowhere land there (`scratch_slot`)
+            self.partials = {layer: torch.empty(2, num_slots + 1, ratio - 1 + spec.spare, dim)
                              for layer, dim, ratio in spec.partials}
-            self.history = torch.empty(num_slots, spec.history + spec.spare if spec.history else 0, dtype=torch.long)
+            ring = spec.history + spec.spare if spec.history else 0
+            self.history = torch.empty(num_slots + 1, ring, dtype=torch.long)
         # How entries go into and out of the pools: the torch functions above, or replacements with their arguments and
         # bitwise results that a target installs for its steps (a GPU target's kernels: graphs/plan_runtime.py).
         self.writer: Callable[..., None] = store_rows
@@ -186,6 +188,13 @@ class PagedCache:
         """Keep kv and gate [M, D] for the compressor of `layer` at (slot, position) pairs [M]."""
         pool = self.partials[layer]
         pool[:, slots, positions % pool.shape[2]] = torch.stack([kv, gate])
+
+    @property
+    def scratch_slot(self) -> int:
+        """The slot past the sequences' in the compressors' partial rows and the n-gram history: a static step
+        (dsl/step.py) stores its padding rows there, since a CUDA graph cannot leave them out without waiting for the
+        device."""
+        return self.num_slots
 
     def history_rows(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Compressed token ids [M] at (slot, position) pairs [M]."""

@@ -27,7 +27,8 @@ _ALIGN = 16  # bytes: every region starts at an address a kernel argument may ha
 _REGIONS = (("positions", torch.int64, False), ("positions32", torch.int32, False),
             ("row_chunks", torch.int32, False), ("write_slots", torch.int32, False),
             ("chunk_slots", torch.int32, False), ("chunk_starts", torch.int32, False),
-            ("chunk_rows", torch.int32, False), ("floors", torch.int32, False), ("tables", torch.int32, True))
+            ("chunk_rows", torch.int32, False), ("chunk_ends", torch.int32, False), ("floors", torch.int32, False),
+            ("tables", torch.int32, True))
 
 
 def _size(rows: int, width: int, dtype: torch.dtype, tabular: bool) -> int:
@@ -60,8 +61,10 @@ class StaticStep:
 
     Per row [rows]: `positions` (int64, and `positions32`), `row_chunks` (its chunk), `write_slots` (its sequence's
     slot; -1 for padding rows, which store nothing). Per chunk [rows] (a step has at most one chunk a row; those past
-    the step's are zeros): `chunk_slots`, `chunk_starts` (first position), `chunk_rows` (first row), `floors` (the
-    first position its windows see: 0, or bounded replay's `replay_from`) and `tables` [rows, width] (zero-padded).
+    the step's are zeros): `chunk_slots`, `chunk_starts` (first position), `chunk_rows` (first row), `chunk_ends`
+    (the position after its last token: a compressed cache of ratio r holds chunk_ends // r entries after the step),
+    `floors` (the first position its windows see: 0, or bounded replay's `replay_from`) and `tables` [rows, width]
+    (zero-padded).
     """
 
     def __init__(self, rows: int, width: int, cache: PagedCache, device: torch.device | str | None = None) -> None:
@@ -79,6 +82,7 @@ class StaticStep:
         self.chunk_slots: torch.Tensor = views["chunk_slots"]
         self.chunk_starts: torch.Tensor = views["chunk_starts"]
         self.chunk_rows: torch.Tensor = views["chunk_rows"]
+        self.chunk_ends: torch.Tensor = views["chunk_ends"]
         self.floors: torch.Tensor = views["floors"]
         self.tables: torch.Tensor = views["tables"]
         self.write_slots.fill_(-1)  # nothing to store until filled
@@ -109,6 +113,7 @@ class StaticStep:
         views["chunk_slots"][:b] = slots
         views["chunk_starts"][:b] = starts
         views["chunk_rows"][:b] = rows
+        views["chunk_ends"][:b] = starts + lengths
         if ctx.visible_from is not None:
             views["floors"][:b] = torch.tensor(ctx.visible_from)
         flat = [block for s in states for block in s.block_table + [0] * (self.width - len(s.block_table))]
@@ -124,27 +129,45 @@ class StaticStep:
     def fits(ctx) -> bool:
         """Whether forward `ctx` (a `ForwardContext`) can run as a static step: its sequences share one set of pools
         (`ctx.paged`) and every chunk fits the rings' spare positions (a decode or verification step: a chunk of T
-        tokens leaves a ring of `window + spare` positions holding the window before it when T <= spare + 1)."""
+        tokens leaves a ring of `window + spare` positions holding the window before it when T <= spare + 1), and it
+        wants the logits of every token (a static step's head runs over all its rows)."""
         states = [c.state for c in ctx.chunks]
         cache = states[0].cache if states else None
         if cache is None or any(s.cache is not cache for s in states) or len({s.slot for s in states}) < len(states):
             return False
-        return ctx.visible_from is None and max(ctx.lengths) <= cache.spec.spare + 1
+        every_row = ctx.logit_rows is None or ctx.logit_rows.shape[0] == ctx.num_tokens
+        return ctx.visible_from is None and every_row and max(ctx.lengths) <= cache.spec.spare + 1
 
 
-def _window_attention(node) -> bool:
-    """A causal attention over a window the step appends to, with no compressed entries."""
-    window = node.inputs[1].producer
-    extra = [v for v in node.inputs[3:] if v is not None]
-    return node.attrs.get("causal", True) and window is not None and window.op == "kv_window_append" and not extra
+def _producer(node: Node, index: int) -> str | None:
+    """The op that makes input `index` of `node` (None for a graph input, a weight or an absent input)."""
+    value = node.inputs[index] if index < len(node.inputs) else None
+    return value.producer.op if value is not None and value.producer is not None else None
+
+
+def _static_attention(node: Node) -> bool:
+    """A causal attention over a window the step appends to, with no compressed entries or with the picks of an
+    indexer over a cache the step appends to."""
+    if not node.attrs.get("causal", True) or _producer(node, 1) != "kv_window_append":
+        return False
+    extra = [_producer(node, i) for i in (3, 4)]
+    return extra == [None, None] or extra == ["cache_append", "topk_select"]
 
 
 # The ops with a static form, each with the condition on its node: given a `StaticStep` as their context they read
-# and write the caches through it alone, and make values whose shapes follow its rows and static bounds.
+# and write the caches through it alone, and make values whose shapes follow its rows and static bounds (the
+# compressed entries' forms: dsl/ops/static_entries.py).
 STATIC_OPS: dict[str, Callable[[Node], bool]] = {
     "kv_window_append": lambda node: True,
     "kv_window_store": lambda node: True,
-    "sparse_attention": _window_attention,
+    "sparse_attention": _static_attention,
+    "compress_pool": lambda node: True,
+    "rope_entries": lambda node: True,
+    "cache_append": lambda node: True,
+    "index_scores": lambda node: _producer(node, 2) == "cache_append",
+    "candidate_blocks": lambda node: True,
+    "select_rows": lambda node: True,
+    "engram_ngrams": lambda node: True,
 }
 
 

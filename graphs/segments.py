@@ -15,7 +15,7 @@ import sympy
 from dsl.graph import Graph, Value
 from dsl.ops import OPS
 from dsl.step import has_static_form
-from dsl.tensor import OPAQUE_DTYPES, num_tokens
+from dsl.tensor import OPAQUE_DTYPES, num_entries, num_tokens
 from kernels.attention import paged_attention as paged
 
 # The token counts segments are captured at; each of the plan's tuning buckets (graphs/plan.py) up to 512 is one.
@@ -63,6 +63,16 @@ def _rows(value: Value) -> bool:
     return bool(shape) and not isinstance(shape[0], int) and sympy.sympify(shape[0]) == num_tokens
 
 
+def _static_shaped(value: Value | None) -> bool:
+    """In a static step (dsl/step.py): `_token_shaped`, or a value of one row per step row whose other dims follow
+    static bounds there (compressed entries, one a row; scores over a compressed cache's static width). Only plain
+    token rows cross a segment's edge (`find_segments`)."""
+    if _token_shaped(value):
+        return True
+    shape = value.type.shape if value.type is not None else ()
+    return bool(shape) and not isinstance(shape[0], int) and sympy.sympify(shape[0]) in (num_tokens, num_entries)
+
+
 def capturable(graph: Graph, index: int, uncaptured: frozenset[str] = frozenset(), static: bool = False) -> bool:
     """Whether node `index` can sit in a segment; ops in `uncaptured` never do (the experts' exchange under expert
     parallelism, whose shapes follow what the other ranks send). With `static` (a step run over a `StaticStep`,
@@ -76,8 +86,9 @@ def capturable(graph: Graph, index: int, uncaptured: frozenset[str] = frozenset(
         return node.op != "sparse_attention" or paged.serves(int(node.inputs[0].type.shape[-1]))
     if opdef.uses_context and node.op not in CONTEXT_TENSORS:
         return False
-    return all(_token_shaped(v) for v in node.inputs if v is None or v.name not in graph.params) \
-        and all(_token_shaped(v) for v in node.outputs)
+    shaped = _static_shaped if static else _token_shaped
+    return all(shaped(v) for v in node.inputs if v is None or v.name not in graph.params) \
+        and all(shaped(v) for v in node.outputs)
 
 
 def find_segments(graph: Graph, min_nodes: int = 2, uncaptured: frozenset[str] = frozenset(),

@@ -11,6 +11,7 @@ import deepinfer
 from deepinfer.default_model import TRAINED_CHECKPOINT
 from deepinfer.models import DeepseekV41Flash
 from dsl.passes import run_passes
+from dsl.step import STATIC_OPS
 from graphs.capture import GRAPH_BUCKETS, find_segments
 from graphs.compiled_model import CompiledModel
 from graphs.passes import make_plan
@@ -43,24 +44,26 @@ def test_a_decode_step_runs_every_node_once_in_order(model: DeepseekV41Flash, nu
     assert [s.nodes for s in captured] == [tuple(node_names(compiled.graph)[f.start:f.stop]) for f in found]
     # segments alternate: two eager runs in a row would be one run
     assert all(a.captured or b.captured for a, b in zip(segments, segments[1:]))
-    assert any(not s.captured for s in segments)  # the compressor and the indexer still run between them
 
 
-def test_a_decode_step_captures_the_window_layers_whole(model: DeepseekV41Flash) -> None:
-    """The window-only layers' cache ops have a static form (dsl/step.py): a decode step's first captured segment
-    runs from the embedding through both window-only layers to the first compressed layer's window append, which
-    stays out with the attention over compressed entries reading it."""
+@pytest.mark.parametrize("name", ["v41-tiny", "v41-tiny-engram"])
+def test_a_decode_step_of_up_to_512_tokens_is_one_captured_segment(name: str) -> None:
+    """The contract: every node of a decode or verification step, the cache ops, the indexer, the compressor, Engram's
+    n-grams and the head's rows included, in one CUDA graph per bucket."""
+    compiled = planned(DeepseekV41Flash.from_pretrained(fixture_dir(name)))
+    names = tuple(node_names(compiled.graph))
+    for n in range(1, GRAPH_BUCKETS[-1] + 1):
+        assert [(s.captured, s.nodes) for s in compiled.graph_segments(num_tokens=n)] == [(True, names)], n
+
+
+def test_only_static_steps_capture_the_cache_ops(model: DeepseekV41Flash) -> None:
+    """A static step's segment holds every op with a static form (dsl/step.py); other forwards (a prefill chunk)
+    keep each of them out of their segments."""
     compiled = planned(model)
-    names = node_names(compiled.graph)
-    first = compiled.graph_segments(num_tokens=4)[0]
-    ops = [compiled.graph.nodes[i].op for i in range(len(first.nodes))]
-    assert first.captured and first.nodes == tuple(names[: len(first.nodes)])
-    window_only = sum(1 for r in model.config.compress_ratios if r == 0)
-    assert ops.count("kv_window_append") == ops.count("sparse_attention") == window_only
-    assert compiled.graph.nodes[len(first.nodes)].op == "kv_window_append"
-    # other forwards (a prefill chunk) keep every cache op out of the segments
-    assert all(compiled.graph.nodes[i].op != "kv_window_append" for f in find_segments(compiled.graph)
-               for i in range(f.start, f.stop))
+    graph = compiled.graph
+    static = {graph.nodes[i].op for f in find_segments(graph, static=True) for i in range(f.start, f.stop)}
+    assert set(STATIC_OPS) - {"kv_window_store", "engram_ngrams"} <= static  # the fixture has no DSpark nor Engram
+    assert all(graph.nodes[i].op not in STATIC_OPS for f in find_segments(graph) for i in range(f.start, f.stop))
 
 
 def test_draft_steps_have_segments_of_their_own() -> None:

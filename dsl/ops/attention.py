@@ -17,6 +17,7 @@ from dsl.context import ForwardContext, cast, segments, take_rows
 from dsl.ops.attend import ATTENTION_ROWS, attend
 from dsl.ops.registry import op
 from dsl.ops.static_attention import StaticWindow, static_attention
+from dsl.ops.static_entries import StaticEntries, static_append
 from dsl.step import StaticStep
 from dsl.tensor import TensorType, context
 from dsl.transfer import to_device
@@ -230,7 +231,10 @@ def kv_window_block(kv: torch.Tensor, *, layer: int, window: int, ctx) -> CacheV
 
 @op("cache_append", _cache_type, uses_context=True)
 def cache_append(entries, *, layer: int, name: str, ctx) -> CacheView:
-    """Append new compressed entries (Ragged) to each sequence's `name` cache of `layer`; view the whole cache."""
+    """Append new compressed entries (Ragged) to each sequence's `name` cache of `layer`; view the whole cache (a
+    static step's: `StaticCompressed`)."""
+    if isinstance(entries, StaticEntries):
+        return static_append(entries, layer=layer, name=name, step=ctx)
     lengths = [f + n for f, n in zip(entries.first, entries.counts, strict=True)]
     batch = ctx.paged
     if batch is None:
@@ -327,7 +331,7 @@ def sparse_attention(q: torch.Tensor, window: CacheView, sink: torch.Tensor, com
     softmax denominator only. With `causal` False every key of the window view is visible to every query of the
     chunk (a DSpark draft block). Returns fp32 [N, H, D]."""
     if isinstance(window, StaticWindow):
-        return static_attention(q, window, sink, window_size=window_size, scale=scale)
+        return static_attention(q, window, sink, compressed, topk, window_size=window_size, scale=scale)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     if not ctx.compute_per_chunk:
         kv, idx = visible_entries(window, compressed, topk, window_size=window_size, ctx=ctx, dtype=torch.float32,

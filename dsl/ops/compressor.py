@@ -14,7 +14,9 @@ import torch
 from dsl.context import ForwardContext, PagedBatch, cast, segments, take_rows
 from dsl.ops.invariant import padded
 from dsl.ops.registry import invariant, op
+from dsl.ops.static_entries import StaticEntries, completes
 from dsl.ragged import Ragged
+from dsl.step import StaticStep
 from dsl.tensor import TensorType, num_entries
 
 
@@ -39,8 +41,11 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor | None = None, *, layer: 
     """Pool kv [N, D] in groups of `ratio` tokens, weighted by the softmax over the group of gate [N, D].
 
     Ratio 1 passes every token through (no gate). Returns the completed entries (fp32, pre-norm and pre-rope)
-    of each sequence, with their absolute entry indices.
+    of each sequence, with their absolute entry indices; over a static step (dsl/step.py), the entries its rows
+    complete (`static_pool`).
     """
+    if isinstance(ctx, StaticStep):
+        return static_pool(kv, gate, layer=layer, ratio=ratio, step=ctx)
     return pool_entries(kv, gate, layer=layer, ratio=ratio, ctx=ctx)
 
 
@@ -54,6 +59,8 @@ def pool_entries(kv: torch.Tensor, gate: torch.Tensor | None, *, layer: int, rat
     """`compress_pool`, the completed groups pooled by `pool_groups(kv, gate, kept_kv, kept_gate, source)` where
     given (kernels/compressor/pool.py), else by torch (`pool_rows`); a paged batch on the CPU, which pools chunk
     by chunk, keeps torch."""
+    if isinstance(ctx, StaticStep):
+        return static_pool(kv, gate, layer=layer, ratio=ratio, step=ctx, pool_groups=pool_groups)
     first = [s // ratio for s in ctx.starts]
     counts = [(s % ratio + n) // ratio for s, n in zip(ctx.starts, ctx.lengths, strict=True)]
     if ratio == 1:
@@ -79,6 +86,38 @@ def pool_entries(kv: torch.Tensor, gate: torch.Tensor | None, *, layer: int, rat
         values.append(_pool(ckv[:usable].reshape(-1, ratio, ckv.shape[-1]),
                             cgate[:usable].reshape(-1, ratio, ckv.shape[-1])))
     return Ragged(torch.cat(values) if values else kv.new_zeros(0, kv.shape[-1], dtype=torch.float32), counts, first)
+
+
+def static_pool(kv: torch.Tensor, gate: torch.Tensor | None, *, layer: int, ratio: int, step: StaticStep,
+                pool_groups: Callable | None = None) -> StaticEntries:
+    """`compress_pool` over a static step: kv, gate [R, D] -> the entries its rows complete. Every real row's kv and
+    gate are kept in the partial ring (padding rows' in the scratch slot); a group's members before its chunk come
+    from the ring as it was before this step. Pooled as `pool_entries` pools: by `pool_groups` where given, on the CPU
+    chunk by chunk in torch (its softmax rounds by its input's size)."""
+    if ratio == 1:
+        return StaticEntries(cast(kv, torch.float32), step, 1)
+    kv, gate = cast(kv, torch.float32), cast(gate, torch.float32)
+    rows, dim, dev = kv.shape[0], kv.shape[-1], kv.device
+    cache, pos, chunk = step.cache, step.positions, step.row_chunks.long()
+    member = pos[:, None] + torch.arange(1 - ratio, 1, device=dev)  # [R, ratio]: the group's positions
+    slots = step.chunk_slots[chunk].long()[:, None].expand_as(member)
+    kept_kv, kept_gate = cache.partial_rows(layer, slots.reshape(-1), member.clamp(min=0).reshape(-1))
+    writes = torch.where(step.write_slots >= 0, step.write_slots, cache.scratch_slot).long()
+    cache.write_partial_rows(layer, writes, pos, kv, gate)
+    own = member >= step.chunk_starts[chunk].long()[:, None]  # a member of this step: its row, else a kept one
+    row = torch.arange(rows, device=dev)[:, None] + member - pos[:, None]
+    source = torch.where(own, row.clamp(min=0), rows + torch.arange(rows * ratio, device=dev).view(rows, ratio))
+    done = completes(step, ratio)
+    if dev.type == "cpu":
+        groups, gates = torch.cat([kv, kept_kv])[source], torch.cat([gate, kept_gate])[source]
+        pooled = kv.new_zeros(rows, dim)
+        for c in step.row_chunks[done].unique_consecutive().tolist():  # chunk after chunk, its groups in one call
+            at = (done & (step.row_chunks == c)).nonzero().squeeze(1)
+            pooled[at] = _pool(groups[at], gates[at])
+        return StaticEntries(pooled, step, ratio)
+    pooled = (pool_groups or pool_rows)(kv.contiguous(), gate.contiguous(), kept_kv.contiguous(),
+                                        kept_gate.contiguous(), source)
+    return StaticEntries(torch.where(done[:, None], pooled, 0.0), step, ratio)
 
 
 def _pool_batch(kv: torch.Tensor, gate: torch.Tensor, layer: int, ratio: int, ctx: ForwardContext,

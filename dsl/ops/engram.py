@@ -10,6 +10,7 @@ import torch
 from dsl.context import cast, take_rows
 from dsl.ops.invariant import padded
 from dsl.ops.registry import invariant, op
+from dsl.step import StaticStep
 from dsl.tensor import TensorType
 
 
@@ -22,6 +23,8 @@ def engram_ngrams(ids: torch.Tensor, token_map: torch.Tensor, *, n: int, pad_id:
     """For each token, the compressed ids of tokens p, p - 1, ..., p - n + 1 ([N, n] int64); positions before
     the sequence start get `pad_id`. Keeps each sequence's compressed ids (the last n - 1 at least) for later
     forwards."""
+    if isinstance(ctx, StaticStep):
+        return _ngrams_static(token_map[ids.long()], n, pad_id, ctx)
     if ctx.paged is not None:
         return _ngrams_batch(token_map[ids.long()], n, pad_id, ctx)
     out = torch.empty(ids.shape[0], n, dtype=torch.long, device=ids.device)
@@ -48,6 +51,24 @@ def _ngrams_batch(mapped: torch.Tensor, n: int, pad_id: int, ctx) -> torch.Tenso
     slots, targets = batch.ring_targets(history.shape[1])
     batch.cache.write_history_rows(slots, ctx.positions, take_rows(mapped, targets))
     return source[index]
+
+
+def _ngrams_static(mapped: torch.Tensor, n: int, pad_id: int, step: StaticStep) -> torch.Tensor:
+    """`engram_ngrams` over a static step (dsl/step.py), from the compressed ids mapped [R]: each row's ids at
+    positions p, p - 1, ..., p - n + 1 from its chunk's rows, its slot's ring as it was before the step, or the pad;
+    then every real row's id kept (padding rows' in the scratch slot)."""
+    cache, mapped = step.cache, cast(mapped, torch.long)
+    rows, dev = mapped.shape[0], mapped.device
+    shift = torch.arange(n, device=dev)
+    wanted = step.positions[:, None] - shift  # [R, n] positions
+    chunk = step.row_chunks.long()
+    slots = step.chunk_slots[chunk].long()[:, None].expand_as(wanted)
+    kept = torch.where(wanted >= 0, cache.history_rows(slots, wanted.clamp(min=0)), pad_id)
+    own = wanted >= step.chunk_starts[chunk].long()[:, None]
+    ids = torch.where(own, mapped[(torch.arange(rows, device=dev)[:, None] - shift).clamp(min=0)], kept)
+    writes = torch.where(step.write_slots >= 0, step.write_slots, cache.scratch_slot).long()
+    cache.write_history_rows(writes, step.positions, mapped)
+    return ids
 
 
 def _ngram_layout(ctx, n: int, num_slots: int, ring: int) -> torch.Tensor:

@@ -9,6 +9,8 @@ from dsl.context import cast
 from dsl.ops.attention import CacheView
 from dsl.ops.invariant import MIN_COLS, padded_rows
 from dsl.ops.registry import invariant, op
+from dsl.ops.static_entries import StaticCompressed, visible_counts
+from dsl.step import StaticStep
 from dsl.tensor import TensorType, context
 from dsl.transfer import to_device
 
@@ -22,8 +24,11 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: CacheView, *, rat
     """score(t, s) = sum_h w_h(t) * relu(q_h(t) . k(s)) / sqrt(d) * H^-0.5 for q [N, H, d], weights [N, H].
 
     Entries not yet complete at the query's position ((p + 1) // ratio <= s) score -inf. Returns fp32
-    [N, C] with C the longest cache of the batch; rows of shorter caches are padded with -inf.
+    [N, C] with C the longest cache of the batch; rows of shorter caches are padded with -inf. Over a static step
+    (dsl/step.py), C is the cache's static width (`static_index_scores`).
     """
+    if isinstance(ctx, StaticStep):
+        return static_index_scores(q, weights, keys, ratio=ratio, step=ctx)
     width = max(keys.lengths, default=0)
     out = torch.full((q.shape[0] + 1, width), float("-inf"), dtype=torch.float32, device=q.device)
     if not ctx.compute_per_chunk:
@@ -41,6 +46,18 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: CacheView, *, rat
         scores = (s * w.unsqueeze(-1)).sum(dim=1)  # [T, L]
         out[c.rows, : k.shape[0]] = mask_incomplete(scores, ctx.positions[c.rows], ratio)
     return out[:-1]
+
+
+def static_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: StaticCompressed, *, ratio: int,
+                        step: StaticStep) -> torch.Tensor:
+    """`index_scores` over a static step in torch (the reference of its kernel's static use): q [R, H, d], weights
+    [R, H] -> fp32 [R, keys.width], -inf at the entries a row does not see."""
+    heads, dim = q.shape[1], q.shape[2]
+    k = keys.chunk_keys()[step.row_chunks.long()]  # [R, width, d]
+    s = torch.einsum("thd,tcd->thc", q.float(), k).relu_() * dim**-0.5
+    scores = (s * (weights.float() * heads**-0.5).unsqueeze(-1)).sum(dim=1)  # [R, width]
+    hidden = torch.arange(keys.width, device=q.device) >= visible_counts(keys, step)[:, None]
+    return scores.masked_fill(hidden, float("-inf"))
 
 
 def _score_layout(ctx, entries: list[int], ratio: int) -> list[tuple[torch.Tensor, ...]]:

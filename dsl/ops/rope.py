@@ -14,6 +14,7 @@ import torch
 
 from dsl.context import cast
 from dsl.ops.registry import op, same_as_first
+from dsl.ops.static_entries import StaticEntries, entry_positions
 from dsl.ragged import Ragged
 
 RopeParams = tuple[tuple[str, object], ...]  # sorted (key, value) items of a rope parameter dict: hashable
@@ -112,7 +113,11 @@ def rope_entries(x: Ragged, *, params: RopeParams, rope_dim: int, ratio: int, ct
     """Rotate compressed entries at their group's first position: entry j of ratio r sits at j * r.
 
     The rotation depends on the entries' layout alone, which a layer's KV entries and index keys share: it is made
-    once per forward, from their entry indices (`ForwardContext.entry_layout`)."""
+    once per forward, from their entry indices (`ForwardContext.entry_layout`); a static step's entries
+    (dsl/ops/static_entries.py) at their rows' entry indices."""
+    if isinstance(x, StaticEntries):
+        positions = entry_positions(x.step, ratio)
+        return x.replace(_rotated(x.values, _rotation(positions, params, rope_dim, x.values.device, inverse=False)))
     if not x.values.shape[0]:  # no entry completed (most decode steps): nothing to rotate
         return x
 

@@ -1,5 +1,6 @@
 """A static step's window (dsl/step.py) as its attention reads it, and the torch reference of that attention: the
-rows of a decode or verification step over the window rings, every index read from the step's tensors."""
+rows of a decode or verification step over the window rings and the compressed entries their picks name, every
+index read from the step's tensors."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from dsl.ops.attend import ATTENTION_ROWS, attend
+from dsl.ops.static_entries import StaticCompressed
 from dsl.step import StaticStep
 
 
@@ -35,11 +37,28 @@ def static_window_entries(window: StaticWindow, window_size: int) -> tuple[torch
     return torch.where(visible[..., None], keys, 0.0), visible
 
 
-def static_attention(q: torch.Tensor, window: StaticWindow, sink: torch.Tensor, *, window_size: int,
-                     scale: float) -> torch.Tensor:
-    """`sparse_attention` of a static step's rows over their windows (the reference of the in-place kernel's static
-    use, kernels/attention/paged_attention.py): q [R, H, D] -> fp32 [R, H, D]."""
+def static_picks(compressed: StaticCompressed, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The entries a static step's rows picked, in pick order: fp32 keys [R, K, D] (zeros where none) and which are
+    real [R, K]: picks topk [R, K] (-1 = none) below their chunk's entry count."""
+    step = compressed.step
+    chunk = step.row_chunks.long()
+    real = (topk >= 0) & (topk < compressed.lengths()[chunk].long()[:, None])
+    run = chunk[:, None].expand_as(topk).reshape(-1)
+    keys = step.cache.entry_rows(compressed.name, compressed.layer, step.tables, run, topk.clamp(min=0).reshape(-1))
+    keys = keys.reshape(*topk.shape, -1)
+    return torch.where(real[..., None], keys, 0.0), real
+
+
+def static_attention(q: torch.Tensor, window: StaticWindow, sink: torch.Tensor,
+                     compressed: StaticCompressed | None = None, topk: torch.Tensor | None = None, *,
+                     window_size: int, scale: float) -> torch.Tensor:
+    """`sparse_attention` of a static step's rows over their windows and the entries `topk` [R, K] picks of
+    `compressed` (the reference of the in-place kernel's static use, kernels/attention/paged_attention.py):
+    q [R, H, D] -> fp32 [R, H, D]."""
     keys, visible = static_window_entries(window, window_size)
+    if compressed is not None and topk is not None:
+        picked, real = static_picks(compressed, topk)
+        keys, visible = torch.cat([keys, picked], dim=1), torch.cat([visible, real], dim=1)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     for begin in range(0, q.shape[0], ATTENTION_ROWS):
         rows = slice(begin, begin + ATTENTION_ROWS)
@@ -47,4 +66,4 @@ def static_attention(q: torch.Tensor, window: StaticWindow, sink: torch.Tensor, 
     return out
 
 
-__all__ = ["StaticWindow", "static_attention", "static_window_entries"]
+__all__ = ["StaticWindow", "static_attention", "static_picks", "static_window_entries"]

@@ -43,8 +43,8 @@ class SparseAttention(Lowering):
         q, window, sink, compressed, topk = (list(call.args) + [None, None])[:5]
         a, ctx = call.attrs, call.ctx
         if isinstance(window, StaticWindow):  # a static step (dsl/step.py): only where `paged.serves` the head dim
-            return paged.static_attention_op(q, window, sink, window_size=a["window_size"], scale=a["scale"],
-                                             config=call.config, dot_fp32=call.dot_fp32)
+            return paged.static_attention_op(q, window, sink, compressed, topk, window_size=a["window_size"],
+                                             scale=a["scale"], config=call.config, dot_fp32=call.dot_fp32)
         causal = a.get("causal", True)
         common = dict(window_size=a["window_size"], scale=a["scale"], ctx=ctx, config=call.config,
                       dot_fp32=call.dot_fp32)

@@ -341,7 +341,7 @@ def paged_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=N
         q, chunks, positions = q[rows], chunks[rows], positions[rows]
         topk = topk[rows] if topk is not None else None
     pool = {}
-    if topk is not None and compressed is not None and sum(compressed.lengths):  # no entries anywhere: window only
+    if topk is not None and compressed is not None:  # picks even where no chunk has entries: as many blocks
         entries = compressed.paged
         pool_fmt, _, pool_parts = entries.cache.compressed[(entries.name, entries.layer)]
         length, _, _ = compressed.layout(ctx.device)
@@ -358,19 +358,29 @@ def paged_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=N
                            **pool)
 
 
-def static_attention_op(q: torch.Tensor, window, sink: torch.Tensor, *, window_size: int, scale: float,
-                        config: dict | None = None, dot_fp32: bool = False) -> torch.Tensor:
-    """The DSL op `sparse_attention` of a static step (dsl/step.py) over its window (`dsl.ops.attention.StaticWindow`):
-    q [R, H, D] -> fp32 [R, H, D], every index the kernel reads taken from the step's tensors, so the launch reads
-    whatever a later step writes there. The rows' values are the gathered path's (`paged_attention_op`) bit for bit:
-    a token's oldest visible position is max(pos - window_size + 1, floor) either way."""
+def static_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=None, topk: torch.Tensor | None = None,
+                        *, window_size: int, scale: float, config: dict | None = None,
+                        dot_fp32: bool = False) -> torch.Tensor:
+    """The DSL op `sparse_attention` of a static step (dsl/step.py) over its window (`dsl.ops.attention.StaticWindow`)
+    and the entries `topk` [R, K] picks of `compressed` (`dsl.ops.static_entries.StaticCompressed`): q [R, H, D] ->
+    fp32 [R, H, D], every index the kernel reads taken from the step's tensors, so the launch reads whatever a later
+    step writes there. The rows' values are the eager path's (`paged_attention_op`) bit for bit: a token's oldest
+    visible position is max(pos - window_size + 1, floor) either way, and its picks run as many blocks."""
     step = window.step
     fmt, parts = step.cache.windows[window.layer]
+    pool = {}
+    if compressed is not None and topk is not None:
+        pool_fmt, _, pool_parts = step.cache.compressed[(compressed.name, compressed.layer)]
+        picks = topk
+        if picks.shape[1] != pick_width(picks.shape[1]):
+            picks = torch.nn.functional.pad(picks, (0, pick_width(picks.shape[1]) - picks.shape[1]), value=-1)
+        pool = dict(pool_fmt=pool_fmt, pool_parts=pool_parts, tables=step.tables, lengths=compressed.lengths(),
+                    topk=_index(picks, "topk", tuple(picks.shape)))
     dtype = torch.float32 if dot_fp32 else torch.bfloat16
     return paged_attention(q.to(dtype).contiguous(), sink.float().contiguous(), window_fmt=fmt, window_parts=parts,
                            slots=step.chunk_slots, first=step.floors, row_chunks=step.row_chunks,
                            positions=step.positions32, window_size=window_size, scale=scale, config=config,
-                           dot_fp32=dot_fp32)
+                           dot_fp32=dot_fp32, **pool)
 
 
 def trace(heads: int, dim: int, *, window_size: int, scale: float, window_fmt: EntryFormat,

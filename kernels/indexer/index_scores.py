@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from dsl.context import cast
+from dsl.ops.static_entries import StaticCompressed
 from kernels.lang import tl, triton
 from kernels.launch import launch
 
@@ -103,6 +104,13 @@ def index_scores_op(q: torch.Tensor, weights: torch.Tensor, keys, *, ratio: int,
     """The DSL op `index_scores` (same arguments) on the kernel: `keys` a `dsl.ops.attention.CacheView`, read flat;
     each token finds its chunk's keys through `ctx.row_chunks`. q [N, H, d] -> fp32 [N, C], C the longest cache."""
     dtype = torch.float32 if dot_fp32 else torch.bfloat16
+    if isinstance(keys, StaticCompressed):  # a static step's (dsl/ops/static_entries.py): C its static width
+        step, width = keys.step, keys.width
+        chunk = step.row_chunks
+        return index_scores(cast(q, dtype).contiguous(), cast(weights, torch.float32).contiguous(),
+                            cast(keys.chunk_keys().flatten(0, 1), dtype).contiguous(), (chunk * width).contiguous(),
+                            keys.lengths()[chunk.long()].contiguous(), step.positions32, ratio=ratio, width=width,
+                            config=config, dot_fp32=dot_fp32)
 
     def rows() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # per token: its keys' start and count, position
         length, offset, _ = keys.layout(q.device)

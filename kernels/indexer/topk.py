@@ -100,7 +100,7 @@ def _kept(key, threshold, ties, tied):
 def topk_select_kernel(scores_ptr, cand_ptr, out_ptr, C, K: tl.constexpr, HAS_CANDIDATES: tl.constexpr,
                        block_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    width = tl.minimum(C, K)
+    width = K
     threshold, ties = _threshold(scores_ptr, cand_ptr, row, C, C, -1, K, 1, 1, HAS_CANDIDATES, block_N)
     taken = tl.full((), 0, tl.int32)
     tied = tl.full((), 0, tl.int32)
@@ -158,8 +158,10 @@ def _check_scores(name: str, scores: torch.Tensor) -> None:
 
 def topk_select(scores: torch.Tensor, candidates: torch.Tensor | None = None, *, topk: int,
                 config: dict | None = None) -> torch.Tensor:
-    """Indices int64 [N, min(topk, C)] of each row's `topk` highest finite scores (inside `candidates` where given)
-    in ascending order, then -1 where the row has fewer; of scores tied at the last one kept, the lowest indices.
+    """Indices int64 [N, topk] of each row's `topk` highest finite scores (inside `candidates` where given) in
+    ascending order, then -1 where the row has fewer; of scores tied at the last one kept, the lowest indices. The
+    width is `topk` whatever C, so the attention reading them runs as many blocks of picks for any cache length
+    (a static step's, over a cache's static width, and the eager step's, over its longest).
 
     scores float32 [N, C], candidates bool [N, C]; contiguous.
     """
@@ -171,7 +173,7 @@ def topk_select(scores: torch.Tensor, candidates: torch.Tensor | None = None, *,
     if topk < 0:
         raise ValueError(f"topk_select's topk must be >= 0, got {topk}")
     n, c = scores.shape
-    out = torch.empty(n, min(topk, c), dtype=torch.int64, device=scores.device)
+    out = torch.empty(n, topk, dtype=torch.int64, device=scores.device)
     if out.numel() == 0:
         return out
     config = config or default_config(1, n)

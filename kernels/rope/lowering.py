@@ -10,6 +10,7 @@ import torch
 import kernels.rope.rope as rope
 from dsl.graph import Node
 from dsl.ops.rope import _freqs_on, inv_freq
+from dsl.ops.static_entries import StaticEntries, entry_positions
 from dsl.ragged import Ragged
 from kernels.lowering import PLAIN, Call, Lowering, Params, Static, Variant, meta, over_rows, over_tokens
 
@@ -64,6 +65,8 @@ class RopeEntries(Rope):
 
     def run(self, call: Call) -> Ragged:
         x, ctx, ratio = call.args[0], call.ctx, call.attrs["ratio"]
+        if isinstance(x, StaticEntries):  # a static step's (dsl/ops/static_entries.py): its rows' entries
+            return x.replace(_rope(x.values.contiguous(), entry_positions(x.step, ratio), call.attrs, call.config))
         if not x.values.shape[0]:
             return x
         key = ("entry positions", ratio, tuple(x.first), tuple(x.counts))

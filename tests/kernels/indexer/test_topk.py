@@ -59,9 +59,11 @@ def tied(scores: torch.Tensor, levels: int = 4) -> torch.Tensor:
 
 
 def check_topk(scores: torch.Tensor, candidates: torch.Tensor | None, topk: int, config: dict | None) -> None:
-    got = topk_select(scores, candidates, topk=topk, config=config)
+    wide = topk_select(scores, candidates, topk=topk, config=config)
     want = ref_topk_select(scores, candidates, topk=topk)
-    assert got.shape == want.shape and got.dtype == want.dtype == torch.int64
+    assert wide.shape == (scores.shape[0], topk) and wide.dtype == want.dtype == torch.int64
+    assert (wide[:, want.shape[1]:] == -1).all()  # topk wide whatever C: none past the C entries
+    got = wide[:, : want.shape[1]]
     assert torch.equal(got, ascending(got))  # ascending, then -1
     # the same picks wherever no two scores tie (the scores of the picks where they might)
     full = scores if candidates is None else scores.masked_fill(~candidates, float("-inf"))
@@ -168,8 +170,8 @@ def test_a_row_selects_the_same_alone_and_among_others(device) -> None:
 
 @pytest.mark.parametrize("dot_fp32", [False, True])
 def test_the_attention_reads_the_picks_alike_at_any_width(dot_fp32, device) -> None:
-    """The attention kernel in its one-part (invariant) form over the picks [N, min(topk, C)], and over the same
-    padded with -1 to `topk` (the invariant reference's width): the same bits."""
+    """The attention kernel in its one-part (invariant) form over the picks [N, topk] (the kernel's width, past the C
+    entries -1), and over their first min(topk, C): the same bits."""
     from kernels.attention.sparse_attention import sparse_attention_op
     from tests.kernels.attention.test_sparse_attention import SMALL as ONE_PART
     from tests.kernels.attention.test_sparse_attention import make_inputs
@@ -177,9 +179,9 @@ def test_the_attention_reads_the_picks_alike_at_any_width(dot_fp32, device) -> N
     (q, window, sink, compressed, _), ctx = make_inputs([(20, 1), (3, 1), (9, 2)], 4, 32, 8, 30, 12, device)
     scores = gen(ctx.num_tokens, 30, device=device, seed=4)
     scores[1, 7:] = float("-inf")
-    picks = topk_select(scores, topk=40, config=SMALL)
-    assert picks.shape == (4, 30) and (picks[1, 7:] == -1).all()
-    padded = torch.cat([picks, picks.new_full((4, 10), -1)], dim=1)
+    padded = topk_select(scores, topk=40, config=SMALL)
+    assert padded.shape == (4, 40) and (padded[1, 7:] == -1).all() and (padded[:, 30:] == -1).all()
+    picks = padded[:, :30].contiguous()
     got, wide = (sparse_attention_op(q, window, sink, compressed, p, window_size=8, scale=32**-0.5, ctx=ctx,
                                      config=ONE_PART, dot_fp32=dot_fp32) for p in (picks, padded))
     assert torch.equal(got, wide)
