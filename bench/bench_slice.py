@@ -10,6 +10,7 @@ owns them for the decoder half and picks candidate blocks, as layer 20; and a pl
 Sequences keep their caches in one `PagedCache`, as the engine does (`--unpaged`: tensors of each sequence's own).
 
     python bench/bench_slice.py [--out slice.json] [--artifact DIR] [--paths sm90,eager,compile] [--budget 300]
+                                [--context 16384]        # decode over 16384 cached tokens instead of 1024
     python bench/bench_slice.py --small          # every dimension shrunk: runs on a CPU in seconds (the sm90 plan's
                                                  # kernels then run under Triton's interpreter)
     python bench/bench_slice.py --build-artifact artifacts/slice-sm90   # the sm90 artifact, built without a GPU
@@ -111,8 +112,10 @@ class Case:
         return self.batch * self.tokens
 
 
-def cases(small: bool) -> list[Case]:
+def cases(small: bool, context: int = 0) -> list[Case]:
+    """The decode batches over `context` cached tokens (default 1024; 8 with `small`), then the prefills."""
     ctx, batches, prefills = (8, (1, 2), (8, 24)) if small else (1024, (1, 16, 64, 256), (1024, 8192))
+    ctx = context or ctx
     return [Case("decode", b, 1, ctx) for b in batches] + [Case("prefill", 1, t, 0) for t in prefills]
 
 
@@ -338,7 +341,10 @@ def main() -> int:
     p.add_argument("--build-artifact", metavar="DIR", help="only compile the sm90 artifact of the slice into DIR")
     p.add_argument("--fp8-activations", action="store_true", help="the artifact's fp8-weight linears take e4m3 inputs")
     p.add_argument("--buckets", default="", help="the artifact's token-count buckets (default: graphs.plan.BUCKETS)")
+    p.add_argument("--context", type=int, default=0, help="tokens each decode sequence has cached (default 1024)")
     args = p.parse_args()
+    if args.context < 0:
+        p.error(f"--context must be a positive token count, got {args.context}")
     if args.build_artifact:
         build_artifact(args.build_artifact, args.fp8_activations,
                        tuple(int(b) for b in args.buckets.split(",")) if args.buckets else None)
@@ -349,15 +355,16 @@ def main() -> int:
     model = DeepseekV41Flash(config, slice_weights(config, device))
     params = model.params()
     wanted = [x.strip() for x in args.cases.split(",") if x.strip()]
-    todo = [c for c in cases(args.small) if not wanted or c.name.split(" ctx=")[0] in wanted]
+    every = cases(args.small, args.context)
+    todo = [c for c in every if not wanted or c.name.split(" ctx=")[0] in wanted]
     roofs = {c.name: {"tokens": c.num_tokens, **roofline(config, params, c)} for c in todo}
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; torch {torch.__version__}; "
           f"weights {sum(t.numel() * t.element_size() for t in params.values()) / 1e9:.1f} GB, made in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
     gen = torch.Generator().manual_seed(1)  # one sequence's context: each path prefills it, the first one's is cloned
-    shared = {"ids": torch.randint(0, config.vocab_size, (cases(args.small)[0].context,), generator=gen).tolist()}
+    shared = {"ids": torch.randint(0, config.vocab_size, (every[0].context,), generator=gen).tolist()}
     paths = [x for x in args.paths.split(",") if x]
-    longest = max([cases(args.small)[0].context + 8, *(c.tokens for c in todo)])  # decode runs add a token each
+    longest = max([every[0].context + 8, *(c.tokens for c in todo)])  # decode runs add a token each
     caches = Caches(run_passes(model.graph()), not args.unpaged, max(c.batch for c in todo), longest, device)
     for path in paths:
         run_path(path, model, todo, shared, caches, args, device, start)

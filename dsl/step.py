@@ -87,17 +87,24 @@ class StaticStep:
         self.tables: torch.Tensor = views["tables"]
         self.write_slots.fill_(-1)  # nothing to store until filled
         self.num_tokens = rows  # the rows every op of the step runs over
+        # the host side of `fill`'s copy, pinned on a GPU, and the event after the copy that last read it
+        pinned = self.device.type == "cuda"
+        self._host = torch.zeros(self.buffer.shape[0], dtype=torch.uint8, pin_memory=pinned)
+        self._host_views = _regions(self._host, rows, width)
+        self._copied = torch.cuda.Event() if pinned else None
 
     def fill(self, ctx) -> None:
         """Write the layout of forward `ctx` (a `ForwardContext` whose every chunk `fits` this step): one packed host
-        buffer, copied to the device in one asynchronous copy from pinned memory."""
+        buffer, kept from step to step, copied to the device in one asynchronous copy from pinned memory."""
         states, n = [c.state for c in ctx.chunks], ctx.num_tokens
         if n > self.rows or any(len(s.block_table) > self.width for s in states):
             raise ValueError(f"a step of {n} tokens with block tables of up to "
                              f"{max(len(s.block_table) for s in states)} blocks does not fit a static step of "
                              f"{self.rows} rows and {self.width} table columns")
-        host = torch.zeros(self.buffer.shape[0], dtype=torch.uint8, pin_memory=self.device.type == "cuda")
-        views = _regions(host, self.rows, self.width)
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copy has read the host buffer (long since, as a rule)
+        host, views = self._host, self._host_views
+        host.zero_()
         lengths = torch.tensor(ctx.lengths, dtype=torch.int64)
         b = len(states)
         chunks = torch.repeat_interleave(torch.arange(b), lengths, output_size=n)
@@ -119,6 +126,8 @@ class StaticStep:
         flat = [block for s in states for block in s.block_table + [0] * (self.width - len(s.block_table))]
         views["tables"][:b] = torch.tensor(flat, dtype=torch.int32).view(b, self.width)
         self.buffer.copy_(host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
 
     def memo(self, key: tuple, make: Callable[[], object]) -> object:
         """`make()`: what `ForwardContext.memo` keeps for a forward, a static step computes each time, since its

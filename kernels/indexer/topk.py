@@ -174,8 +174,8 @@ def topk_select(scores: torch.Tensor, candidates: torch.Tensor | None = None, *,
         raise ValueError(f"topk_select's topk must be >= 0, got {topk}")
     n, c = scores.shape
     out = torch.empty(n, topk, dtype=torch.int64, device=scores.device)
-    if out.numel() == 0:
-        return out
+    if out.numel() == 0 or c == 0:  # nothing to pick from: none
+        return out.fill_(-1)
     config = config or default_config(1, n)
     chosen = scores if candidates is None else candidates.view(torch.uint8)
     launch(topk_select_kernel, (n,), (scores, chosen, out, c),
