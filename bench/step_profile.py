@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_slice import slice_config, slice_weights, sm90_step  # noqa: E402
+from bench_slice import PREFILL_CHUNK, slice_config, slice_weights, sm90_step  # noqa: E402
 from node_timing import time_nodes, timer  # noqa: E402
 from slice_caches import Caches  # noqa: E402
 
@@ -76,7 +76,9 @@ def main() -> int:
     if prefills:
         return profile_prefills(step, compiled, caches, prefills, config.vocab_size, gen, args)
     context = caches.fresh(0)
-    step([(context, torch.randint(0, config.vocab_size, (args.context,), generator=gen).tolist())])
+    ids = torch.randint(0, config.vocab_size, (args.context,), generator=gen).tolist()
+    for begin in range(0, len(ids), PREFILL_CHUNK):  # a long context in several prefill steps, as bench_slice's
+        step([(context, ids[begin: begin + PREFILL_CHUNK])])
     for b in batches:
         states = caches.copies(context, b)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import kernels.attention.paged_attention as paged_attention
 import kernels.cache.rows as cache_kernels
+import kernels.indexer.index_scores as scores
 import kernels.sampling.gumbel_argmax as sampling_kernels
 from dsl.cache import CacheSpec
 from dsl.graph import Graph
@@ -80,8 +81,9 @@ def record_cache_launches(spec: CacheSpec) -> dict[str, Launch]:
 
 def record_attention_launches(plan: Plan, graph: Graph) -> dict[str, Launch]:
     """The launches of the in-place decode attention (kernels/attention/paged_attention.py) that the plan's causal
-    attention nodes over a window append make on decode and verification steps: for each, the formats of its window
-    and compressed caches (off the graph), every bucket's config and the batch-invariant one."""
+    attention nodes over a window append make on decode and verification steps, and of the indexer's in-place scores
+    (kernels/indexer/index_scores.py) over a cache the graph appends to: for each, the formats of its caches (off the
+    graph), every bucket's config and the batch-invariant one."""
     spec = CacheSpec.from_graph(graph)
     windows = {layer: fmt for layer, _, _, fmt in spec.windows}
     pools = {(name, layer): fmt for name, layer, _, _, fmt in spec.compressed}
@@ -89,6 +91,13 @@ def record_attention_launches(plan: Plan, graph: Graph) -> dict[str, Launch]:
     with use_launcher(lambda call: found.setdefault(call.key(), call)):
         for node in plan.kernel_nodes():
             op = graph.nodes[node.index]
+            keys = op.inputs[2].producer if node.op == "index_scores" else None
+            if keys is not None and keys.op == "cache_append" and paged_attention.supports(node.static.d):
+                for chosen in [node.buckets[b] for b in plan.buckets] + [node.invariant]:
+                    scores.trace_paged(node.static.h, node.static.d, ratio=op.attrs["ratio"],
+                                       fmt=pools[(keys.attrs["name"], keys.attrs["layer"])], config=chosen.config,
+                                       dot_fp32=plan.dot_fp32)
+                continue
             window = op.inputs[1].producer if node.op == "sparse_attention" else None
             if (window is None or window.op != "kv_window_append" or not op.attrs.get("causal", True)
                     or not paged_attention.supports(node.static.d)):  # head dims the kernel does not take gather

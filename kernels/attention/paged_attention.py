@@ -28,14 +28,23 @@ import os
 import torch
 
 from dsl.cache_format import EntryFormat
-from kernels.attention.paged_entries import KINDS, bf16_halves, decode_tile, load_tile, pick_ids, pick_rows, window_rows
+from kernels.attention.paged_entries import (
+    bf16_halves,
+    decode_tile,
+    index_operand,
+    load_tile,
+    pick_ids,
+    pick_rows,
+    pool_operands,
+    window_rows,
+)
 from kernels.lang import tl, triton
 from kernels.launch import launch
 
-# Whether the sparse_attention lowering takes this kernel for the chunks `in_place_chunks` passes, and static steps
-# (dsl/step.py) capture their window-only attention with it: on by default; DEEPINFER_PAGED_ATTENTION=0 gathers
-# instead, and static steps then leave attention to the eager nodes, so a step's logits are the same with CUDA graphs
-# and without either way.
+# Whether the sparse_attention lowering takes this kernel for the chunks `in_place_chunks` passes, static steps
+# (dsl/step.py) capture their attention with it, and the indexer's scores read paged keys in place too
+# (kernels/indexer/index_scores.py): on by default; DEEPINFER_PAGED_ATTENTION=0 gathers instead, and static steps then
+# leave attention to the eager nodes, so a step's logits are the same with CUDA graphs and without either way.
 IN_PLACE = os.environ.get("DEEPINFER_PAGED_ATTENTION", "1") != "0"
 
 
@@ -164,14 +173,6 @@ def paged_attention_combine_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, H: tl.co
     tl.store(out_ptr + (t * H + h) * D + offs_d, tl.sum(part * w[:, None], axis=0) / denom)  # part: [block_P, D]
 
 
-def _index(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """An index tensor as the kernel takes it: int32, contiguous, 16-byte aligned (the cubin launcher checks it)."""
-    if t.is_floating_point() or tuple(t.shape) != shape:
-        raise ValueError(f"{name} must be integer {list(shape)}, got {t.dtype} {list(t.shape)}")
-    t = t.to(torch.int32).contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
 def supports(dim: int) -> bool:
     """Whether the kernel takes entries of `dim` values: a power of two of at least 32 (halves of 16 or more)."""
     return dim >= 32 and dim & (dim - 1) == 0
@@ -182,25 +183,6 @@ def serves(dim: int) -> bool:
     (`IN_PLACE`) and takes the dim. The eager lowering and a static step's segments (graphs/segments.py) ask the same,
     so a step's logits are the same with CUDA graphs and without."""
     return IN_PLACE and supports(dim)
-
-
-def _pool(fmt: EntryFormat, parts: list[torch.Tensor], d: int, name: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(codes, scales, constexprs) of a pool [blocks or slots, rows, ...] in `fmt` holding entries of d values: codes
-    as the kernel reads them (fp8 and fp4: 32-bit words, fp32: values), scales as bytes."""
-    if fmt.kind not in KINDS or (fmt.kind == "fp8" and fmt.e4m3_scale):
-        raise ValueError(f"{name}: no in-place attention for {fmt}")
-    width = d // 2 if fmt.kind == "fp4" else d
-    if parts[0].dim() != 3 or parts[0].shape[2] != width or not all(p.is_contiguous() for p in parts):
-        raise ValueError(f"{name}: {fmt} entries of {d} values need contiguous parts [*, rows, {width}], got "
-                         f"{[list(p.shape) for p in parts]}")
-    block = fmt.block if fmt.kind != "fp32" else d
-    if fmt.kind != "fp32" and (d % block or block % 2 or parts[1].shape != (*parts[0].shape[:2], d // block)):
-        raise ValueError(f"{name}: {fmt} scales must be [*, rows, {d // block}], got {list(parts[1].shape)}")
-    if fmt.kind != "fp32" and (block & (block - 1) or block < (4 if fmt.kind == "fp8" else 8)):
-        raise ValueError(f"{name}: {fmt} needs blocks of a power of two of whole 32-bit words of codes")
-    as_bytes = [p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p for p in parts]
-    codes = as_bytes[0] if fmt.kind == "fp32" else as_bytes[0].view(torch.int32)
-    return codes, as_bytes[-1], {"KIND": KINDS[fmt.kind], "BLOCK": block, "E4M3": fmt.e4m3_scale}
 
 
 def default_split(num_tokens: int, heads: int, num_sms: int = 132) -> int:
@@ -249,8 +231,8 @@ def paged_attention(q: torch.Tensor, sink: torch.Tensor, *, window_fmt: EntryFor
     if tuple(sink.shape) != (h,) or sink.dtype != torch.float32 or not sink.is_contiguous():
         raise ValueError(f"sink must be contiguous float32 [{h}], got {sink.dtype} {list(sink.shape)}")
     b = slots.shape[0]
-    w_codes, w_scales, w_c = _pool(window_fmt, window_parts, d, "window")
-    index = [_index(slots, "slots", (b,)), _index(first, "first", (b,))]
+    w_codes, w_scales, w_c = pool_operands(window_fmt, window_parts, d, "window")
+    index = [index_operand(slots, "slots", (b,)), index_operand(first, "first", (b,))]
     k, per, width = 0, 1, 1
     c_codes, c_scales, c_c = w_codes, w_scales, w_c
     if topk is not None:
@@ -260,13 +242,13 @@ def paged_attention(q: torch.Tensor, sink: torch.Tensor, *, window_fmt: EntryFor
             raise ValueError(f"topk must be [{n}, K] and tables [{b}, W], got {list(topk.shape)}, "
                              f"{list(tables.shape)}")
         k, per, width = topk.shape[1], pool_parts[0].shape[1], tables.shape[1]
-        c_codes, c_scales, c_c = _pool(pool_fmt, pool_parts, d, "pool")
-        index += [_index(tables, "tables", tuple(tables.shape)), _index(lengths, "lengths", (b,)),
-                  _index(topk, "topk", (n, k))]
+        c_codes, c_scales, c_c = pool_operands(pool_fmt, pool_parts, d, "pool")
+        index += [index_operand(tables, "tables", tuple(tables.shape)), index_operand(lengths, "lengths", (b,)),
+                  index_operand(topk, "topk", (n, k))]
     else:
         index += [index[0], index[0], index[0]]  # unread: the kernel has no picks to look up
     slots_i, first_i, tables_i, lengths_i, topk_i = index
-    chunks_i, positions_i = _index(row_chunks, "row_chunks", (n,)), _index(positions, "positions", (n,))
+    chunks_i, positions_i = index_operand(row_chunks, "row_chunks", (n,)), index_operand(positions, "positions", (n,))
     if "split" not in (config or {}):
         config = tiles(config, n, h, d, dot_fp32)
     out = torch.empty(n, h, d, dtype=torch.float32, device=q.device)
@@ -324,7 +306,7 @@ def pick_widths(topk: int) -> list[int]:
 def _int32(ctx, t: torch.Tensor) -> torch.Tensor:
     """t as the kernel's int32 index, once per forward for each tensor the layers share (the memo keeps t alive, so
     its id stays its own)."""
-    return ctx.memo(("int32 index", id(t)), lambda: (t, _index(t, "index", tuple(t.shape))))[1]
+    return ctx.memo(("int32 index", id(t)), lambda: (t, index_operand(t, "index", tuple(t.shape))))[1]
 
 
 def paged_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=None, topk: torch.Tensor | None = None,
@@ -345,7 +327,7 @@ def paged_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=N
         entries = compressed.paged
         pool_fmt, _, pool_parts = entries.cache.compressed[(entries.name, entries.layer)]
         length, _, _ = compressed.layout(ctx.device)
-        picks = _int32(ctx, topk) if rows is None else _index(topk, "topk", tuple(topk.shape))
+        picks = _int32(ctx, topk) if rows is None else index_operand(topk, "topk", tuple(topk.shape))
         if picks.shape[1] != pick_width(picks.shape[1]):  # none past the forward's own width
             picks = torch.nn.functional.pad(picks, (0, pick_width(picks.shape[1]) - picks.shape[1]), value=-1)
         pool = dict(pool_fmt=pool_fmt, pool_parts=pool_parts, tables=_int32(ctx, entries.tables),
@@ -375,7 +357,7 @@ def static_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=
         if picks.shape[1] != pick_width(picks.shape[1]):
             picks = torch.nn.functional.pad(picks, (0, pick_width(picks.shape[1]) - picks.shape[1]), value=-1)
         pool = dict(pool_fmt=pool_fmt, pool_parts=pool_parts, tables=step.tables, lengths=compressed.lengths(),
-                    topk=_index(picks, "topk", tuple(picks.shape)))
+                    topk=index_operand(picks, "topk", tuple(picks.shape)))
     dtype = torch.float32 if dot_fp32 else torch.bfloat16
     return paged_attention(q.to(dtype).contiguous(), sink.float().contiguous(), window_fmt=fmt, window_parts=parts,
                            slots=step.chunk_slots, first=step.floors, row_chunks=step.row_chunks,

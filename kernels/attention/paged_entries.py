@@ -1,6 +1,6 @@
-"""Tiles of cache entries for the in-place attention (kernels/attention/paged_attention.py): where a block of a
-token's entries lies in the caches, its raw codes and scales, and its values as the two halves the attention
-multiplies.
+"""Tiles of cache entries for the in-place kernels (kernels/attention/paged_attention.py, the indexer's in-place scores
+in kernels/indexer/index_scores.py): where a block of a token's entries lies in the caches, its raw codes and scales,
+and its values as the two halves the kernels multiply; and the pools and index tensors as the kernels take them.
 
 An entry of D values comes out as two [block_S, D / 2] tiles: its even columns and its odd ones. Its codes load as
 whole rows of 32-bit words (16-byte loads: four e4m3 codes a word, or eight e2m1 codes, the even column's in each
@@ -11,6 +11,9 @@ values are exact: an e4m3 or e2m1 code times its scale has at most 8 significant
 
 from __future__ import annotations
 
+import torch
+
+from dsl.cache_format import EntryFormat
 from kernels.lang import tl, triton
 
 KINDS = {"fp32": 0, "fp8": 1, "fp4": 2}
@@ -104,4 +107,34 @@ def decode_tile(codes, scales, KIND: tl.constexpr, BLOCK: tl.constexpr, E4M3: tl
     return tl.reshape(even, [block_S, D // 2]).to(DTYPE), tl.reshape(odd, [block_S, D // 2]).to(DTYPE)
 
 
-__all__ = ["KINDS", "bf16_halves", "decode_tile", "load_tile", "pick_ids", "pick_rows", "window_rows"]
+def index_operand(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """An index tensor as the in-place kernels take it: int32, contiguous, 16-byte aligned (the cubin launcher checks
+    it)."""
+    if t.is_floating_point() or tuple(t.shape) != shape:
+        raise ValueError(f"{name} must be integer {list(shape)}, got {t.dtype} {list(t.shape)}")
+    t = t.to(torch.int32).contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def pool_operands(fmt: EntryFormat, parts: list[torch.Tensor], d: int,
+                  name: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(codes, scales, constexprs) of a pool [blocks or slots, rows, ...] in `fmt` holding entries of d values: codes
+    as the in-place kernels read them (fp8 and fp4: 32-bit words, fp32: values), scales as bytes."""
+    if fmt.kind not in KINDS or (fmt.kind == "fp8" and fmt.e4m3_scale):
+        raise ValueError(f"{name}: no in-place kernel reads {fmt}")
+    width = d // 2 if fmt.kind == "fp4" else d
+    if parts[0].dim() != 3 or parts[0].shape[2] != width or not all(p.is_contiguous() for p in parts):
+        raise ValueError(f"{name}: {fmt} entries of {d} values need contiguous parts [*, rows, {width}], got "
+                         f"{[list(p.shape) for p in parts]}")
+    block = fmt.block if fmt.kind != "fp32" else d
+    if fmt.kind != "fp32" and (d % block or block % 2 or parts[1].shape != (*parts[0].shape[:2], d // block)):
+        raise ValueError(f"{name}: {fmt} scales must be [*, rows, {d // block}], got {list(parts[1].shape)}")
+    if fmt.kind != "fp32" and (block & (block - 1) or block < (4 if fmt.kind == "fp8" else 8)):
+        raise ValueError(f"{name}: {fmt} needs blocks of a power of two of whole 32-bit words of codes")
+    as_bytes = [p.view(torch.uint8) if p.dtype == torch.float8_e4m3fn else p for p in parts]
+    codes = as_bytes[0] if fmt.kind == "fp32" else as_bytes[0].view(torch.int32)
+    return codes, as_bytes[-1], {"KIND": KINDS[fmt.kind], "BLOCK": block, "E4M3": fmt.e4m3_scale}
+
+
+__all__ = ["KINDS", "bf16_halves", "decode_tile", "index_operand", "load_tile", "pick_ids", "pick_rows",
+           "pool_operands", "window_rows"]

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import torch
 
+import kernels.attention.paged_attention as paged
+from dsl.cache_format import EntryFormat
 from dsl.context import cast
 from dsl.ops.static_entries import StaticCompressed
+from kernels.attention.paged_entries import decode_tile, index_operand, load_tile, pick_rows, pool_operands
 from kernels.lang import tl, triton
 from kernels.launch import launch
 
@@ -47,6 +50,46 @@ def index_scores_kernel(q_ptr, w_ptr, k_ptr, start_ptr, length_ptr, pos_ptr, out
                     acc = tl.dot(q.to(tl.float32), k.to(tl.float32), acc, input_precision="ieee")
                 else:
                     acc = tl.dot(q.to(tl.bfloat16), k.to(tl.bfloat16), acc)
+            w = tl.load(w_ptr + t * H + heads, mask=mask_h, other=0.0) * H_SCALE  # [block_H]
+            total += tl.sum(tl.maximum(acc, 0.0) * D_SCALE * w[:, None], axis=0)
+    tl.store(out_ptr + t * C + offs_l, tl.where(keep, total, float("-inf")), mask=offs_l < C)
+
+
+@triton.jit(do_not_specialize=["C", "TABLE_W", "PER"])
+def paged_index_scores_kernel(q_ptr, w_ptr, codes_ptr, scales_ptr, table_ptr, length_ptr, chunk_ptr, pos_ptr, out_ptr,
+                              C, TABLE_W, PER, H: tl.constexpr, D: tl.constexpr, RATIO: tl.constexpr,
+                              D_SCALE: tl.constexpr, H_SCALE: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr,
+                              E4M3: tl.constexpr, DOT_FP32: tl.constexpr, block_H: tl.constexpr,
+                              block_L: tl.constexpr):
+    """`index_scores_kernel` over keys read where the pool keeps them: entry e of token t's chunk (row_chunks) at
+    row e % PER of block tables[chunk, e // PER], decoded in registers as even and odd columns (the q . k sum goes
+    over the even columns, then the odd ones)."""
+    t = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * block_L
+    offs_l = first + tl.arange(0, block_L)
+    chunk = tl.load(chunk_ptr + t).to(tl.int64)
+    visible = tl.minimum((tl.load(pos_ptr + t) + 1) // RATIO, tl.load(length_ptr + chunk))
+    keep = offs_l < visible
+    total = tl.zeros([block_L], dtype=tl.float32)
+    if first < visible:  # blocks past the visible entries only write -inf
+        DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else tl.bfloat16
+        rows, valid = pick_rows(offs_l, chunk, visible, table_ptr, TABLE_W, PER)
+        codes, scales = load_tile(codes_ptr, scales_ptr, rows, valid, D, KIND, BLOCK)
+        k_even, k_odd = decode_tile(codes, scales, KIND, BLOCK, E4M3, block_L, D, DTYPE)  # [block_L, D / 2]
+        half = tl.arange(0, D // 2)
+        for h0 in tl.static_range(0, H, block_H):
+            heads = h0 + tl.arange(0, block_H)
+            mask_h = heads < H
+            at = q_ptr + (t * H + heads)[:, None] * D + 2 * half[None, :]
+            q_even = tl.load(at, mask=mask_h[:, None], other=0.0).to(DTYPE)  # [block_H, D / 2]
+            q_odd = tl.load(at + 1, mask=mask_h[:, None], other=0.0).to(DTYPE)
+            acc = tl.zeros([block_H, block_L], dtype=tl.float32)
+            if DOT_FP32:
+                acc = tl.dot(q_even, tl.trans(k_even), acc, input_precision="ieee")
+                acc = tl.dot(q_odd, tl.trans(k_odd), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(q_even, tl.trans(k_even), acc)
+                acc = tl.dot(q_odd, tl.trans(k_odd), acc)
             w = tl.load(w_ptr + t * H + heads, mask=mask_h, other=0.0) * H_SCALE  # [block_H]
             total += tl.sum(tl.maximum(acc, 0.0) * D_SCALE * w[:, None], axis=0)
     tl.store(out_ptr + t * C + offs_l, tl.where(keep, total, float("-inf")), mask=offs_l < C)
@@ -99,12 +142,81 @@ def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, sta
     return out
 
 
+def paged_index_scores(q: torch.Tensor, weights: torch.Tensor, *, fmt: EntryFormat, parts: list[torch.Tensor],
+                       tables: torch.Tensor, lengths: torch.Tensor, row_chunks: torch.Tensor, positions: torch.Tensor,
+                       ratio: int, width: int, config: dict | None = None, dot_fp32: bool = False) -> torch.Tensor:
+    """`index_scores` over keys read in place: scores fp32 [N, width] of token t against entries 0 .. of its chunk
+    row_chunks[t] ([N]), entry e in pool `parts` ([blocks, PER, ...] in `fmt`) at block tables[chunk, e // PER]
+    ([B, W]), -inf from min((positions[t] + 1) // ratio, lengths[chunk]) ([B]) on. q [N, H, d] float32/bfloat16
+    (bf16 products unless `dot_fp32`), weights [N, H] float32; index tensors of any integer type."""
+    if q.dim() != 3 or q.dtype not in (torch.float32, torch.bfloat16) or not q.is_contiguous():
+        raise ValueError(f"q must be contiguous float32/bfloat16 [N, H, d], got {q.dtype} {list(q.shape)}")
+    n, h, d = q.shape
+    if not paged.supports(d):
+        raise ValueError(f"in-place scores need a power-of-two key dim of at least 32, got {d}")
+    if tuple(weights.shape) != (n, h) or weights.dtype != torch.float32 or not weights.is_contiguous():
+        raise ValueError(f"weights must be contiguous float32 [{n}, {h}], got {weights.dtype} {list(weights.shape)}")
+    if ratio < 1 or width < 0:
+        raise ValueError(f"ratio must be >= 1 and width >= 0, got {ratio} and {width}")
+    codes, scales, consts = pool_operands(fmt, parts, d, "keys")
+    b = tables.shape[0]
+    tables_i, lengths_i = index_operand(tables, "tables", tuple(tables.shape)), \
+        index_operand(lengths, "lengths", (b,))
+    chunks_i, positions_i = index_operand(row_chunks, "row_chunks", (n,)), \
+        index_operand(positions, "positions", (n,))
+    config = config or default_config(n, h, d)
+    out = torch.empty(n, width, dtype=torch.float32, device=q.device)
+    if n == 0 or width == 0:
+        return out
+    launch(paged_index_scores_kernel, (n, triton.cdiv(width, config["block_L"])),
+           (q, weights, codes, scales, tables_i, lengths_i, chunks_i, positions_i, out, width, tables.shape[1],
+            parts[0].shape[1]),
+           {"H": h, "D": d, "RATIO": ratio, "D_SCALE": d**-0.5, "H_SCALE": h**-0.5, "KIND": consts["KIND"],
+            "BLOCK": consts["BLOCK"], "E4M3": consts["E4M3"], "DOT_FP32": dot_fp32, "block_H": config["block_H"],
+            "block_L": config["block_L"]},
+           config["num_warps"], config["num_stages"])
+    return out
+
+
+def trace_paged(heads: int, dim: int, *, ratio: int, fmt: EntryFormat, config: dict, dot_fp32: bool,
+                device: str = "meta") -> None:
+    """Call `paged_index_scores` once on an empty pool of `device` in `fmt` for a node of `heads` x `dim` queries (the
+    AOT builder, on meta, records its launches: one variant per config and format)."""
+    dtype = torch.float32 if dot_fp32 else torch.bfloat16
+    with torch.device(device):
+        index = torch.zeros(1, dtype=torch.int32)
+        paged_index_scores(torch.zeros(1, heads, dim, dtype=dtype), torch.zeros(1, heads), fmt=fmt,
+                           parts=fmt.storage((1, 1), dim), tables=index.view(1, 1), lengths=index, row_chunks=index,
+                           positions=index, ratio=ratio, width=1, config=config, dot_fp32=dot_fp32)
+
+
+def reads_in_place(keys, dim: int) -> bool:
+    """Whether `index_scores_op` reads `keys` where the pool keeps them (`paged_index_scores`): a static step's
+    cache or a paged one, with in-place reads on (`paged.serves`, as the attention asks), else it gathers them."""
+    return paged.serves(dim) and (isinstance(keys, StaticCompressed) or getattr(keys, "paged", None) is not None)
+
+
 def index_scores_op(q: torch.Tensor, weights: torch.Tensor, keys, *, ratio: int, ctx, config: dict | None = None,
                     dot_fp32: bool = False) -> torch.Tensor:
     """The DSL op `index_scores` (same arguments) on the kernel: `keys` a `dsl.ops.attention.CacheView`, read flat;
     each token finds its chunk's keys through `ctx.row_chunks`. q [N, H, d] -> fp32 [N, C], C the longest cache."""
     dtype = torch.float32 if dot_fp32 else torch.bfloat16
-    if isinstance(keys, StaticCompressed):  # a static step's (dsl/ops/static_entries.py): C its static width
+    if reads_in_place(keys, q.shape[-1]):
+        args = (cast(q, dtype).contiguous(), cast(weights, torch.float32).contiguous())
+        common = dict(ratio=ratio, config=config, dot_fp32=dot_fp32)
+        if isinstance(keys, StaticCompressed):  # a static step's (dsl/ops/static_entries.py): C its static width
+            step = keys.step
+            fmt, _, parts = step.cache.compressed[(keys.name, keys.layer)]
+            return paged_index_scores(*args, fmt=fmt, parts=parts, tables=step.tables, lengths=keys.lengths(),
+                                      row_chunks=step.row_chunks, positions=step.positions32, width=keys.width,
+                                      **common)
+        entries = keys.paged
+        fmt, _, parts = entries.cache.compressed[(entries.name, entries.layer)]
+        length, _, _ = keys.layout(q.device)
+        return paged_index_scores(*args, fmt=fmt, parts=parts, tables=entries.tables, lengths=length,
+                                  row_chunks=ctx.row_chunks, positions=ctx.positions,
+                                  width=max(keys.lengths, default=0), **common)
+    if isinstance(keys, StaticCompressed):  # gathered, every chunk's entries a static width wide
         step, width = keys.step, keys.width
         chunk = step.row_chunks
         return index_scores(cast(q, dtype).contiguous(), cast(weights, torch.float32).contiguous(),
@@ -123,4 +235,5 @@ def index_scores_op(q: torch.Tensor, weights: torch.Tensor, keys, *, ratio: int,
                         dot_fp32=dot_fp32)
 
 
-__all__ = ["default_config", "index_scores", "index_scores_kernel", "index_scores_op"]
+__all__ = ["default_config", "index_scores", "index_scores_kernel", "index_scores_op", "paged_index_scores",
+           "paged_index_scores_kernel", "reads_in_place", "trace_paged"]

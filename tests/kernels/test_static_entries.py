@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import kernels.attention.paged_attention as paged
 from dsl.cache import CacheSpec, PagedCache
 from dsl.context import ForwardContext, SequenceState
 from dsl.ops.attention import cache_append
@@ -19,7 +20,7 @@ from dsl.ops.static_attention import StaticWindow, static_attention
 from dsl.ops.static_entries import StaticCompressed, StaticEntries
 from dsl.step import StaticStep, table_width
 from kernels.attention.paged_attention import paged_attention_op, static_attention_op
-from kernels.indexer.index_scores import index_scores_op
+from kernels.indexer.index_scores import index_scores_op, reads_in_place
 from tests.kernels.attention.test_paged_attention import POOL_FMT, make_step
 from tests.kernels.attention.test_static_attention import PADDING, SPLIT, WHOLE, static_step
 from tests.kernels.cases import gen, rel_l2
@@ -36,16 +37,16 @@ def chunks_holding(chunks: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
 
 @pytest.mark.parametrize("dot_fp32", [False, True])
 @pytest.mark.parametrize("config", [WHOLE, SPLIT], ids=["whole", "split"])
-def test_static_attention_over_picks_is_the_eager_kernel(dot_fp32: bool, config: dict) -> None:
+def test_static_attention_over_picks_is_the_eager_kernel(dot_fp32: bool, config: dict, device: str) -> None:
     step = make_step(chunks_holding(CHUNKS), heads=2, dim=64, window=8, topk=6, spare=3, block_size=BLOCK,
-                     ratio=RATIO)
+                     ratio=RATIO, device=device)
     ctx, q, sink, topk = step["ctx"], step["q"], step["sink"], step["topk"]
     n, scale = ctx.num_tokens, 64**-0.5
     eager = paged_attention_op(q, step["view"], sink, step["compressed"], topk, window_size=8, scale=scale, ctx=ctx,
                                config=config, dot_fp32=dot_fp32)
     layout = static_step(step, n + PADDING)
     window, compressed = StaticWindow(layout, 0, 8), StaticCompressed(layout, "kv", 0, RATIO)
-    padded_q = torch.cat([q, gen(PADDING, *q.shape[1:], seed=9)])
+    padded_q = torch.cat([q, gen(PADDING, *q.shape[1:], seed=9, device=device)])
     padded_picks = torch.cat([topk, topk.new_zeros(PADDING, topk.shape[1])])
     got = static_attention_op(padded_q, window, sink, compressed, padded_picks, window_size=8, scale=scale,
                               config=config, dot_fp32=dot_fp32)
@@ -56,16 +57,28 @@ def test_static_attention_over_picks_is_the_eager_kernel(dot_fp32: bool, config:
 
 
 @pytest.mark.parametrize("dot_fp32", [False, True])
-def test_static_scores_are_the_eager_kernel_s(dot_fp32: bool) -> None:
+def test_static_scores_are_the_eager_kernel_s(dot_fp32: bool, monkeypatch, device: str) -> None:
+    """Scores read in place (`paged_index_scores`), eagerly over the longest cache and in a static step over its
+    static width: bitwise alike; the gathered kernel's and the torch reference's within a tolerance (other sums)."""
     step = make_step(chunks_holding(CHUNKS), heads=2, dim=64, window=8, topk=6, spare=3, block_size=BLOCK,
-                     ratio=RATIO)
+                     ratio=RATIO, device=device)
     ctx, n = step["ctx"], step["ctx"].num_tokens
-    q, weights = gen(n, 4, 64, seed=3), gen(n, 4, seed=4)
+    q, weights = gen(n, 4, 64, seed=3, device=device), gen(n, 4, seed=4, device=device)
     config = {"block_H": 16, "block_D": 32, "block_L": 16, "num_warps": 4, "num_stages": 1}
+    assert reads_in_place(step["compressed"], 64)
     eager = index_scores_op(q, weights, step["compressed"], ratio=RATIO, ctx=ctx, config=config, dot_fp32=dot_fp32)
+    with monkeypatch.context() as m:
+        m.setattr(paged, "IN_PLACE", False)
+        assert not reads_in_place(step["compressed"], 64)
+        gathered = index_scores_op(q, weights, step["compressed"], ratio=RATIO, ctx=ctx, config=config,
+                                   dot_fp32=dot_fp32)
+    finite = torch.isfinite(gathered)
+    assert torch.equal(finite, torch.isfinite(eager)) and finite.any()
+    assert rel_l2(eager[finite], gathered[finite]) < (1e-6 if dot_fp32 else 1e-2)
     layout = static_step(step, n + PADDING)
     keys = StaticCompressed(layout, "kv", 0, RATIO)
-    padded_q, padded_w = torch.cat([q, gen(PADDING, 4, 64, seed=5)]), torch.cat([weights, gen(PADDING, 4, seed=6)])
+    padded_q = torch.cat([q, gen(PADDING, 4, 64, seed=5, device=device)])
+    padded_w = torch.cat([weights, gen(PADDING, 4, seed=6, device=device)])
     got = index_scores_op(padded_q, padded_w, keys, ratio=RATIO, ctx=layout, config=config, dot_fp32=dot_fp32)
     width = eager.shape[1]
     assert got.shape == (n + PADDING, keys.width) and keys.width >= width

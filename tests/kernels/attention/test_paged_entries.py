@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from dsl.cache_format import EntryFormat
-from kernels.attention.paged_attention import _pool
-from kernels.attention.paged_entries import decode_tile, load_tile
+from kernels.attention.paged_entries import decode_tile, load_tile, pool_operands
 from kernels.lang import tl, triton
 from kernels.launch import launch
 
@@ -51,7 +50,7 @@ def random_parts(fmt: EntryFormat, rows: int, d: int, seed: int) -> list[torch.T
 def test_tiles_decode_exactly(fmt, d, device) -> None:
     rows, block_s = 40, 16
     parts = [p.to(device) for p in random_parts(fmt, rows, d, seed=d)]
-    codes, scales, consts = _pool(fmt, parts, d, "pool")
+    codes, scales, consts = pool_operands(fmt, parts, d, "pool")
     picked = torch.tensor([5, 0, 39, 17, 3, 3, 22, 8, 31, 1, 12, 38, 27, 9, 14, 30], dtype=torch.int32, device=device)
     even = torch.empty(block_s, d // 2, dtype=torch.bfloat16, device=device)
     odd = torch.empty_like(even)
