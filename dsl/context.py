@@ -100,18 +100,41 @@ class ForwardContext:
         self.device = torch.device(device)
         self.starts = [c.start_pos for c in self.chunks]
         self.lengths = [c.length for c in self.chunks]
-        meta = torch.tensor([self.starts, self.lengths, [c.start for c in self.chunks]], dtype=torch.long)
-        meta = meta.reshape(3, len(self.chunks))
-        run = torch.repeat_interleave(torch.arange(len(self.chunks)), meta[1], output_size=start)
-        # one copy: the positions, each row's chunk, then the chunks' starts, lengths and first rows
-        both = host_to(torch.cat([torch.arange(start) + (meta[0] - meta[2])[run], run, meta.reshape(-1)]),
-                       self.device)
-        self.positions, self.row_chunks = both[:start], both[start: 2 * start]
-        self.chunk_starts, self.chunk_lengths, self.chunk_rows = both[2 * start:].view(3, len(self.chunks))
         self.logit_rows = logit_rows
         self.visible_from = visible_from
         self._logits_kept: torch.Tensor | None = None  # which logit rows the decoder view keeps (`full_logits`)
         self._memo: dict = {}
+
+    @cached_property
+    def _layout(self) -> tuple[torch.Tensor, ...]:
+        """The device tensors below, made when first read (a static step, dsl/step.py, reads none of them): one copy
+        of the positions, each row's chunk, then the chunks' starts, lengths and first rows."""
+        meta = torch.tensor([self.starts, self.lengths, [c.start for c in self.chunks]], dtype=torch.long)
+        meta = meta.reshape(3, len(self.chunks))
+        n = self.num_tokens
+        run = torch.repeat_interleave(torch.arange(len(self.chunks)), meta[1], output_size=n)
+        both = host_to(torch.cat([torch.arange(n) + (meta[0] - meta[2])[run], run, meta.reshape(-1)]), self.device)
+        return (both[:n], both[n: 2 * n], *both[2 * n:].view(3, len(self.chunks)))
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._layout[0]
+
+    @property
+    def row_chunks(self) -> torch.Tensor:
+        return self._layout[1]
+
+    @property
+    def chunk_starts(self) -> torch.Tensor:
+        return self._layout[2]
+
+    @property
+    def chunk_lengths(self) -> torch.Tensor:
+        return self._layout[3]
+
+    @property
+    def chunk_rows(self) -> torch.Tensor:
+        return self._layout[4]
 
     def memo(self, key: tuple, make: Callable[[], Any]) -> Any:
         """`make()`, once per forward for each `key`: the index tensors every layer of a kind shares."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from dsl.cache import PagedCache
@@ -90,8 +91,9 @@ class StaticStep:
         # the host side of `fill`'s copy, pinned on a GPU, and the event after the copy that last read it
         pinned = self.device.type == "cuda"
         self._host = torch.zeros(self.buffer.shape[0], dtype=torch.uint8, pin_memory=pinned)
-        self._host_views = _regions(self._host, rows, width)
+        self._host_views = {name: view.numpy() for name, view in _regions(self._host, rows, width).items()}
         self._copied = torch.cuda.Event() if pinned else None
+        self._tables: list[list[int] | None] = [None] * rows  # what each host table row holds (None: zeros)
 
     def fill(self, ctx) -> None:
         """Write the layout of forward `ctx` (a `ForwardContext` whose every chunk `fits` this step): one packed host
@@ -103,18 +105,19 @@ class StaticStep:
                              f"{self.rows} rows and {self.width} table columns")
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy has read the host buffer (long since, as a rule)
-        host, views = self._host, self._host_views
-        host.zero_()
-        lengths = torch.tensor(ctx.lengths, dtype=torch.int64)
+        host, views = self._host, self._host_views  # numpy views of the pinned host buffer: a step's few ints
+        for name, _, tabular in _REGIONS:  # every region past the step's rows and chunks holds zeros
+            if not tabular:
+                views[name].fill(0)
         b = len(states)
-        chunks = torch.repeat_interleave(torch.arange(b), lengths, output_size=n)
-        starts = torch.tensor(ctx.starts, dtype=torch.int64)
-        rows = torch.cumsum(lengths, 0) - lengths
-        positions = torch.arange(n) - rows[chunks] + starts[chunks]
+        lengths, starts = np.asarray(ctx.lengths, dtype=np.int64), np.asarray(ctx.starts, dtype=np.int64)
+        chunks = np.repeat(np.arange(b), lengths)
+        rows = np.cumsum(lengths) - lengths
+        positions = np.arange(n) - rows[chunks] + starts[chunks]
         views["positions"][:n] = positions
         views["positions32"][:n] = positions
         views["row_chunks"][:n] = chunks
-        slots = torch.tensor([s.slot for s in states], dtype=torch.int32)
+        slots = np.fromiter((s.slot for s in states), dtype=np.int32, count=b)
         views["write_slots"][:n] = slots[chunks]
         views["write_slots"][n:] = -1
         views["chunk_slots"][:b] = slots
@@ -122,9 +125,18 @@ class StaticStep:
         views["chunk_rows"][:b] = rows
         views["chunk_ends"][:b] = starts + lengths
         if ctx.visible_from is not None:
-            views["floors"][:b] = torch.tensor(ctx.visible_from)
-        flat = [block for s in states for block in s.block_table + [0] * (self.width - len(s.block_table))]
-        views["tables"][:b] = torch.tensor(flat, dtype=torch.int32).view(b, self.width)
+            views["floors"][:b] = ctx.visible_from
+        # block tables change a block at a time: only the rows that differ from what the host buffer holds are written
+        # (a Python list compares at C speed; making the whole [B, width] table from lists each step would not)
+        tables = views["tables"]
+        for i, kept in enumerate(self._tables):
+            table = states[i].block_table if i < b else None
+            if table == kept:
+                continue
+            tables[i].fill(0)
+            if table:
+                tables[i, : len(table)] = table
+            self._tables[i] = list(table) if table is not None else None
         self.buffer.copy_(host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()

@@ -10,9 +10,10 @@ replaying them as CUDA graphs is what makes the step GPU-bound.
 
 A decode or verification step whose sequences share one set of pools and whose chunks fit the rings' spare
 positions (`StaticStep.fits`, dsl/step.py) is a *static step*: its segments (`find_segments(..., static=True)`, a
-`Split` of their own) also take in the cache ops with a static form (`dsl.step.STATIC_OPS`), which read the step's
-layout from one `StaticStep` per captured bucket, refreshed by one copy before the first segment runs, and never pass
-a cache view across a segment's edge. Such a step's graphs read and write one set of pools (a forward over another
+`Split` of their own) also take in the ops with a static form (`dsl.step.STATIC_OPS`: the cache ops, the compressor,
+the indexer, the attention, Engram's n-grams, the head's rows), which read the step's layout from one `StaticStep`
+per captured bucket, refreshed by one copy before the first segment runs, and never pass a cache view across a
+segment's edge: on the models here the whole step is one segment. Such a step's graphs read and write one set of pools (a forward over another
 drops every graph) and are kept per block-table width (`table_width`) as well as per bucket and mode.
 
 Token counts are padded to buckets (`GRAPH_BUCKETS`): a segment always runs over `bucket(N)` rows, the forward's N and

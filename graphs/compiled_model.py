@@ -110,7 +110,8 @@ class CompiledModel(Generic[ConfigT]):
         """
         self.runtime.ready()
         states, lengths, ids = self._chunks(batch)
-        rows = None if all_logits else host_to(_logit_rows(lengths, num_logits), self.device)
+        every = all_logits or (num_logits or [1] * len(lengths)) == lengths  # every row's logits, in order
+        rows = None if every else host_to(_logit_rows(lengths, num_logits), self.device)
         ctx = ForwardContext(states, lengths, self.device, logit_rows=rows)
         logits = ctx.full_logits(self.runtime.run(ids, ctx, batch_invariant)["logits"])
         ctx.commit()

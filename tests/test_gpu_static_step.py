@@ -1,5 +1,5 @@
 """Static steps captured as CUDA graphs on the sm90 target, on the GPU (dsl/step.py, graphs/capture.py): decode and
-verification steps whose window-only layers' cache ops sit in the captured segments, their layout read from the
+verification steps captured whole (cache ops, compressor, indexer and attention included), their layout read from the
 step's tensors, give the logits of the same steps run eagerly (CUDA graphs off, `DEEPINFER_CUDA_GRAPHS=0`) bit for
 bit, in batch-invariant mode and with the buckets' own configs: across the window (128) and the pools' blocks, with
 sequences joining, finishing, preempted and recomputed, drafts verified and taken back, and DSpark's draft pass."""

@@ -19,7 +19,9 @@ from graphs.plan_runtime import PlanRuntime
 from tests.kernels.cases import rel_l2
 
 SPARE = 3  # drafts a verification step may take back: its chunks hold up to SPARE + 1 tokens
-LOGIT_TOLERANCE = 1e-2  # relative L2 of a step's logits, in place against gathered
+# relative L2 of a step's logits, in place against gathered: the attention and the indexer's scores both sum in
+# another order in place, and a score moved by a rounding can swap a pick near a tie (1.6e-2 seen on an H100)
+LOGIT_TOLERANCE = 3e-2
 
 
 def planned(model, dot_fp32: bool) -> CompiledModel:
