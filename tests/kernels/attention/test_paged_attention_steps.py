@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kernels.attention.paged_attention as paged
+import kernels.indexer.index_scores as scores
 from deepinfer.default_model import trained_model
 from dsl.cache import CacheSpec, PagedCache
 from dsl.context import SequenceState
@@ -19,9 +20,7 @@ from graphs.plan_runtime import PlanRuntime
 from tests.kernels.cases import rel_l2
 
 SPARE = 3  # drafts a verification step may take back: its chunks hold up to SPARE + 1 tokens
-# relative L2 of a step's logits, in place against gathered: the attention and the indexer's scores both sum in
-# another order in place, and a score moved by a rounding can swap a pick near a tie (1.6e-2 seen on an H100)
-LOGIT_TOLERANCE = 3e-2
+LOGIT_TOLERANCE = 1e-2  # relative L2 of a step's logits, in place against gathered
 
 
 def planned(model, dot_fp32: bool) -> CompiledModel:
@@ -77,7 +76,7 @@ def test_steps_read_the_caches_in_place_as_they_gather_them(monkeypatch) -> None
 @pytest.mark.gpu
 def test_gpu_steps_in_place_eager_and_captured_are_the_gathered_path(monkeypatch) -> None:
     """Steps that cross the window (128) and the pools' blocks: in place, with CUDA graphs and without, bitwise the
-    same; gathered, within the tolerance."""
+    same; the attention gathered, within the tolerance."""
     import deepinfer
 
     compiled = deepinfer.compile(trained_model(), "sm90")
@@ -88,6 +87,10 @@ def test_gpu_steps_in_place_eager_and_captured_are_the_gathered_path(monkeypatch
     compiled.runtime.cuda_graphs = False
     eager = run_steps(compiled, steps, "cuda")
     monkeypatch.setattr(paged, "IN_PLACE", False)  # DEEPINFER_PAGED_ATTENTION=0: the gathered path
+    # the indexer's scores still in place: read in place they sum in another order too, and on this model's relu
+    # scores (many near 0) a rounding swaps picks often enough that the logits drift 2-5% over the steps
+    monkeypatch.setattr(scores, "reads_in_place",
+                        lambda keys, dim: paged.supports(dim) and getattr(keys, "paged", None) is not None)
     gathered = run_steps(compiled, steps, "cuda")
     for c, e, g in zip(captured, eager, gathered, strict=True):
         assert torch.equal(c, e) and rel_l2(e, g) < LOGIT_TOLERANCE
