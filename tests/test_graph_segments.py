@@ -46,11 +46,15 @@ def test_a_decode_step_runs_every_node_once_in_order(model: DeepseekV41Flash, nu
     assert all(a.captured or b.captured for a, b in zip(segments, segments[1:]))
 
 
-@pytest.mark.parametrize("name", ["v41-tiny", "v41-tiny-engram"])
+@pytest.mark.parametrize("name", ["v41-tiny", "v41-tiny-engram", "embedded"])
 def test_a_decode_step_of_up_to_512_tokens_is_one_captured_segment(name: str) -> None:
     """The contract: every node of a decode or verification step, the cache ops, the indexer, the compressor, Engram's
-    n-grams and the head's rows included, in one CUDA graph per bucket."""
-    compiled = planned(DeepseekV41Flash.from_pretrained(fixture_dir(name)))
+    n-grams and the head's rows included, in one CUDA graph per bucket (the embedded checkpoint's with DSpark's
+    main keys stored too)."""
+    if name == "embedded":
+        compiled = planned(DeepseekV41Flash.from_pretrained(TRAINED_CHECKPOINT), drafting=True)
+    else:
+        compiled = planned(DeepseekV41Flash.from_pretrained(fixture_dir(name)))
     names = tuple(node_names(compiled.graph))
     for n in range(1, GRAPH_BUCKETS[-1] + 1):
         assert [(s.captured, s.nodes) for s in compiled.graph_segments(num_tokens=n)] == [(True, names)], n
