@@ -74,8 +74,14 @@ class CacheSpec:
     def slot_bytes(self) -> int:
         """Bytes of one sequence's slot: windows, partial groups (kv and gate, fp32) and n-gram history."""
         windows = sum((size + self.spare) * fmt.entry_bytes(dim) for _, dim, size, fmt in self.windows)
+        return windows + self.scratch_bytes()
+
+    def scratch_bytes(self) -> int:
+        """Bytes of a slot's partial groups and n-gram history: what `PagedCache` holds once more, past the
+        sequences' slots, for the rows a static step stores nowhere (`PagedCache.scratch_slot`). A cache layout's
+        budget (deepinfer/engine/block_manager.py) covers the slots and blocks; these few bytes come on top."""
         partials = sum(2 * (ratio - 1 + self.spare) * dim * 4 for _, dim, ratio in self.partials)
-        return windows + partials + 8 * (self.history + self.spare if self.history else 0)
+        return partials + 8 * (self.history + self.spare if self.history else 0)
 
     def block_bytes(self, block_size: int) -> int:
         """Bytes of one block of `block_size` token positions across every compressed cache."""
@@ -269,7 +275,8 @@ class PagedCache:
         self.history[dst] = self.history[src]
 
     def nbytes(self) -> int:
-        """Bytes the pools hold."""
+        """Bytes the pools hold: the slots, the blocks and the scratch slot's partial groups and history
+        (`CacheSpec.scratch_bytes`)."""
         tensors = [t for _, parts in self.windows.values() for t in parts]
         tensors += [t for _, _, parts in self.compressed.values() for t in parts]
         tensors += [*self.partials.values(), self.history]

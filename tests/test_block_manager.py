@@ -28,7 +28,8 @@ def test_spec_sizes_follow_the_formats() -> None:
     assert SPEC.slot_bytes() == 2 * 8 * 66 + 2 * 1 * 64 * 4 + 2 * 8
     assert SPEC.block_bytes(16) == 8 * 17 + 8 * 36 + 16 * 36
     cache = PagedCache(SPEC, num_slots=3, num_blocks=5, block_size=16)
-    assert cache.nbytes() == 3 * SPEC.slot_bytes() + 5 * SPEC.block_bytes(16)
+    assert SPEC.scratch_bytes() == 2 * 1 * 64 * 4 + 2 * 8  # a slot's partial groups and history, held once more
+    assert cache.nbytes() == 3 * SPEC.slot_bytes() + 5 * SPEC.block_bytes(16) + SPEC.scratch_bytes()
 
 
 def test_layout_splits_the_budget_into_slots_then_blocks() -> None:

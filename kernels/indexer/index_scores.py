@@ -7,6 +7,11 @@ program takes one token and `block_L` of its chunk's entries, counted from the c
 them, head block after head block. Every step is fixed by the config and the entry's index in its chunk, never by
 the token count or the other chunks' caches, so a token's scores are bitwise the same in any batch; the torch
 reference's padded GEMMs (cuBLAS picks kernels by shape) are not.
+
+`paged_index_scores_kernel` computes the same scores over keys read where a paged pool keeps them (decode and
+verification steps, static ones included: kernels/attention/paged_entries.py's tiles, fp4 codes decoded in
+registers), so no step gathers the keys first; its sum over d goes even columns then odd ones, another order than
+the gathered kernel's, and a step takes one kernel or the other by `reads_in_place` alone.
 """
 
 from __future__ import annotations
@@ -198,8 +203,9 @@ def reads_in_place(keys, dim: int) -> bool:
 
 def index_scores_op(q: torch.Tensor, weights: torch.Tensor, keys, *, ratio: int, ctx, config: dict | None = None,
                     dot_fp32: bool = False) -> torch.Tensor:
-    """The DSL op `index_scores` (same arguments) on the kernel: `keys` a `dsl.ops.attention.CacheView`, read flat;
-    each token finds its chunk's keys through `ctx.row_chunks`. q [N, H, d] -> fp32 [N, C], C the longest cache."""
+    """The DSL op `index_scores` (same arguments) on the kernels: `keys` a `dsl.ops.attention.CacheView` (read in
+    place where `reads_in_place`, else flat; each token finds its chunk's keys through `ctx.row_chunks`), or a static
+    step's `StaticCompressed`. q [N, H, d] -> fp32 [N, C], C the longest cache (a static step's: its static width)."""
     dtype = torch.float32 if dot_fp32 else torch.bfloat16
     if reads_in_place(keys, q.shape[-1]):
         args = (cast(q, dtype).contiguous(), cast(weights, torch.float32).contiguous())
@@ -213,9 +219,10 @@ def index_scores_op(q: torch.Tensor, weights: torch.Tensor, keys, *, ratio: int,
         entries = keys.paged
         fmt, _, parts = entries.cache.compressed[(entries.name, entries.layer)]
         length, _, _ = keys.layout(q.device)
+        chunks, positions = ctx.memo(("int32 rows",), lambda: (ctx.row_chunks.int(), ctx.positions.int()))
         return paged_index_scores(*args, fmt=fmt, parts=parts, tables=entries.tables, lengths=length,
-                                  row_chunks=ctx.row_chunks, positions=ctx.positions,
-                                  width=max(keys.lengths, default=0), **common)
+                                  row_chunks=chunks, positions=positions, width=max(keys.lengths, default=0),
+                                  **common)
     if isinstance(keys, StaticCompressed):  # gathered, every chunk's entries a static width wide
         step, width = keys.step, keys.width
         chunk = step.row_chunks
