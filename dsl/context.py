@@ -116,25 +116,11 @@ class ForwardContext:
         both = host_to(torch.cat([torch.arange(n) + (meta[0] - meta[2])[run], run, meta.reshape(-1)]), self.device)
         return (both[:n], both[n: 2 * n], *both[2 * n:].view(3, len(self.chunks)))
 
-    @property
-    def positions(self) -> torch.Tensor:
-        return self._layout[0]
-
-    @property
-    def row_chunks(self) -> torch.Tensor:
-        return self._layout[1]
-
-    @property
-    def chunk_starts(self) -> torch.Tensor:
-        return self._layout[2]
-
-    @property
-    def chunk_lengths(self) -> torch.Tensor:
-        return self._layout[3]
-
-    @property
-    def chunk_rows(self) -> torch.Tensor:
-        return self._layout[4]
+    positions = property(lambda self: self._layout[0])
+    row_chunks = property(lambda self: self._layout[1])
+    chunk_starts = property(lambda self: self._layout[2])
+    chunk_lengths = property(lambda self: self._layout[3])
+    chunk_rows = property(lambda self: self._layout[4])
 
     def memo(self, key: tuple, make: Callable[[], Any]) -> Any:
         """`make()`, once per forward for each `key`: the index tensors every layer of a kind shares."""

@@ -88,6 +88,7 @@ class StaticStep:
         self.tables: torch.Tensor = views["tables"]
         self.write_slots.fill_(-1)  # nothing to store until filled
         self.num_tokens = rows  # the rows every op of the step runs over
+        self.logit_rows = None  # every row's logits: a forward that wants fewer does not fit (`fits`)
         # the host side of `fill`'s copy, pinned on a GPU, and the event after the copy that last read it
         pinned = self.device.type == "cuda"
         self._host = torch.zeros(self.buffer.shape[0], dtype=torch.uint8, pin_memory=pinned)
@@ -140,6 +141,12 @@ class StaticStep:
         self.buffer.copy_(host, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
+
+    def ring_slots(self) -> torch.Tensor:
+        """int64 [R]: the slot each row's ring rows (partial groups, n-gram history) go to: its sequence's, and for
+        padding rows the pools' scratch slot, since a CUDA graph cannot leave them out without waiting for the
+        device."""
+        return torch.where(self.write_slots >= 0, self.write_slots, self.cache.scratch_slot).long()
 
     def memo(self, key: tuple, make: Callable[[], object]) -> object:
         """`make()`: what `ForwardContext.memo` keeps for a forward, a static step computes each time, since its

@@ -13,8 +13,9 @@ positions (`StaticStep.fits`, dsl/step.py) is a *static step*: its segments (`fi
 `Split` of their own) also take in the ops with a static form (`dsl.step.STATIC_OPS`: the cache ops, the compressor,
 the indexer, the attention, Engram's n-grams, the head's rows), which read the step's layout from one `StaticStep`
 per captured bucket, refreshed by one copy before the first segment runs, and never pass a cache view across a
-segment's edge: on the models here the whole step is one segment. Such a step's graphs read and write one set of pools (a forward over another
-drops every graph) and are kept per block-table width (`table_width`) as well as per bucket and mode.
+segment's edge: on the models here the whole step is one segment. Such a step's graphs read and write one set of
+pools (a forward over another drops every graph) and are kept per block-table width (`table_width`) as well as per
+bucket and mode.
 
 Token counts are padded to buckets (`GRAPH_BUCKETS`): a segment always runs over `bucket(N)` rows, the forward's N and
 padding rows after them (zeros, or whatever an earlier replay left there; every node in a segment works row by row,

@@ -102,8 +102,7 @@ def static_pool(kv: torch.Tensor, gate: torch.Tensor | None, *, layer: int, rati
     member = pos[:, None] + torch.arange(1 - ratio, 1, device=dev)  # [R, ratio]: the group's positions
     slots = step.chunk_slots[chunk].long()[:, None].expand_as(member)
     kept_kv, kept_gate = cache.partial_rows(layer, slots.reshape(-1), member.clamp(min=0).reshape(-1))
-    writes = torch.where(step.write_slots >= 0, step.write_slots, cache.scratch_slot).long()
-    cache.write_partial_rows(layer, writes, pos, kv, gate)
+    cache.write_partial_rows(layer, step.ring_slots(), pos, kv, gate)
     own = member >= step.chunk_starts[chunk].long()[:, None]  # a member of this step: its row, else a kept one
     row = torch.arange(rows, device=dev)[:, None] + member - pos[:, None]
     source = torch.where(own, row.clamp(min=0), rows + torch.arange(rows * ratio, device=dev).view(rows, ratio))

@@ -124,9 +124,8 @@ def broadcast_streams(x: torch.Tensor, *, copies: int) -> torch.Tensor:
 
 @op("select_rows", lambda x: (x.with_shape(*x.shape),), uses_context=True)
 def select_rows(x: torch.Tensor, *, ctx) -> torch.Tensor:
-    """Keep the token rows the forward wants logits for (`ctx.logit_rows`; all when None). A static step
-    (dsl/step.py) wants every row's."""
-    return x if getattr(ctx, "logit_rows", None) is None else x[ctx.logit_rows]
+    """Keep the token rows the forward wants logits for (`ctx.logit_rows`; all when None)."""
+    return x if ctx.logit_rows is None else x[ctx.logit_rows]
 
 
 __all__ = ["embedding", "linear", "grouped_linear", "invariant_linear", "rms_norm", "reshape", "add", "concat", "stack",

@@ -66,8 +66,7 @@ def _ngrams_static(mapped: torch.Tensor, n: int, pad_id: int, step: StaticStep) 
     kept = torch.where(wanted >= 0, cache.history_rows(slots, wanted.clamp(min=0)), pad_id)
     own = wanted >= step.chunk_starts[chunk].long()[:, None]
     ids = torch.where(own, mapped[(torch.arange(rows, device=dev)[:, None] - shift).clamp(min=0)], kept)
-    writes = torch.where(step.write_slots >= 0, step.write_slots, cache.scratch_slot).long()
-    cache.write_history_rows(writes, step.positions, mapped)
+    cache.write_history_rows(step.ring_slots(), step.positions, mapped)
     return ids
 
 

@@ -303,6 +303,12 @@ def pick_widths(topk: int) -> list[int]:
     return widths
 
 
+def _widened(picks: torch.Tensor) -> torch.Tensor:
+    """Picks [N, K] padded with none (-1) to the width the kernel runs them at (`pick_width`)."""
+    width = pick_width(picks.shape[1])
+    return picks if width == picks.shape[1] else torch.nn.functional.pad(picks, (0, width - picks.shape[1]), value=-1)
+
+
 def _int32(ctx, t: torch.Tensor) -> torch.Tensor:
     """t as the kernel's int32 index, once per forward for each tensor the layers share (the memo keeps t alive, so
     its id stays its own)."""
@@ -327,9 +333,7 @@ def paged_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=N
         entries = compressed.paged
         pool_fmt, _, pool_parts = entries.cache.compressed[(entries.name, entries.layer)]
         length, _, _ = compressed.layout(ctx.device)
-        picks = _int32(ctx, topk) if rows is None else index_operand(topk, "topk", tuple(topk.shape))
-        if picks.shape[1] != pick_width(picks.shape[1]):  # none past the forward's own width
-            picks = torch.nn.functional.pad(picks, (0, pick_width(picks.shape[1]) - picks.shape[1]), value=-1)
+        picks = _widened(_int32(ctx, topk) if rows is None else index_operand(topk, "topk", tuple(topk.shape)))
         pool = dict(pool_fmt=pool_fmt, pool_parts=pool_parts, tables=_int32(ctx, entries.tables),
                     lengths=_int32(ctx, length), topk=picks)
     dtype = torch.float32 if dot_fp32 else torch.bfloat16
@@ -353,11 +357,9 @@ def static_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=
     pool = {}
     if compressed is not None and topk is not None:
         pool_fmt, _, pool_parts = step.cache.compressed[(compressed.name, compressed.layer)]
-        picks = topk
-        if picks.shape[1] != pick_width(picks.shape[1]):
-            picks = torch.nn.functional.pad(picks, (0, pick_width(picks.shape[1]) - picks.shape[1]), value=-1)
+        picks = _widened(index_operand(topk, "topk", tuple(topk.shape)))
         pool = dict(pool_fmt=pool_fmt, pool_parts=pool_parts, tables=step.tables, lengths=compressed.lengths(),
-                    topk=index_operand(picks, "topk", tuple(picks.shape)))
+                    topk=picks)
     dtype = torch.float32 if dot_fp32 else torch.bfloat16
     return paged_attention(q.to(dtype).contiguous(), sink.float().contiguous(), window_fmt=fmt, window_parts=parts,
                            slots=step.chunk_slots, first=step.floors, row_chunks=step.row_chunks,
