@@ -32,6 +32,9 @@ class ModelConfig(Protocol):
 ConfigT = TypeVar("ConfigT", bound=ModelConfig)
 ConfigT_co = TypeVar("ConfigT_co", bound=ModelConfig, covariant=True)
 Batch = list[tuple[SequenceState, list[int]]]  # one chunk of token ids per sequence
+# Inputs taken on the device from an earlier step's tokens: (those tokens int64 [R] on the device, the flat input
+# rows that take them, the row of the tokens each takes)
+Fed = tuple[torch.Tensor, list[int], list[int]]
 
 
 @runtime_checkable
@@ -56,7 +59,7 @@ class RunnableModel(Protocol[ConfigT_co]):
     def new_sequence(self) -> SequenceState: ...
 
     def step(self, batch: Batch, all_logits: bool = False, batch_invariant: bool = False,
-             num_logits: list[int] | None = None) -> torch.Tensor: ...
+             num_logits: list[int] | None = None, fed: Fed | None = None) -> torch.Tensor: ...
 
     def draft(self, batch: Batch, batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -99,17 +102,19 @@ class CompiledModel(Generic[ConfigT]):
 
     @torch.inference_mode()
     def step(self, batch: Batch, all_logits: bool = False, batch_invariant: bool = False,
-             num_logits: list[int] | None = None) -> torch.Tensor:
+             num_logits: list[int] | None = None, fed: Fed | None = None) -> torch.Tensor:
         """Run one chunk of tokens per sequence and advance the sequences.
 
         Returns fp32 logits [num_seqs, vocab] after each chunk's last token, or [total tokens, vocab] for every
         token when `all_logits`, or after the last `num_logits[i]` tokens of chunk i, in order. Every chunk must
         hold at least one token. With `batch_invariant` each row's logits are bitwise independent of the batch and
         of chunking, at some cost. In bounded replay (a graph compiled with `replay`; `SequenceState.replay_from`)
-        the rows of a chunk wholly before its sequence's `replay_from` are not computed: NaN.
+        the rows of a chunk wholly before its sequence's `replay_from` are not computed: NaN. `fed`: inputs whose
+        tokens an earlier step left on the device (their ids in `batch` are ignored), taken there without the host
+        waiting for them.
         """
         self.runtime.ready()
-        states, lengths, ids = self._chunks(batch)
+        states, lengths, ids = self._chunks(batch, fed)
         every = all_logits or (num_logits or [1] * len(lengths)) == lengths  # every row's logits, in order
         rows = None if every else host_to(_logit_rows(lengths, num_logits), self.device)
         ctx = ForwardContext(states, lengths, self.device, logit_rows=rows)
@@ -165,8 +170,9 @@ class CompiledModel(Generic[ConfigT]):
         """Write the artifact directory that `deepinfer.load(path)` runs (graphs/artifact.py): GPU targets."""
         self.runtime.save(path, self.config.to_dict(), self.model_dir)
 
-    def _chunks(self, batch: Batch) -> tuple[list[SequenceState], list[int], torch.Tensor]:
-        """The states, chunk lengths and flat token ids (on the device) of a batch, checked."""
+    def _chunks(self, batch: Batch, fed: Fed | None = None) -> tuple[list[SequenceState], list[int], torch.Tensor]:
+        """The states, chunk lengths and flat token ids (on the device) of a batch, checked; the `fed` rows' ids
+        taken from their tokens on the device (the row numbers copied with the ids, in one copy)."""
         states = [s for s, _ in batch]
         lengths = [len(tokens) for _, tokens in batch]
         if any(n == 0 for n in lengths):
@@ -174,10 +180,20 @@ class CompiledModel(Generic[ConfigT]):
         if len({id(s) for s in states}) != len(states):
             raise ValueError("a sequence appears twice in one step")
         ids = [t for _, tokens in batch for t in tokens]
+        rows, index = ([], []) if fed is None else fed[1:]
+        if len(rows) != len(index) or any(not 0 <= r < len(ids) for r in rows):
+            raise ValueError(f"fed rows {rows} must be rows of the step's {len(ids)} tokens, one source row each")
+        for r in rows:
+            ids[r] = 0
         low, high = (min(ids), max(ids)) if ids else (0, 0)
         if low < 0 or high >= self.config.vocab_size:
             raise ValueError(f"token ids must lie in [0, {self.config.vocab_size}), got {low}..{high}")
-        return states, lengths, to_device(ids, self.device)
+        if not rows:
+            return states, lengths, to_device(ids, self.device)
+        n, k = len(ids), len(rows)
+        packed = to_device(ids + rows + index, self.device)
+        packed[:n].index_copy_(0, packed[n:n + k], fed[0].to(self.device).index_select(0, packed[n + k:]))
+        return states, lengths, packed[:n]
 
 
 def _logit_rows(lengths: list[int], num_logits: list[int] | None) -> torch.Tensor:
@@ -189,4 +205,4 @@ def _logit_rows(lengths: list[int], num_logits: list[int] | None) -> torch.Tenso
     return torch.cat([torch.arange(e - k, e) for e, k in zip(ends, counts, strict=True)])
 
 
-__all__ = ["Batch", "CompiledModel", "ModelConfig", "RunnableModel"]
+__all__ = ["Batch", "CompiledModel", "Fed", "ModelConfig", "RunnableModel"]

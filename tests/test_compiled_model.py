@@ -46,6 +46,10 @@ def test_a_step_refuses_bad_input(compiled) -> None:
         compiled.step([(a, [-1, 3]), (b, [vocab])])
     with pytest.raises(ValueError, match=r"num_logits \[3, 1\] must lie in \[1, chunk length\] for chunks of \[2, 1\]"):
         compiled.step([(a, [1, 2]), (b, [3])], num_logits=[3, 1])
+    with pytest.raises(ValueError, match=r"fed rows \[2\] must be rows of the step's 2 tokens, one source row each"):
+        compiled.step([(a, [1]), (b, [-1])], fed=(torch.tensor([4]), [2], [0]))
+    with pytest.raises(ValueError, match=r"fed rows \[1\] must be rows"):
+        compiled.step([(a, [1]), (b, [-1])], fed=(torch.tensor([4]), [1], [0, 0]))
     assert a.num_tokens == b.num_tokens == 0  # nothing ran
     with pytest.raises(RuntimeError, match="compiled without DSpark drafting"):
         compiled.draft([(a, [1])])
@@ -65,3 +69,15 @@ def test_a_step_returns_the_logits_asked_for_and_rollback_keeps_to_its_spare(com
         compiled.rollback(state, 2, spare=1)
     compiled.rollback(state, 3, spare=1)
     assert state.num_tokens == 3
+
+
+def test_fed_inputs_take_an_earlier_steps_tokens(compiled) -> None:
+    """A step's `fed` rows take their ids from tokens left on the device (placeholders in the batch): the logits are
+    those of the same ids given on the host."""
+    earlier = torch.tensor([9, 41, 17])  # an earlier step's tokens
+    states = [SequenceState(), SequenceState()]
+    want = compiled.step([(states[0], [5, 6, 17]), (states[1], [9])], all_logits=True, batch_invariant=True)
+    states = [SequenceState(), SequenceState()]
+    got = compiled.step([(states[0], [5, 6, -1]), (states[1], [-1])], all_logits=True, batch_invariant=True,
+                        fed=(earlier, [2, 3], [2, 0]))
+    assert torch.equal(got, want) and [s.num_tokens for s in states] == [3, 1]

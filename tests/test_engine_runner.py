@@ -1,4 +1,5 @@
-"""The model runner's hooks and failures: allowed-token masks (the structured-outputs hook), a failing step."""
+"""The model runner's hooks and failures: allowed-token masks (the structured-outputs hook), a failing step; plain steps'
+tokens fed to the next step on the device."""
 
 from __future__ import annotations
 
@@ -184,3 +185,43 @@ def test_sampled_rows_drawn_for_the_whole_step_are_each_rows_sample(monkeypatch,
         monkeypatch.setattr(module, "plain_sampled", lambda *args: False)  # every sampled row alone
     alone = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert batched == alone
+
+
+def test_plain_steps_feed_their_tokens_to_the_next_step_on_the_device(llm: LLM, monkeypatch) -> None:
+    """A plain step leaves its tokens on the device, and the next step's placeholders take them there (forced here: on
+    the cpu the tokens are on the host at once, so every placeholder is said to be still in flight). The outputs are
+    those of waiting for every step's tokens, with a request whose sampling reads its outputs (a penalty: its steps
+    wait) running beside the plain ones for a while."""
+    from deepinfer.engine.sampler import SampledIds
+
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (4, 9, 2)]
+    params = [SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.8, max_tokens=12, seed=5, ignore_eos=True),
+              SamplingParams(temperature=0.7, max_tokens=4, seed=6, presence_penalty=0.5, ignore_eos=True)]
+
+    def run(async_scheduling: bool, compiled) -> list[list[int]]:
+        engine = LLMEngine(compiled, llm.tokenizer, EngineArgs(max_model_len=64, async_scheduling=async_scheduling),
+                           llm.eos_token_ids)
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        outputs = {out.request_id: out for out in engine.run()}
+        return [outputs[i].outputs[0].token_ids for i in ids]
+
+    class Recorded:
+        """The compiled model, recording each step's fed rows."""
+
+        def __init__(self, compiled) -> None:
+            self.compiled, self.fed = compiled, []
+            for name in ("config", "graph", "target", "device", "sampling", "capture_ahead"):
+                setattr(self, name, getattr(compiled, name))
+
+        def step(self, batch, **kwargs):
+            self.fed.append(kwargs.get("fed"))
+            return self.compiled.step(batch, **kwargs)
+
+    waited = run(False, llm.compiled)
+    monkeypatch.setattr(SampledIds, "ready", lambda self: False)
+    recorded = Recorded(llm.compiled)
+    assert run(True, recorded) == waited
+    fed = [f for f in recorded.fed if f is not None]
+    assert len(fed) >= 5 and max(len(rows) for _, rows, _ in fed) == 2  # the two plain requests' rows, fed together
+    assert any(f is None for f in recorded.fed[3:6])  # the penalized request's steps wait for its token

@@ -4,8 +4,10 @@ The model runner works on the calling thread, where torch's thread pool is (on t
 second thread pay for waking that thread's own OpenMP team: bench/RESULTS.md). With `async_scheduling` a helper thread
 does the CPU's share meanwhile: while step n runs, it takes step n - 1's tokens (detokenizing, stop strings,
 finishing) and schedules step n + 1, whose inputs name the tokens step n is sampling as placeholders. A sequence
-that stops at step n was already scheduled in step n + 1: that row is computed and dropped. Without it, each step
-is scheduled, run and processed in turn on the calling thread.
+that stops at step n was already scheduled in step n + 1: that row is computed and dropped. A plain step's tokens
+stay on the device (deepinfer/engine/model_runner.py), so step n + 1 is queued behind step n before step n's tokens
+reach the host: the device runs one step after another while the host works. Without it, each step is scheduled,
+run and processed in turn on the calling thread.
 """
 
 from __future__ import annotations
@@ -196,6 +198,7 @@ class LLMEngine:
         return replay_from(len(c.seq.prompt_token_ids), self.args.swa_replay_tokens)
 
     def _postprocess(self, chunks: list[ScheduledChunk], out: StepOutput) -> None:
+        out = out.result()  # a plain step's tokens, read from the device (waiting for them)
         if out.error is not None:
             for c in chunks:
                 if not c.seq.is_finished:
