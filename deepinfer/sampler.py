@@ -196,15 +196,21 @@ def sample_plain(logits: torch.Tensor, temperatures: Sequence[float], seeds: Seq
     if logits.dtype not in (torch.float32, torch.bfloat16) or (is_jit() and not HAS_TRITON):
         return sample_plain_torch(logits, temperatures, seeds, positions, max_elements)
     rows = logits.shape[0]
+    factors, seeds = plain_args(temperatures, seeds)
     # factors' bits, seeds and positions in one copy, each row 16-byte aligned (the cubin launcher requires it)
     host = torch.zeros(3, rows + rows % 2, dtype=torch.int64)
-    host[0, :rows] = torch.tensor([0.0 if t == 0 else 1.0 / t for t in temperatures], dtype=torch.float64).view(
-        torch.int64)
-    host[1, :rows] = torch.tensor([_int64(s) for s in seeds], dtype=torch.int64)
+    host[0, :rows] = torch.tensor(factors, dtype=torch.float64).view(torch.int64)
+    host[1, :rows] = torch.tensor(seeds, dtype=torch.int64)
     host[2, :rows] = torch.tensor(list(positions), dtype=torch.int64)
     args = host_to(host, logits.device)[:, :rows]
     return gumbel_argmax(logits if logits.stride(1) == 1 else logits.contiguous(), args[0].view(torch.float64), args[1],
                          args[2])
+
+
+def plain_args(temperatures: Sequence[float], seeds: Sequence[int]) -> tuple[list[float], list[int]]:
+    """`sample_plain`'s rows as the sampling kernel takes them: each factor 1 / temperature (0: the argmax), each seed
+    as an int64."""
+    return [0.0 if t == 0 else 1.0 / t for t in temperatures], [_int64(s) for s in seeds]
 
 
 def sample_plain_torch(logits: torch.Tensor, temperatures: Sequence[float], seeds: Sequence[int],

@@ -81,16 +81,30 @@ def segments(counts: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tens
     return run, torch.arange(total, device=counts.device) - begin[run]
 
 
+@dataclass
+class Draws:
+    """The tokens a step draws after each chunk's last token, asked of a runtime that can draw them inside the step's
+    graph (a GPU target's static step, dsl/step.py): per chunk `factors` (1 / temperature; 0: the argmax) and `seeds`
+    (int64), each token drawn at the position after its chunk, as `deepinfer.sampler.sample_plain` draws it. The
+    step sets `tokens` (int64 [num chunks], on the device) where it drew them; None: draw them from the logits."""
+
+    factors: list[float]
+    seeds: list[int]
+    tokens: torch.Tensor | None = None
+
+
 class ForwardContext:
     """One forward's layout: chunks, absolute positions [N], and which rows need logits.
 
     As host ints: `starts` (each chunk's first position) and `lengths`; as tensors on the device: `chunk_starts`,
     `chunk_lengths`, `chunk_rows` (each chunk's first row) [B] and `row_chunks` [N] (each row's chunk).
-    `visible_from` (None: 0 for each): per chunk the first position its windows see.
+    `visible_from` (None: 0 for each): per chunk the first position its windows see. `draws`: the tokens to draw
+    inside the step's graph, if it can (`Draws`).
     """
 
     def __init__(self, states: list[SequenceState], lengths: list[int], device: torch.device | str = "cpu",
-                 logit_rows: torch.Tensor | None = None, visible_from: list[int] | None = None) -> None:
+                 logit_rows: torch.Tensor | None = None, visible_from: list[int] | None = None,
+                 draws: Draws | None = None) -> None:
         self.chunks: list[Chunk] = []
         start = 0
         for state, length in zip(states, lengths, strict=True):
@@ -102,6 +116,7 @@ class ForwardContext:
         self.lengths = [c.length for c in self.chunks]
         self.logit_rows = logit_rows
         self.visible_from = visible_from
+        self.draws = draws
         self._logits_kept: torch.Tensor | None = None  # which logit rows the decoder view keeps (`full_logits`)
         self._memo: dict = {}
 

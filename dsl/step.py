@@ -29,7 +29,8 @@ _REGIONS = (("positions", torch.int64, False), ("positions32", torch.int32, Fals
             ("row_chunks", torch.int32, False), ("write_slots", torch.int32, False),
             ("chunk_slots", torch.int32, False), ("chunk_starts", torch.int32, False),
             ("chunk_rows", torch.int32, False), ("chunk_ends", torch.int32, False), ("floors", torch.int32, False),
-            ("tables", torch.int32, True))
+            ("draw_factors", torch.float64, False), ("draw_seeds", torch.int64, False),
+            ("draw_positions", torch.int64, False), ("tables", torch.int32, True))
 
 
 def _size(rows: int, width: int, dtype: torch.dtype, tabular: bool) -> int:
@@ -65,7 +66,9 @@ class StaticStep:
     the step's are zeros): `chunk_slots`, `chunk_starts` (first position), `chunk_rows` (first row), `chunk_ends`
     (the position after its last token: a compressed cache of ratio r holds chunk_ends // r entries after the step),
     `floors` (the first position its windows see: 0, or bounded replay's `replay_from`) and `tables` [rows, width]
-    (zero-padded).
+    (zero-padded). Per row, the token the step draws after it (`dsl.context.Draws`, its chunk's): `draw_factors`
+    (float64; 0, the argmax, where no draws are asked for and on padding rows), `draw_seeds` and `draw_positions`
+    (the row's position + 1).
     """
 
     def __init__(self, rows: int, width: int, cache: PagedCache, device: torch.device | str | None = None) -> None:
@@ -85,6 +88,9 @@ class StaticStep:
         self.chunk_rows: torch.Tensor = views["chunk_rows"]
         self.chunk_ends: torch.Tensor = views["chunk_ends"]
         self.floors: torch.Tensor = views["floors"]
+        self.draw_factors: torch.Tensor = views["draw_factors"]
+        self.draw_seeds: torch.Tensor = views["draw_seeds"]
+        self.draw_positions: torch.Tensor = views["draw_positions"]
         self.tables: torch.Tensor = views["tables"]
         self.write_slots.fill_(-1)  # nothing to store until filled
         self.num_tokens = rows  # the rows every op of the step runs over
@@ -127,6 +133,10 @@ class StaticStep:
         views["chunk_ends"][:b] = starts + lengths
         if ctx.visible_from is not None:
             views["floors"][:b] = ctx.visible_from
+        views["draw_positions"][:n] = positions + 1
+        if ctx.draws is not None:
+            views["draw_factors"][:n] = np.asarray(ctx.draws.factors, dtype=np.float64)[chunks]
+            views["draw_seeds"][:n] = np.asarray(ctx.draws.seeds, dtype=np.int64)[chunks]
         # block tables change a block at a time: only the rows that differ from what the host buffer holds are written
         # (a Python list compares at C speed; making the whole [B, width] table from lists each step would not)
         tables = views["tables"]

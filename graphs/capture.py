@@ -42,6 +42,11 @@ inputs of zeros (a segment's nodes compute the same whatever the rows hold; inpu
 segment's outputs, as in a real forward), each after one eager run that loads its kernels. The largest bucket's
 temporaries are then free blocks the smaller ones fit into, and a step at any decode size replays from its first.
 
+A static step also draws the token after each of its rows inside its graph (`DRAWN`, an output of the segment that
+makes the logits): the sampling kernel over the logits with each row's factor, seed and position from the
+`StaticStep` (dsl/step.py), so a step's tokens need no launch of their own; a forward that asked for them
+(`dsl.context.Draws`) takes them, the others leave them.
+
 Forwards of more than `max_tokens` tokens (prefill chunks, GPU-bound already) run eagerly, unpadded; at most
 `max_steps` (bucket, mode) pairs keep graphs, holding at most about `max_bytes` of device memory (the least recently
 used are dropped). Static and other steps are modes of their own, and each mode's first capture takes every decode
@@ -58,9 +63,32 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsl.graph import Graph
+from dsl.graph import Graph, Value
 from dsl.step import StaticStep, table_width
+from dsl.tensor import TensorType, num_tokens
 from graphs.segments import CONTEXT_TENSORS, GRAPH_BUCKETS, Segment, Split, capturable, find_segments
+from kernels.sampling.gumbel_argmax import gumbel_argmax
+
+# The tokens a static step draws after its rows (int64 [N]): an output of the segment that makes the logits.
+DRAWN = Value("drawn", TensorType((num_tokens,), "int64"))
+
+
+def _drawing(graph: Graph, segments: list[Segment]) -> list[Segment]:
+    """A static step's segments, the one that makes every row's logits (the graph's output "logits", [N, vocab])
+    drawing the tokens after them too (`DRAWN`)."""
+    logits = graph.outputs.get("logits")
+    out = []
+    for s in segments:
+        if logits is not None and any(v is logits and r for v, r in zip(s.outputs, s.row_outputs, strict=True)):
+            s = Segment(s.start, s.stop, s.inputs, [*s.outputs, DRAWN], True)
+        out.append(s)
+    return out
+
+
+def draw(env: dict, logits: Value, layout: StaticStep) -> None:
+    """Put the tokens drawn after the rows of `env[logits]` in `env[DRAWN]`, with the rows' factors, seeds and
+    positions of `layout`."""
+    env[DRAWN] = gumbel_argmax(env[logits], layout.draw_factors, layout.draw_seeds, layout.draw_positions)
 
 
 class _StaticContext:
@@ -117,8 +145,8 @@ class CudaGraphs:
         if max_tokens > GRAPH_BUCKETS[-1]:
             raise ValueError(f"max_tokens {max_tokens} is past the largest bucket, {GRAPH_BUCKETS[-1]}")
         # the segments of forwards in general, and of static steps (dsl/step.py)
-        self.splits = {static: Split(find_segments(graph, uncaptured=uncaptured, static=static))
-                       for static in (False, True)}
+        self.splits = {False: Split(find_segments(graph, uncaptured=uncaptured)),
+                       True: Split(_drawing(graph, find_segments(graph, uncaptured=uncaptured, static=True)))}
         self.segments, self.at = self.splits[False].segments, self.splits[False].at
         self.cache = None  # the pools the static steps' graphs read and write
         self.max_tokens, self.max_steps, self.max_bytes = max_tokens, max_steps, max_bytes
@@ -367,5 +395,5 @@ class _Forward:
         return {k: v.clone() if id(v) in self.static else v for k, v in outputs.items()}
 
 
-__all__ = ["CONTEXT_TENSORS", "GRAPH_BUCKETS", "CudaGraphs", "Segment", "Split", "bucket", "capturable",
-           "find_segments"]
+__all__ = ["CONTEXT_TENSORS", "DRAWN", "GRAPH_BUCKETS", "CudaGraphs", "Segment", "Split", "bucket", "capturable",
+           "draw", "find_segments"]

@@ -13,7 +13,7 @@ from typing import Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from dsl.context import ForwardContext, SequenceState
+from dsl.context import Draws, ForwardContext, SequenceState
 from dsl.graph import Graph
 from dsl.transfer import host_to, to_device
 from graphs.runtime import Runtime
@@ -59,7 +59,8 @@ class RunnableModel(Protocol[ConfigT_co]):
     def new_sequence(self) -> SequenceState: ...
 
     def step(self, batch: Batch, all_logits: bool = False, batch_invariant: bool = False,
-             num_logits: list[int] | None = None, fed: Fed | None = None) -> torch.Tensor: ...
+             num_logits: list[int] | None = None, fed: Fed | None = None, draws: Draws | None = None
+             ) -> torch.Tensor: ...
 
     def draft(self, batch: Batch, batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -102,7 +103,7 @@ class CompiledModel(Generic[ConfigT]):
 
     @torch.inference_mode()
     def step(self, batch: Batch, all_logits: bool = False, batch_invariant: bool = False,
-             num_logits: list[int] | None = None, fed: Fed | None = None) -> torch.Tensor:
+             num_logits: list[int] | None = None, fed: Fed | None = None, draws: Draws | None = None) -> torch.Tensor:
         """Run one chunk of tokens per sequence and advance the sequences.
 
         Returns fp32 logits [num_seqs, vocab] after each chunk's last token, or [total tokens, vocab] for every
@@ -111,14 +112,22 @@ class CompiledModel(Generic[ConfigT]):
         of chunking, at some cost. In bounded replay (a graph compiled with `replay`; `SequenceState.replay_from`)
         the rows of a chunk wholly before its sequence's `replay_from` are not computed: NaN. `fed`: inputs whose
         tokens an earlier step left on the device (their ids in `batch` are ignored), taken there without the host
-        waiting for them.
+        waiting for them. `draws`: the tokens to draw after each chunk, which a step that draws them inside its
+        graph (a GPU target's static step: graphs/capture.py) puts in `draws.tokens`.
         """
         self.runtime.ready()
         states, lengths, ids = self._chunks(batch, fed)
+        if draws is not None and not len(draws.factors) == len(draws.seeds) == len(lengths):
+            raise ValueError(f"draws need a factor and a seed for each of the {len(lengths)} chunks, got "
+                             f"{len(draws.factors)} and {len(draws.seeds)}")
         every = all_logits or (num_logits or [1] * len(lengths)) == lengths  # every row's logits, in order
         rows = None if every else host_to(_logit_rows(lengths, num_logits), self.device)
-        ctx = ForwardContext(states, lengths, self.device, logit_rows=rows)
-        logits = ctx.full_logits(self.runtime.run(ids, ctx, batch_invariant)["logits"])
+        ctx = ForwardContext(states, lengths, self.device, logit_rows=rows, draws=draws)
+        out = self.runtime.run(ids, ctx, batch_invariant)
+        logits = ctx.full_logits(out["logits"])
+        if draws is not None and "drawn" in out:  # one per row: each chunk's last row's
+            drawn = out["drawn"]
+            draws.tokens = drawn if max(lengths) == 1 else drawn[to_device(_last_rows(lengths), drawn.device)]
         ctx.commit()
         return logits
 
@@ -194,6 +203,15 @@ class CompiledModel(Generic[ConfigT]):
         packed = to_device(ids + rows + index, self.device)
         packed[:n].index_copy_(0, packed[n:n + k], fed[0].to(self.device).index_select(0, packed[n + k:]))
         return states, lengths, packed[:n]
+
+
+def _last_rows(lengths: list[int]) -> list[int]:
+    """Each chunk's last flat row."""
+    ends, out = 0, []
+    for n in lengths:
+        ends += n
+        out.append(ends - 1)
+    return out
 
 
 def _logit_rows(lengths: list[int], num_logits: list[int] | None) -> torch.Tensor:

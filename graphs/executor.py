@@ -21,7 +21,8 @@ from dsl.graph import Graph
 from dsl.interpret import empty_output
 from dsl.ops import OPS
 from dsl.ragged import Ragged
-from graphs.capture import CudaGraphs
+from dsl.step import StaticStep
+from graphs.capture import DRAWN, CudaGraphs, draw
 from graphs.plan import Plan
 from kernels.linear.fp8 import rowwise_weight
 from kernels.moe.expert_parallel_kernel import ParallelMoeKernel
@@ -110,6 +111,8 @@ class Executor:
                 def run_nodes(env: dict, ctx, segment=segment) -> None:
                     for i in range(segment.start, segment.stop):
                         self._node(i, env, ctx, batch_invariant)
+                    if isinstance(ctx, StaticStep) and DRAWN in segment.outputs:  # a static step's tokens
+                        draw(env, graph.outputs["logits"], ctx)
                 forward.run(segment, env, run_nodes)
                 index = segment.stop
                 continue
@@ -118,6 +121,8 @@ class Executor:
                 trace(index, result)
             index += 1
         outputs = {name: env[v] for name, v in graph.outputs.items()}
+        if DRAWN in env:
+            outputs["drawn"] = env[DRAWN]
         return outputs if forward is None else forward.finish(outputs)
 
     def _node(self, index: int, env: dict, ctx, batch_invariant: bool) -> tuple:

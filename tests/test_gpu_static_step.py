@@ -90,3 +90,29 @@ def test_gpu_captured_short_steps_give_the_eager_logits(compiled) -> None:
     assert fills == 8
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(g, w), f"step {i}: captured differs from eager"
+
+
+def test_gpu_engine_draws_inside_the_graph_and_feeds_the_next_step(monkeypatch) -> None:
+    """The engine's plain decode steps draw their tokens inside the captured static step and feed them to the next step
+    on the device, the host not waiting between steps: the same tokens as with CUDA graphs off (every draw launched
+    after the forward) and as without asynchronous scheduling (every step's tokens waited for); greedy and sampled
+    requests side by side."""
+    from deepinfer.engine.sampler import Sampler
+    from deepinfer.llm import LLM
+    from deepinfer.sampling_params import SamplingParams
+
+    prompts = ["def fib(n):\n", "import os\n", "class A:\n"]
+    params = [SamplingParams(max_tokens=40, temperature=t, seed=3 + i, ignore_eos=True)
+              for i, t in enumerate((0.0, 0.8, 1.2))]
+    calls = []
+    draw = Sampler.draw
+    monkeypatch.setattr(Sampler, "draw", lambda self, *a: calls.append(1) or draw(self, *a))
+    outputs, launched = {}, {}
+    for graphs, overlap in ((True, True), (False, True), (True, False)):
+        monkeypatch.setenv("DEEPINFER_CUDA_GRAPHS", "1" if graphs else "0")
+        calls.clear()
+        llm = LLM(trained_model(), target="sm90", async_scheduling=overlap)
+        outputs[graphs, overlap] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        launched[graphs, overlap] = len(calls)
+    assert outputs[True, True] == outputs[False, True] == outputs[True, False]
+    assert launched[False, True] >= 40 and launched[True, True] <= 2  # the prompts' step draws after its forward

@@ -66,3 +66,32 @@ def test_static_steps_give_the_eager_logits(name: str, dot_fp32: bool, prefill: 
         assert torch.equal(g, w), f"step {i}: static logits differ from the eager ones"
     assert counts["fill"] == schedule.num_fitting == len(got) - 2 * prefill  # every step but the prefill chunks
     assert counts["attention"] == counts["fill"] * model.config.num_hidden_layers  # every layer's, in place
+
+
+def test_a_static_step_draws_each_chunks_next_token_in_its_graph() -> None:
+    """A static step asked for draws (dsl.context.Draws) draws the token after each chunk inside its segments, as
+    `sample_plain` draws it from the step's logits (greedy and sampled chunks, chunks of 1 to 3 tokens); a step that
+    runs eagerly leaves them to the caller."""
+    from deepinfer.sampler import plain_args, sample_plain
+    from dsl.context import Draws, SequenceState
+
+    model = DeepseekV41Flash.from_pretrained(fixture_dir("v41-tiny"))
+    for padded in (True, False):
+        compiled = planned(model, dot_fp32=True, padded=padded)
+        pools = Pools.make(compiled)
+        states = [SequenceState(cache=pools.cache, slot=pools.free_slots.pop()) for _ in range(3)]
+        for state in states:
+            state.block_table = [pools.free_blocks.pop() for _ in range(2)]
+        gen = torch.Generator().manual_seed(1)
+        for lengths, temperatures in (([2, 3, 1], [0.0, 0.7, 1.3]), ([1, 1, 1], [0.9, 0.0, 0.5])):
+            batch = [(s, torch.randint(4, 500, (n,), generator=gen).tolist()) for s, n in zip(states, lengths)]
+            positions = [s.num_tokens + n for s, n in zip(states, lengths, strict=True)]
+            seeds = [11, 2**64 - 5, 7]
+            draws = Draws(*plain_args(temperatures, seeds))
+            logits = compiled.step(batch, all_logits=True, draws=draws)
+            last = torch.tensor(lengths).cumsum(0) - 1
+            want = sample_plain(logits[last], temperatures, seeds, positions)
+            if padded:
+                assert draws.tokens is not None and torch.equal(draws.tokens, want)
+            else:
+                assert draws.tokens is None

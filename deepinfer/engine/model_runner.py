@@ -8,11 +8,12 @@ depends on its logits, seed and position only. A token constraint (deepinfer/eng
 masks while the forward runs; a speculator (deepinfer/engine/speculator.py) samples in the sampler's place and
 proposes the next drafts.
 
-A *plain* step (no constraint, no speculator, every sampled row drawn by `sample_plain`: `Sampler.is_plain`) does not
-wait for its tokens: `execute` returns once the forward and the draw are queued on the device, with the tokens to
-come (`StepOutput.result` reads them), and the next step's placeholders take them on the device (`CompiledModel.step`'s
-`fed`). So with asynchronous scheduling the host prepares step n + 1 while the device runs step n. A step that needs
-a placeholder's value on the host (a row whose sampling reads its outputs) waits for it first.
+A *plain* step (no speculator, no row the constraint constrains, every sampled row drawn by `sample_plain`:
+`Sampler.is_plain`) does not wait for its tokens: `execute` returns once the forward and the draw are queued on the
+device (a static step draws inside its graph: `dsl.context.Draws`), with the tokens to come (`StepOutput.result`
+reads them), and the next step's placeholders take them on the device (`CompiledModel.step`'s `fed`). So with
+asynchronous scheduling the host prepares step n + 1 while the device runs step n. A step that needs a placeholder's
+value on the host (a row whose sampling reads its outputs) waits for it first.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ from deepinfer.engine.sequence import PLACEHOLDER
 from deepinfer.engine.speculator import Proposal, Speculator
 from deepinfer.engine.token_constraint import TokenConstraint
 from deepinfer.outputs import Logprob
-from deepinfer.sampler import as_allowed
+from deepinfer.sampler import as_allowed, plain_args
 from dsl.cache import PagedCache
-from dsl.context import SequenceState
+from dsl.context import Draws, SequenceState
 from graphs.compiled_model import RunnableModel
 from graphs.runtime import FatalRuntimeError
 
@@ -171,10 +172,15 @@ class ModelRunner:
             batch.append((self._state(row), self._resolve(row, first, fed if plain else None)))
             first += len(row.token_ids)
         draws = self._draws(rows, batch)
-        if plain:
-            logits = self._forward(batch, rows, fed)
-            with self.compiled.sampling():
-                ids = self.sampler.draw(logits, draws)
+        if plain:  # the tokens drawn inside the step's graph where it can, else from its logits
+            temperatures, seeds, _ = self.sampler.plain_rows(len(rows), draws, [True] * len(draws))
+            inside = Draws(*plain_args(temperatures, seeds))
+            logits = self._forward(batch, rows, fed, inside)
+            if inside.tokens is not None:
+                ids = SampledIds(inside.tokens)
+            else:
+                with self.compiled.sampling():
+                    ids = self.sampler.draw(logits, draws)
             self._snapshots(rows, batch, out)
             return ids, {d.row.seq_id: d.first for d in draws}
         masks = self._masks(draws)  # filling while the forward runs, when a filler thread is on
@@ -215,11 +221,13 @@ class ModelRunner:
 
     def _plain(self, rows: list[RowInput]) -> bool:
         """Whether the step is plain (see the module's docstring): its tokens can stay on the device."""
-        if self.constraint is not None or self.speculator is not None:
+        if self.speculator is not None:
             return False
         vocab = self.compiled.config.vocab_size
-        return all(self.sampler.is_plain(r.sample.params, len(r.sample.output_token_ids) + r.sample.num_pending, vocab)
-                   for r in rows if r.sample is not None)
+        samples = [r.sample for r in rows if r.sample is not None]
+        if self.constraint is not None and any(self.constraint.constrains(s) for s in samples):
+            return False
+        return all(self.sampler.is_plain(s.params, len(s.output_token_ids) + s.num_pending, vocab) for s in samples)
 
     def _masks(self, draws: list[Draw]) -> Callable[[], torch.Tensor | None]:
         """The constraint's masks of the draws' positions, to call for after the forward: on the filler thread they
@@ -232,12 +240,14 @@ class ModelRunner:
         return self._filler.submit(self.constraint.fill, rows, drafts).result
 
     def _forward(self, batch: list[tuple[SequenceState, list[int]]], rows: list[RowInput],
-                 fed: list[tuple[int, SampledIds, int]] = ()) -> torch.Tensor:
+                 fed: list[tuple[int, SampledIds, int]] = (), draws: Draws | None = None) -> torch.Tensor:
         """The step's logits: after each row's last token and each of its drafts. `fed`: the inputs that take an
-        earlier step's tokens on the device, (flat row, those tokens, their row), all of one step."""
+        earlier step's tokens on the device, (flat row, those tokens, their row), all of one step; `draws`: the
+        tokens to draw inside the step's graph where it can (a plain step without drafts)."""
         num_logits = [1 + row.num_drafts for row in rows] if self.speculator is not None else None
         feed = (fed[0][1].ids, [f[0] for f in fed], [f[2] for f in fed]) if fed else None
-        return self.compiled.step(batch, batch_invariant=self.batch_invariant, num_logits=num_logits, fed=feed)
+        return self.compiled.step(batch, batch_invariant=self.batch_invariant, num_logits=num_logits, fed=feed,
+                                  draws=draws)
 
     def _state(self, row: RowInput) -> SequenceState:
         """The sequence's state: fresh when it starts (or restarts after preemption) at position 0, or from the

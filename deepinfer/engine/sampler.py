@@ -127,17 +127,21 @@ class Sampler:
         return SampledIds(self._draw_plain(logits, draws, [True] * len(draws)))
 
     @staticmethod
-    def _draw_plain(logits: torch.Tensor, draws: list[Draw], plain: list[bool]) -> torch.Tensor:
-        """`sample_plain` over every logits row: the plain draws' rows at their params, every other row greedy."""
-        num_rows = logits.shape[0]
-        temperatures, seeds, positions = [0.0] * num_rows, [0] * num_rows, [0] * num_rows  # temperature 0: argmax
+    def plain_rows(num_rows: int, draws: list[Draw], plain: list[bool]) -> tuple[list[float], list[int], list[int]]:
+        """`sample_plain`'s temperatures, seeds and positions for `num_rows` logits rows: the plain draws' rows at
+        their params, every other row greedy (temperature 0)."""
+        temperatures, seeds, positions = [0.0] * num_rows, [0] * num_rows, [0] * num_rows
         for d, p in zip(draws, plain, strict=True):
             params = d.row.params
             if p and not params.is_greedy:
                 for k in range(1 + len(d.drafts)):
                     i = d.first + k
                     temperatures[i], seeds[i], positions[i] = params.temperature, d.row.seed, d.position + k
-        return sample_plain(logits, temperatures, seeds, positions)
+        return temperatures, seeds, positions
+
+    def _draw_plain(self, logits: torch.Tensor, draws: list[Draw], plain: list[bool]) -> torch.Tensor:
+        """`sample_plain` over every logits row: the plain draws' rows at their params, every other row greedy."""
+        return sample_plain(logits, *self.plain_rows(logits.shape[0], draws, plain))
 
     def token(self, logits: torch.Tensor, allowed: torch.Tensor | None, row: SampleRow,
               seen: list[int]) -> tuple[int, dict[int, Logprob] | None]:

@@ -31,6 +31,10 @@ class TokenConstraint(Protocol):
         """Block until a sequence held back may become ready, or `timeout` seconds; False at once when none is
         being prepared (nothing to wait for)."""
 
+    def constrains(self, row: SampleRow) -> bool:
+        """Whether the constraint masks or reads this row's tokens. A step none of whose rows it constrains calls
+        neither `fill` nor `accept`, so its tokens may stay on the device (deepinfer/engine/model_runner.py)."""
+
     def fill(self, rows: list[SampleRow], drafts: list[list[int]]) -> torch.Tensor | None:
         """Once per step, after the forward is launched: a mask for the positions about to be sampled,
         1 + len(drafts[i]) rows for row i (the position after its last token, then after each of its drafts in

@@ -69,6 +69,10 @@ class StructuredOutputConstraint:
             return True  # done since last asked: schedule it now
         return self.manager.wait_pending(timeout)
 
+    def constrains(self, row: Any) -> bool:
+        """Whether the row has a structured output (a failed one too: its request fails at its next `accept`)."""
+        return row.params.structured_outputs is not None
+
     def fill(self, rows: Sequence[Any], drafts: Sequence[Sequence[int]] | None = None) -> torch.Tensor | None:
         """int32 bitmask for the positions about to be sampled, None if no row is constrained: 1 + len(drafts[i])
         rows for row i (after its last token, then after each draft in turn; see TokenConstraint)."""
