@@ -86,8 +86,8 @@ def protocol_methods(protocol: type) -> dict[str, inspect.Signature]:
 
 
 def test_the_protocols_list_what_the_engine_calls() -> None:
-    assert set(protocol_methods(TokenConstraint)) == {"submit", "is_ready", "wait_ready", "fill", "accept",
-                                                      "fill_next", "finish"}
+    assert set(protocol_methods(TokenConstraint)) == {"submit", "is_ready", "wait_ready", "constrains", "fill",
+                                                      "accept", "fill_next", "finish"}
     assert set(protocol_methods(Speculator)) == {"plan", "verify", "propose", "forget"}
 
 

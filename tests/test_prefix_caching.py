@@ -51,8 +51,8 @@ def _generate(engine: LLMEngine, mix) -> tuple[list, dict]:
     logits: dict[tuple[str, int, int], torch.Tensor] = {}
     forward = engine.runner._forward
 
-    def recording(batch, rows, fed=()):  # the real forward, its sampled rows kept
-        out = forward(batch, rows, fed)
+    def recording(batch, rows, *rest):  # the real forward, its sampled rows kept
+        out = forward(batch, rows, *rest)
         first = 0
         for row in rows:
             count = 1 + row.num_drafts if engine.speculator is not None else 1

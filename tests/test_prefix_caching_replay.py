@@ -134,9 +134,9 @@ def test_a_recompute_after_preemption_is_a_hit_plus_a_bounded_replay(llm: LLM) -
                      num_snapshots=3)
     forward = engine.runner._forward
 
-    def recording(batch, step_rows, fed=()):
+    def recording(batch, step_rows, *rest):
         rows.extend((r.seq_id, r.start, len(r.token_ids), r.restore is not None) for r in step_rows)
-        return forward(batch, step_rows, fed)
+        return forward(batch, step_rows, *rest)
 
     engine.runner._forward = recording
     cached, logits = _generate(engine, mix)
