@@ -93,7 +93,7 @@ def _compile_plan(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets:
     for graph, plan in zip(graphs, plans, strict=True):  # the draft graph's launches mostly repeat the main one's
         launches |= record_launches(plan, {i: node.attrs for i, node in enumerate(graph.nodes)}, expert_parallel)
         launches |= record_cache_launches(CacheSpec.from_graph(graph))  # the pools' writer and reader
-        launches |= record_attention_launches(plan, graph)  # decode attention over the pools in place
+        launches |= record_attention_launches(plan, graph, graphs[0])  # decode attention over the pools in place
     built = build(launches, target)
     specs = {key: b.spec for key, b in built.items()}
     cubins = {key: b.cubin for key, b in built.items()}

@@ -164,17 +164,19 @@ class StaticStep:
         return make()
 
     @staticmethod
-    def fits(ctx) -> bool:
+    def fits(ctx, stores: bool = True) -> bool:
         """Whether forward `ctx` (a `ForwardContext`) can run as a static step: its sequences share one set of pools
         (`ctx.paged`) and every chunk fits the rings' spare positions (a decode or verification step: a chunk of T
         tokens leaves a ring of `window + spare` positions holding the window before it when T <= spare + 1), and it
-        wants the logits of every token (a static step's head runs over all its rows)."""
+        wants the logits of every token (a static step's head runs over all its rows). A forward that `stores`
+        nothing (its graph has no op of `STORING_OPS`: DSpark's draft pass, which reads the window before each
+        chunk) fits whatever its chunks' lengths."""
         states = [c.state for c in ctx.chunks]
         cache = states[0].cache if states else None
         if cache is None or any(s.cache is not cache for s in states) or len({s.slot for s in states}) < len(states):
             return False
         every_row = ctx.logit_rows is None or ctx.logit_rows.shape[0] == ctx.num_tokens
-        return ctx.visible_from is None and every_row and max(ctx.lengths) <= cache.spec.spare + 1
+        return ctx.visible_from is None and every_row and (not stores or max(ctx.lengths) <= cache.spec.spare + 1)
 
 
 def _producer(node: Node, index: int) -> str | None:
@@ -192,13 +194,20 @@ def _static_attention(node: Node) -> bool:
     return extra == [None, None] or extra == ["cache_append", "topk_select"]
 
 
+def _static_block_attention(node: Node) -> bool:
+    """A DSpark draft block's attention (non-causal) over a `kv_window_block` view, with no compressed entries."""
+    return (not node.attrs.get("causal", True) and _producer(node, 1) == "kv_window_block"
+            and [_producer(node, i) for i in (3, 4)] == [None, None])
+
+
 # The ops with a static form, each with the condition on its node: given a `StaticStep` as their context they read
 # and write the caches through it alone, and make values whose shapes follow its rows and static bounds (the
 # compressed entries' forms: dsl/ops/static_entries.py).
 STATIC_OPS: dict[str, Callable[[Node], bool]] = {
     "kv_window_append": lambda node: True,
     "kv_window_store": lambda node: True,
-    "sparse_attention": _static_attention,
+    "kv_window_block": lambda node: True,
+    "sparse_attention": lambda node: _static_attention(node) or _static_block_attention(node),
     "compress_pool": lambda node: True,
     "rope_entries": lambda node: True,
     "cache_append": lambda node: True,
@@ -209,10 +218,14 @@ STATIC_OPS: dict[str, Callable[[Node], bool]] = {
 }
 
 
+# The ops that write the caches (window rings, compressed entries, partial groups, n-gram history).
+STORING_OPS = frozenset({"kv_window_append", "kv_window_store", "cache_append", "compress_pool", "engram_ngrams"})
+
+
 def has_static_form(node: Node) -> bool:
     """Whether `node` runs over a `StaticStep` (`STATIC_OPS`)."""
     check = STATIC_OPS.get(node.op)
     return check is not None and check(node)
 
 
-__all__ = ["STATIC_OPS", "StaticStep", "has_static_form", "table_width"]
+__all__ = ["STATIC_OPS", "STORING_OPS", "StaticStep", "has_static_form", "table_width"]

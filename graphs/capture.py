@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsl.graph import Graph, Value
-from dsl.step import StaticStep, table_width
+from dsl.step import STORING_OPS, StaticStep, table_width
 from dsl.tensor import TensorType, num_tokens
 from graphs.segments import CONTEXT_TENSORS, GRAPH_BUCKETS, Segment, Split, capturable, find_segments
 from kernels.sampling.gumbel_argmax import gumbel_argmax
@@ -137,17 +137,20 @@ def bucket(n: int, buckets: tuple[int, ...] = GRAPH_BUCKETS) -> int:
 class CudaGraphs:
     """Captured segments of one executor's graph, per token-count bucket and mode (see the module's docstring).
     `capture=False` pads the segments without capturing them (what a forward in a new bucket does; on a CPU, the
-    padding alone can be tested); `pad` fills the padding rows of tensors made for it (floating point only)."""
+    padding alone can be tested); `pad` fills the padding rows of tensors made for it (floating point only);
+    `draws`: static steps draw their rows' next tokens (`DRAWN`; not a DSpark draft graph's, which samples its own)."""
 
     def __init__(self, graph: Graph, max_tokens: int = GRAPH_BUCKETS[-1], max_steps: int = 64, max_bytes: int = 4 << 30,
                  capture: bool = True, pad: float = 0.0, ahead: int = 0,
-                 uncaptured: frozenset[str] = frozenset()) -> None:
+                 uncaptured: frozenset[str] = frozenset(), draws: bool = True) -> None:
         if max_tokens > GRAPH_BUCKETS[-1]:
             raise ValueError(f"max_tokens {max_tokens} is past the largest bucket, {GRAPH_BUCKETS[-1]}")
         # the segments of forwards in general, and of static steps (dsl/step.py)
+        static = find_segments(graph, uncaptured=uncaptured, static=True)
         self.splits = {False: Split(find_segments(graph, uncaptured=uncaptured)),
-                       True: Split(_drawing(graph, find_segments(graph, uncaptured=uncaptured, static=True)))}
+                       True: Split(_drawing(graph, static) if draws else static)}
         self.segments, self.at = self.splits[False].segments, self.splits[False].at
+        self.stores = any(node.op in STORING_OPS for node in graph.nodes)  # else its static steps' chunks are free
         self.cache = None  # the pools the static steps' graphs read and write
         self.max_tokens, self.max_steps, self.max_bytes = max_tokens, max_steps, max_bytes
         self.capture, self.pad = capture, pad
@@ -161,7 +164,7 @@ class CudaGraphs:
     def begin(self, ctx, mode: tuple) -> _Forward | None:
         """This forward's way through the segments, or None to run every node eagerly and unpadded."""
         n = ctx.num_tokens
-        static = n <= self.max_tokens and StaticStep.fits(ctx)
+        static = n <= self.max_tokens and StaticStep.fits(ctx, self.stores)
         split = self.splits[static]
         if n > self.max_tokens or not split.segments:
             return None

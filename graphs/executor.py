@@ -36,10 +36,11 @@ EXCHANGED = frozenset({"moe_experts"})  # the ops that exchange rows with other 
 class Executor:
     def __init__(self, graph: Graph, plan: Plan, params: dict[str, torch.Tensor], device: str | torch.device,
                  formatted: dict[tuple[str, str], torch.Tensor] | None = None, cuda_graphs: bool = False,
-                 parallel_experts: ParallelMoeKernel | None = None) -> None:
+                 parallel_experts: ParallelMoeKernel | None = None, draws: bool = True) -> None:
         """`formatted`: another executor's converted weights, shared (a DSpark draft graph beside its model's).
-        `cuda_graphs`: replay the graph's static segments as CUDA graphs (graphs/capture.py). `parallel_experts`:
-        the MoE nodes run over this rank's experts through it (expert parallelism), outside the CUDA graphs."""
+        `cuda_graphs`: replay the graph's static segments as CUDA graphs (graphs/capture.py), whose static steps
+        draw their rows' next tokens where `draws` (not a draft graph's). `parallel_experts`: the MoE nodes run over
+        this rank's experts through it (expert parallelism), outside the CUDA graphs."""
         plan.check_graph(graph)
         self.graph, self.plan, self.device = graph, plan, torch.device(device)
         self.parallel_experts = parallel_experts
@@ -59,7 +60,8 @@ class Executor:
         # the node that sets the context (bounded replay's `decoder_context`), if any
         self.boundary = next((i for i, n in enumerate(graph.nodes) if OPS[n.op].sets_context), None)
         self.kernel_calls = 0
-        self.cuda_graphs = CudaGraphs(graph, uncaptured=self.uncaptured) if cuda_graphs else None
+        self.draws = draws
+        self.cuda_graphs = CudaGraphs(graph, uncaptured=self.uncaptured, draws=draws) if cuda_graphs else None
 
     def param(self, name: str, fmt: str) -> torch.Tensor:
         key = (name, fmt)

@@ -81,8 +81,8 @@ class PlanRuntime:
         self._cuda_graphs = bool(on) and self.device.type == "cuda"
         for executor in self._executors or ():
             if executor is not None:
-                executor.cuda_graphs = CudaGraphs(executor.graph, ahead=self._ahead, uncaptured=executor.uncaptured) \
-                    if self._cuda_graphs else None
+                executor.cuda_graphs = CudaGraphs(executor.graph, ahead=self._ahead, uncaptured=executor.uncaptured,
+                                                  draws=executor.draws) if self._cuda_graphs else None
 
     def capture_ahead(self, tokens: int) -> None:
         """Capture the graphs of every bucket up to `tokens` (the most a decode step runs) when the first is
@@ -124,7 +124,7 @@ class PlanRuntime:
             if self.draft_graph is not None:  # the same weights on the device, converted once for both
                 draft = Executor(self.draft_graph, self.draft_plan, main.params, self.device,
                                  formatted=main.formatted, cuda_graphs=self._cuda_graphs,
-                                 parallel_experts=self.parallel_experts)
+                                 parallel_experts=self.parallel_experts, draws=False)
             self._executors = (main, draft)
             self.capture_ahead(self._ahead)
         return self._executors

@@ -66,15 +66,18 @@ def test_only_static_steps_capture_the_cache_ops(model: DeepseekV41Flash) -> Non
     compiled = planned(model)
     graph = compiled.graph
     static = {graph.nodes[i].op for f in find_segments(graph, static=True) for i in range(f.start, f.stop)}
-    assert set(STATIC_OPS) - {"kv_window_store", "engram_ngrams"} <= static  # the fixture has no DSpark nor Engram
+    assert set(STATIC_OPS) - {"kv_window_store", "kv_window_block", "engram_ngrams"} <= static  # no DSpark nor Engram
     assert all(graph.nodes[i].op not in STATIC_OPS for f in find_segments(graph) for i in range(f.start, f.stop))
 
 
-def test_draft_steps_have_segments_of_their_own() -> None:
+def test_a_draft_pass_is_one_captured_segment() -> None:
+    """DSpark's draft pass (blocks of dspark_block_size tokens a sequence) is one captured segment too: its window
+    block views and their attention have static forms."""
     compiled = planned(DeepseekV41Flash.from_pretrained(TRAINED_CHECKPOINT), drafting=True)  # it has a DSpark head
-    draft = compiled.graph_segments(num_tokens=4, draft=True)
-    assert [name for s in draft for name in s.nodes] == node_names(compiled.draft_graph)
-    assert any(s.captured for s in draft)
+    names = tuple(node_names(compiled.draft_graph))
+    block = compiled.config.dspark_block_size
+    for n in (block, 2 * block, 64 * block):
+        assert [(s.captured, s.nodes) for s in compiled.graph_segments(num_tokens=n, draft=True)] == [(True, names)]
 
 
 def test_no_capture_past_the_largest_bucket_or_with_graphs_off(model: DeepseekV41Flash) -> None:

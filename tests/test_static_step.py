@@ -23,16 +23,17 @@ from tests.schedules import Pools, Schedule, mixed
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs where there is no GPU")
 
 
-def planned(model: DeepseekV41Flash, dot_fp32: bool, padded: bool) -> CompiledModel:
+def planned(model: DeepseekV41Flash, dot_fp32: bool, padded: bool, drafting: bool = False) -> CompiledModel:
     """`model` planned for sm90 on the CPU: eager, or (`padded`) its forwards through the CUDA-graph segments
-    uncaptured, static steps included."""
-    graph = run_passes(model.graph())
-    plan = make_plan(graph, model.params(), "sm90", buckets=(16,), dot_fp32=dot_fp32)
-    runtime = PlanRuntime(graph, plan, {}, {}, model.params(), device="cpu")
+    uncaptured, static steps included; with `drafting`, its DSpark draft graph beside it."""
+    graphs = [run_passes(model.graph(dspark=drafting))] + ([run_passes(model.draft_graph())] if drafting else [])
+    plans = [make_plan(g, model.params(), "sm90", buckets=(16,), dot_fp32=dot_fp32) for g in graphs]
+    draft = (graphs[1], plans[1]) if drafting else None
+    runtime = PlanRuntime(graphs[0], plans[0], {}, {}, model.params(), draft=draft, device="cpu")
     if padded:
-        main, _ = runtime.executors()
-        main.cuda_graphs = CudaGraphs(graph, capture=False, pad=float("nan"))
-    return CompiledModel(model.config, graph, "sm90", runtime)
+        for executor, graph in zip(runtime.executors(), graphs, strict=False):
+            executor.cuda_graphs = CudaGraphs(graph, capture=False, pad=float("nan"), draws=executor.draws)
+    return CompiledModel(model.config, graphs[0], "sm90", runtime, graphs[1] if drafting else None)
 
 
 def spy(monkeypatch) -> dict[str, int]:
@@ -95,3 +96,39 @@ def test_a_static_step_draws_each_chunks_next_token_in_its_graph() -> None:
                 assert draws.tokens is not None and torch.equal(draws.tokens, want)
             else:
                 assert draws.tokens is None
+
+
+def test_static_draft_passes_give_the_eager_ones(monkeypatch) -> None:
+    """DSpark's draft pass as a static step (blocks of 5 tokens, past the rings' spare positions: it stores nothing)
+    gives the eager pass's hidden states and logits bit for bit, both reading the window rings in place
+    (`block_attention_kernel`; tests/kernels/attention/test_paged_attention.py checks it against the reference),
+    with sequences joining and leaving between the passes."""
+    from deepinfer.default_model import TRAINED_CHECKPOINT
+    from kernels.attention import paged_attention
+
+    model = DeepseekV41Flash.from_pretrained(TRAINED_CHECKPOINT)
+
+    def run(padded: bool) -> list[torch.Tensor]:
+        compiled = planned(model, False, padded, drafting=True)
+        s, out = Schedule(compiled, Pools.make(compiled)), []
+        s.join("a")
+        s.join("b")
+        s.step({"a": 9, "b": 6}, batch_invariant=True)
+        out += s.draft(["a", "b"], batch_invariant=True)
+        s.step({"a": 4, "b": 1}, batch_invariant=False)
+        out += s.draft(["b", "a"], batch_invariant=False)
+        s.leave("b")
+        s.join("c")
+        s.step({"c": 3, "a": 1}, batch_invariant=True)
+        out += s.draft(["a", "c"], batch_invariant=True)
+        return out
+
+    launches = []
+    block = paged_attention.block_attention
+    monkeypatch.setattr(paged_attention, "block_attention", lambda *a, **k: launches.append(1) or block(*a, **k))
+    eager = run(False)
+    assert len(launches) == 3 * 3  # each draft pass's three draft layers, in place
+    static = run(True)
+    assert len(launches) == 2 * 3 * 3
+    for i, (got, want) in enumerate(zip(static, eager, strict=True)):
+        assert torch.equal(got, want), f"output {i}: the static draft pass differs from the eager one"

@@ -16,7 +16,7 @@ import torch
 from dsl.context import ForwardContext, cast, segments, take_rows
 from dsl.ops.attend import ATTENTION_ROWS, attend
 from dsl.ops.registry import op
-from dsl.ops.static_attention import StaticWindow, static_attention
+from dsl.ops.static_attention import StaticBlock, StaticWindow, static_attention, static_block_attention
 from dsl.ops.static_entries import StaticEntries, static_append
 from dsl.step import StaticStep
 from dsl.tensor import TensorType, context
@@ -75,7 +75,8 @@ class CacheView:
     decoded when asked for: `rows` then reads only the entries wanted. `keys`, `positions`, `flat` and `rows` serve
     every form. `length`, `offset` and `first_t` [B] are device copies of `lengths`, of where each chunk's keys begin
     in `flat()` and of `first`, when the maker has them. A paged window's view names its ring (`ring`) and makes its
-    values when first read (`make`), so an attention that reads the ring in place gathers nothing.
+    values when first read (`make`), so an attention that reads the ring in place gathers nothing; a draft block's
+    names the chunks' own keys too (`block`, [N, D]: each chunk's last L_i - kept entries).
     """
 
     def __init__(self, keys: list[torch.Tensor] | None = None, positions: list[torch.Tensor] | None = None, *,
@@ -85,6 +86,7 @@ class CacheView:
                  ring: PagedWindow | None = None, make: Callable[[], torch.Tensor] | None = None) -> None:
         self._keys, self._positions, self._values, self.paged = keys, positions, values, paged
         self.ring, self._make = ring, make
+        self.block: torch.Tensor | None = None
         self.lengths = lengths if lengths is not None else [k.shape[0] for k in keys]
         if first is None and positions is not None:
             first = [int(p[0]) if p.numel() else 0 for p in positions]
@@ -223,10 +225,15 @@ def kv_window_store(kv: torch.Tensor, *, layer: int, window: int, ctx) -> None:
 
 
 @op("kv_window_block", _cache_type, uses_context=True)
-def kv_window_block(kv: torch.Tensor, *, layer: int, window: int, ctx) -> CacheView:
+def kv_window_block(kv: torch.Tensor, *, layer: int, window: int, ctx) -> CacheView | StaticBlock:
     """A view of the `window - 1` entries the window of `layer` holds before each chunk, followed by the chunk's
-    own kv [N, D], which is not stored: a DSpark draft block attends to both and leaves no trace."""
-    return _window_view(kv, layer, window, ctx)
+    own kv [N, D], which is not stored: a DSpark draft block attends to both and leaves no trace. A paged view names
+    its ring and the chunks' kv (`block`) and gathers when first read; a static step's is a `StaticBlock`."""
+    if isinstance(ctx, StaticStep):
+        return StaticBlock(ctx, layer, window, kv)
+    view = _window_view(kv, layer, window, ctx, lazy=True)
+    view.block = kv
+    return view
 
 
 @op("cache_append", _cache_type, uses_context=True)
@@ -332,6 +339,8 @@ def sparse_attention(q: torch.Tensor, window: CacheView, sink: torch.Tensor, com
     chunk (a DSpark draft block). Returns fp32 [N, H, D]."""
     if isinstance(window, StaticWindow):
         return static_attention(q, window, sink, compressed, topk, window_size=window_size, scale=scale)
+    if isinstance(window, StaticBlock):
+        return static_block_attention(q, window, sink, window_size=window_size, scale=scale)
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     if not ctx.compute_per_chunk:
         kv, idx = visible_entries(window, compressed, topk, window_size=window_size, ctx=ctx, dtype=torch.float32,

@@ -1,6 +1,6 @@
 """A static step's window (dsl/step.py) as its attention reads it, and the torch reference of that attention: the
-rows of a decode or verification step over the window rings and the compressed entries their picks name, every
-index read from the step's tensors."""
+rows of a decode or verification step over the window rings and the compressed entries their picks name, or of a
+DSpark draft block over the ring before it and its own keys, every index read from the step's tensors."""
 
 from __future__ import annotations
 
@@ -21,6 +21,44 @@ class StaticWindow:
     step: StaticStep
     layer: int
     window: int
+
+
+@dataclass
+class StaticBlock:
+    """A DSpark draft block's view in a static step (`kv_window_block`'s): each chunk's `window - 1` positions before
+    its first in the ring of `layer` (from its floor on), then the chunk's own keys, rows of `kv` [R, D] that are
+    never stored; every row of a chunk sees all of it."""
+
+    step: StaticStep
+    layer: int
+    window: int
+    kv: torch.Tensor
+
+
+def static_block_attention(q: torch.Tensor, block: StaticBlock, sink: torch.Tensor, *, window_size: int,
+                           scale: float) -> torch.Tensor:
+    """`sparse_attention` (non-causal) of a static step's rows over their chunk's `StaticBlock` view (the reference
+    of the in-place kernel's static use, kernels/attention/paged_attention.py): q [R, H, D] -> fp32 [R, H, D]."""
+    step = block.step
+    chunk = step.row_chunks.long()
+    start = step.chunk_starts.long()[chunk]  # [R]: each row's chunk's first position
+    oldest = torch.maximum(start - window_size + 1, step.floors.long()[chunk])
+    seen = oldest[:, None] + torch.arange(window_size - 1, device=start.device)  # [R, window - 1] positions
+    visible = seen < start[:, None]
+    slots = step.chunk_slots.long()[chunk][:, None].expand_as(seen)
+    ring = step.cache.window_rows(block.layer, slots.reshape(-1), seen.reshape(-1)).reshape(*seen.shape, -1)
+    ring = torch.where(visible[..., None], ring, 0.0)
+    first = step.chunk_rows.long()[chunk]
+    end = first + (step.chunk_ends - step.chunk_starts).long()[chunk]
+    rows = torch.arange(q.shape[0], device=start.device)
+    own = (rows[None, :] >= first[:, None]) & (rows[None, :] < end[:, None])  # [R, R]: the rows of one's chunk
+    kv = block.kv.float()
+    out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+    for begin in range(0, q.shape[0], ATTENTION_ROWS):
+        part = slice(begin, begin + ATTENTION_ROWS)
+        keys = torch.cat([ring[part], kv[None].expand(ring[part].shape[0], -1, -1)], dim=1)
+        out[part] = attend(q[part].float(), keys, torch.cat([visible[part], own[part]], dim=1), sink, scale)
+    return out
 
 
 def static_window_entries(window: StaticWindow, window_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,4 +104,5 @@ def static_attention(q: torch.Tensor, window: StaticWindow, sink: torch.Tensor,
     return out
 
 
-__all__ = ["StaticWindow", "static_attention", "static_picks", "static_window_entries"]
+__all__ = ["StaticBlock", "StaticWindow", "static_attention", "static_block_attention", "static_picks",
+           "static_window_entries"]

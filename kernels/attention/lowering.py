@@ -9,7 +9,7 @@ import torch
 import kernels.attention.paged_attention as paged
 import kernels.attention.sparse_attention as attention
 from dsl.graph import Node
-from dsl.ops.static_attention import StaticWindow
+from dsl.ops.static_attention import StaticBlock, StaticWindow
 from kernels.lowering import PLAIN, Call, Lowering, Params, Static, Variant, meta, param, token_planes
 
 
@@ -37,7 +37,7 @@ class SparseAttention(Lowering):
 
     def run(self, call: Call) -> torch.Tensor:
         """A static step's attention (dsl/step.py) reads the caches in place. Elsewhere, where `paged.IN_PLACE`, the
-        chunks of decode and verification steps over paged pools read the caches in place
+        chunks of decode and verification steps and DSpark's draft blocks over paged pools read the caches in place
         (kernels/attention/paged_attention.py); the rest gathers. The choice is a chunk's own, never its batch's, so a
         token's path (and its values) does not follow what it is batched with."""
         q, window, sink, compressed, topk = (list(call.args) + [None, None])[:5]
@@ -45,9 +45,14 @@ class SparseAttention(Lowering):
         if isinstance(window, StaticWindow):  # a static step (dsl/step.py): only where `paged.serves` the head dim
             return paged.static_attention_op(q, window, sink, compressed, topk, window_size=a["window_size"],
                                              scale=a["scale"], config=call.config, dot_fp32=call.dot_fp32)
+        if isinstance(window, StaticBlock):  # a static step's draft block
+            return paged.static_block_attention_op(q, window, sink, window_size=a["window_size"], scale=a["scale"],
+                                                   config=call.config, dot_fp32=call.dot_fp32)
         causal = a.get("causal", True)
         common = dict(window_size=a["window_size"], scale=a["scale"], ctx=ctx, config=call.config,
                       dot_fp32=call.dot_fp32)
+        if not causal and topk is None and paged.serves(q.shape[-1]) and paged.block_chunks(window):
+            return paged.block_attention_op(q, window, sink, **common)  # draft blocks: as a static step's
         chunks = []
         if paged.serves(q.shape[-1]):
             chunks = paged.in_place_chunks(window, compressed, topk, causal=causal)
