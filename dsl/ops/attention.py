@@ -65,6 +65,56 @@ class PagedWindow:
         """Whether every chunk's ring still holds its view (`intact_chunks`)."""
         return all(self.intact_chunks())
 
+    def snapshot(self, kv: torch.Tensor, first: list[int]) -> WindowSnapshot:
+        """Before this forward's store: the views of the chunks that are not intact, in a ring of their own (see
+        `WindowSnapshot`); `first` [B] the first position each chunk's view shows, kv [N, D] the forward's keys."""
+        ctx, cache = self.ctx, self.cache
+        fmt, parts = cache.windows[self.layer]
+        ring = parts[0].shape[1]
+        far = [i for i, ok in enumerate(self.intact_chunks()) if not ok]
+        span = max(ctx.starts[i] + ctx.lengths[i] - first[i] for i in far)  # rows: every far chunk's whole view
+        snap = [p.new_empty(len(far), span, *p.shape[2:]) for p in parts]
+        slots = [0] * len(ctx.chunks)
+        src, dst, rows, minor, major = [], [], [], [], []
+        for j, i in enumerate(far):
+            slots[i] = j
+            c = ctx.chunks[i]
+            for p in range(first[i], c.start_pos):  # the kept positions, as the ring holds them now
+                src.append(c.state.slot * ring + p % ring)
+                dst.append(j * span + p % span)
+            rows += range(c.start, c.start + c.length)
+            minor += range(c.start_pos, c.start_pos + c.length)
+            major += [j] * c.length
+        if src:  # now, before the store overwrites them
+            src_t, dst_t = to_device(src, kv.device), to_device(dst, kv.device)
+            for s, p in zip(snap, parts, strict=True):
+                s.view(-1, *s.shape[2:])[dst_t] = p.view(-1, *p.shape[2:])[src_t]
+
+        def own_keys() -> None:  # the chunks' own keys, encoded as the store encodes them, when first read
+            cache.writer(fmt, snap, kv[to_device(rows, kv.device)], to_device(major, kv.device),
+                         to_device(minor, kv.device))
+        return WindowSnapshot(fmt, snap, to_device(slots, kv.device), own_keys)
+
+
+class WindowSnapshot:
+    """The window views of a forward's chunks that its own store overwrites (a prefill chunk longer than the rings'
+    spare positions: not `PagedWindow.intact`), copied out before the store into a ring of their own: position p of
+    chunk b at row p % R of slot `slots[b]` of `parts` [far chunks, R, ...] in the window's format `fmt` (R: the
+    longest such view). The rows the ring held are copied as stored and the chunk's keys encoded by the pools' writer
+    (when `parts` is first read: an attention that gathers never asks), so an attention that reads it in place reads
+    the values it would read from the ring: a token's attention does not follow how its prompt was chunked."""
+
+    def __init__(self, fmt, parts: list[torch.Tensor], slots: torch.Tensor, fill: Callable[[], None]) -> None:
+        self.fmt, self._parts, self._fill = fmt, parts, fill
+        self.slots = slots  # [B]: each far chunk's slot in `parts` (0 for the others, which the ring serves)
+
+    @property
+    def parts(self) -> list[torch.Tensor]:
+        if self._fill is not None:
+            fill, self._fill = self._fill, None
+            fill()
+        return self._parts
+
 
 class CacheView:
     """A cache after this forward's writes, as attention and the indexer read it: per chunk i, L_i keys [L_i, D] and,
@@ -76,7 +126,8 @@ class CacheView:
     every form. `length`, `offset` and `first_t` [B] are device copies of `lengths`, of where each chunk's keys begin
     in `flat()` and of `first`, when the maker has them. A paged window's view names its ring (`ring`) and makes its
     values when first read (`make`), so an attention that reads the ring in place gathers nothing; a draft block's
-    names the chunks' own keys too (`block`, [N, D]: each chunk's last L_i - kept entries).
+    names the chunks' own keys too (`block`, [N, D]: each chunk's last L_i - kept entries); an appended window's,
+    the views its store overwrote (`snapshot`).
     """
 
     def __init__(self, keys: list[torch.Tensor] | None = None, positions: list[torch.Tensor] | None = None, *,
@@ -87,6 +138,7 @@ class CacheView:
         self._keys, self._positions, self._values, self.paged = keys, positions, values, paged
         self.ring, self._make = ring, make
         self.block: torch.Tensor | None = None
+        self.snapshot: WindowSnapshot | None = None
         self.lengths = lengths if lengths is not None else [k.shape[0] for k in keys]
         if first is None and positions is not None:
             first = [int(p[0]) if p.numel() else 0 for p in positions]
@@ -196,7 +248,8 @@ def kv_window_append(kv: torch.Tensor, *, layer: int, window: int, ctx) -> Cache
     """Append each chunk's kv [N, D] to its sequence's window; the cache keeps the last `window - 1` entries.
 
     The returned view holds the kept entries followed by the whole chunk, with their positions. A paged view is
-    gathered when first read where the store leaves the ring holding all of it (`PagedWindow.intact`), else now.
+    gathered when first read where the store leaves the ring holding all of it (`PagedWindow.intact`), else now, and
+    the chunks the store overwrites keep their view in a `WindowSnapshot` (`snapshot`) for in-place attention.
     """
     if isinstance(ctx, StaticStep):
         kv_window_store(kv, layer=layer, window=window, ctx=ctx)
@@ -204,6 +257,7 @@ def kv_window_append(kv: torch.Tensor, *, layer: int, window: int, ctx) -> Cache
     view = _window_view(kv, layer, window, ctx, lazy=True)
     if view.ring is not None and not view.ring.intact():
         view.flat()
+        view.snapshot = view.ring.snapshot(kv, view.first)
     kv_window_store(kv, layer=layer, window=window, ctx=ctx)
     return view
 
@@ -227,11 +281,13 @@ def kv_window_store(kv: torch.Tensor, *, layer: int, window: int, ctx) -> None:
 @op("kv_window_block", _cache_type, uses_context=True)
 def kv_window_block(kv: torch.Tensor, *, layer: int, window: int, ctx) -> CacheView | StaticBlock:
     """A view of the `window - 1` entries the window of `layer` holds before each chunk, followed by the chunk's
-    own kv [N, D], which is not stored: a DSpark draft block attends to both and leaves no trace. A paged view names
-    its ring and the chunks' kv (`block`) and gathers when first read; a static step's is a `StaticBlock`."""
+    own kv [N, D], which is not stored: a DSpark draft block attends to both and leaves no trace. A paged view is
+    gathered now (a later store in the forward may overwrite the rows it shows) and names its ring and the chunks'
+    kv (`block`) for an attention that reads them in place; a static step's is a `StaticBlock`."""
     if isinstance(ctx, StaticStep):
         return StaticBlock(ctx, layer, window, kv)
     view = _window_view(kv, layer, window, ctx, lazy=True)
+    view.flat()
     view.block = kv
     return view
 

@@ -38,8 +38,9 @@ class SparseAttention(Lowering):
     def run(self, call: Call) -> torch.Tensor:
         """A static step's attention (dsl/step.py) reads the caches in place. Elsewhere, where `paged.IN_PLACE`, the
         chunks of decode and verification steps and DSpark's draft blocks over paged pools read the caches in place
-        (kernels/attention/paged_attention.py); the rest gathers. The choice is a chunk's own, never its batch's, so a
-        token's path (and its values) does not follow what it is batched with."""
+        (kernels/attention/paged_attention.py), and prefill chunks read their window's snapshot in place with the
+        same kernel, so a token's values follow neither what it is batched with nor how its prompt was chunked; the
+        rest (unpaged caches, `IN_PLACE` off) gathers."""
         q, window, sink, compressed, topk = (list(call.args) + [None, None])[:5]
         a, ctx = call.attrs, call.ctx
         if isinstance(window, StaticWindow):  # a static step (dsl/step.py): only where `paged.serves` the head dim
@@ -53,17 +54,24 @@ class SparseAttention(Lowering):
                       dot_fp32=call.dot_fp32)
         if not causal and topk is None and paged.serves(q.shape[-1]) and paged.block_chunks(window):
             return paged.block_attention_op(q, window, sink, **common)  # draft blocks: as a static step's
-        chunks = []
+        chunks, snapshot = [], False
         if paged.serves(q.shape[-1]):
             chunks = paged.in_place_chunks(window, compressed, topk, causal=causal)
+            snapshot = paged.snapshot_serves(window, chunks)
         if chunks and all(chunks):
             return paged.paged_attention_op(q, window, sink, compressed, topk, **common)
+        if snapshot and not any(chunks):
+            return paged.paged_attention_op(q, window, sink, compressed, topk, snapshot=True, **common)
         if not any(chunks):
             return attention.sparse_attention_op(q, window, sink, compressed, topk, causal=causal, **common)
         near, far = ctx.memo(("in-place rows", tuple(chunks)), lambda: _rows_apart(ctx, chunks))
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         out[near] = paged.paged_attention_op(q, window, sink, compressed, topk, rows=near, **common)
-        out[far] = attention.sparse_attention_op(q, window, sink, compressed, topk, causal=causal, rows=far, **common)
+        if snapshot:
+            out[far] = paged.paged_attention_op(q, window, sink, compressed, topk, rows=far, snapshot=True, **common)
+        else:
+            out[far] = attention.sparse_attention_op(q, window, sink, compressed, topk, causal=causal, rows=far,
+                                                     **common)
         return out
 
     def trace(self, call: Call) -> None:

@@ -365,7 +365,8 @@ def block_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, *, wi
 
 def block_chunks(window) -> bool:
     """Whether `block_attention_op` serves a draft block attention (non-causal) over `window`: a paged view of a
-    `kv_window_block`, its ring named."""
+    `kv_window_block`, its ring named (DSpark's draft graph stores nothing, so the ring still holds what the view
+    shows when its attention runs)."""
     return getattr(window, "ring", None) is not None and getattr(window, "block", None) is not None
 
 
@@ -401,15 +402,24 @@ def static_block_attention_op(q: torch.Tensor, block, sink: torch.Tensor, *, win
 
 
 def in_place_chunks(window, compressed, topk: torch.Tensor | None, *, causal: bool) -> list[bool]:
-    """Per chunk of the forward: whether `paged_attention_op` serves its tokens. A causal attention over a paged
-    window view, with picks only from a paged compressed view, and a chunk whose ring still holds its view after
-    this forward's store (decode and verification chunks: `dsl.ops.attention.PagedWindow.intact_chunks`). Prefill
-    chunks take the gathered path; DSpark's draft blocks, `block_attention_op`."""
+    """Per chunk of the forward: whether `paged_attention_op` serves its tokens from the ring. A causal attention
+    over a paged window view, with picks only from a paged compressed view, and a chunk whose ring still holds its
+    view after this forward's store (decode and verification chunks: `dsl.ops.attention.PagedWindow.intact_chunks`);
+    the others (prefill chunks) from the view's `snapshot` where it has one (`snapshot_serves`), else gathered.
+    DSpark's draft blocks take `block_attention_op`."""
     ring = getattr(window, "ring", None)
     if not causal or ring is None or not (compressed is None or topk is None or compressed.paged is not None) \
             or getattr(window, "block", None) is not None:  # a draft block's keys are not in its ring
         return [False] * len(window.lengths)
     return ring.intact_chunks()
+
+
+def snapshot_serves(window, chunks: list[bool]) -> bool:
+    """Whether the chunks `in_place_chunks` leaves out (some, not all) read their view in place from the window's
+    `WindowSnapshot`: every token of a forward then takes the in-place kernel, whose values follow only the token's
+    entries, so a token's attention is the same however its prompt was chunked (batch-invariant runs need that)."""
+    return getattr(window, "snapshot", None) is not None and getattr(window, "ring", None) is not None \
+        and not all(chunks) and getattr(window, "block", None) is None
 
 
 def pick_width(width: int) -> int:
@@ -442,12 +452,16 @@ def _int32(ctx, t: torch.Tensor) -> torch.Tensor:
 
 def paged_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=None, topk: torch.Tensor | None = None,
                        *, window_size: int, scale: float, ctx, config: dict | None = None, dot_fp32: bool = False,
-                       rows: torch.Tensor | None = None) -> torch.Tensor:
+                       rows: torch.Tensor | None = None, snapshot: bool = False) -> torch.Tensor:
     """The DSL op `sparse_attention` (same arguments, causal) on the in-place kernel, for the chunks
     `in_place_chunks` passes: q [N, H, D] -> fp32 [N, H, D]; with `rows` [M] (token rows of such chunks, on the
-    device, made once a forward: the lowering's memo), fp32 [M, H, D] of those rows alone."""
+    device, made once a forward: the lowering's memo), fp32 [M, H, D] of those rows alone. With `snapshot`, the rows'
+    window comes from the view's `WindowSnapshot` (the chunks the ring no longer holds: `snapshot_serves`)."""
     ring = window.ring
     fmt, parts = ring.cache.windows[ring.layer]
+    slots = ring.slots
+    if snapshot:
+        fmt, parts, slots = window.snapshot.fmt, window.snapshot.parts, window.snapshot.slots
     _, _, first = window.layout(ctx.device)
     chunks, positions = _int32(ctx, ctx.row_chunks), _int32(ctx, ctx.positions)
     if rows is not None:
@@ -464,7 +478,7 @@ def paged_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=N
     dtype = torch.float32 if dot_fp32 else torch.bfloat16
     q = q.to(dtype).contiguous()
     return paged_attention(q, sink.float().contiguous(), window_fmt=fmt, window_parts=parts,
-                           slots=_int32(ctx, ring.slots), first=_int32(ctx, first), row_chunks=chunks,
+                           slots=_int32(ctx, slots), first=_int32(ctx, first), row_chunks=chunks,
                            positions=positions, window_size=window_size, scale=scale, config=config, dot_fp32=dot_fp32,
                            **pool)
 
@@ -525,5 +539,5 @@ def trace(heads: int, dim: int, *, window_size: int, scale: float, window_fmt: E
 
 __all__ = ["block_attention", "block_attention_kernel", "block_attention_op", "block_chunks", "default_split",
            "in_place_chunks", "paged_attention", "paged_attention_combine_kernel",
-           "paged_attention_kernel", "paged_attention_op", "pick_width", "pick_widths", "serves",
+           "paged_attention_kernel", "paged_attention_op", "pick_width", "pick_widths", "serves", "snapshot_serves",
            "static_attention_op", "static_block_attention_op", "supports", "tiles", "trace", "trace_block"]

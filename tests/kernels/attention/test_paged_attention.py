@@ -157,8 +157,8 @@ def test_a_token_alone_is_the_token_in_its_batch(split, device) -> None:
 
 def test_mixed_steps_take_each_chunk_s_own_path(monkeypatch, device) -> None:
     """A forward with a prefill chunk (longer than the ring's spare positions + 1) and decode chunks: with the
-    in-place kernel on, the decode chunks' rows are the in-place kernel's, computed alone, and the prefill's the
-    gathered path's, bitwise; neither follows the other chunks."""
+    in-place kernel on, the decode chunks' rows are the in-place kernel's over the ring, computed alone, and the
+    prefill's the in-place kernel's over the view's snapshot, bitwise; neither follows the other chunks."""
     step = make_step([(10, 5, 4), (3, 1, 2), (20, 2, 9)], heads=2, dim=64, window=8, topk=4, spare=3, block_size=4,
                      device=device)
     view, comp, topk, ctx = step["view"], step["compressed"], step["topk"], step["ctx"]
@@ -172,9 +172,44 @@ def test_mixed_steps_take_each_chunk_s_own_path(monkeypatch, device) -> None:
     common = dict(window_size=8, scale=0.125, ctx=ctx, config=config)
     near, far = torch.tensor([5, 6, 7], device=device), torch.tensor([0, 1, 2, 3, 4], device=device)
     assert torch.equal(got[near], paged_attention_op(step["q"], view, step["sink"], comp, topk, rows=near, **common))
-    gathered = sparse_attention_op(step["q"], view, step["sink"], comp, topk, **common)
-    assert torch.equal(got[far], gathered[far])
+    snapshot = paged_attention_op(step["q"], view, step["sink"], comp, topk, rows=far, snapshot=True, **common)
+    assert torch.equal(got[far], snapshot)
     assert rel_l2(got, reference(step, 8, False)) < TOLERANCE[False]
+
+
+@pytest.mark.parametrize("dot_fp32", [False, True])
+def test_a_tokens_attention_does_not_follow_how_its_prompt_was_chunked(dot_fp32: bool, device) -> None:
+    """A sequence's tokens through `kv_window_append` and the lowering, its prompt in one chunk past the rings'
+    spare positions (read in place from its snapshot), in chunks of mixed lengths, or in chunks the ring holds (read
+    from the ring): the same attention, bit for bit (batch-invariant configs); and the float64 reference's within the
+    tolerance."""
+    dim, heads, window, spare, n = 64, 2, 8, 3, 21
+    spec = CacheSpec(windows=((0, dim, window, WINDOW_FMT),), compressed=(), spare=spare)
+    kv = fp8_round(gen(n, dim, device=device, seed=3), block=32)
+    q, sink = gen(n, heads, dim, device=device, seed=4), gen(heads, device=device, seed=5)
+    config = SPARSE_ATTENTION.invariant(SPARSE_ATTENTION.default_config(HeadsStatic(heads, dim), 8))
+    attrs = dict(window_size=window, scale=0.125, causal=True)
+
+    def run(chunks: list[int]) -> torch.Tensor:
+        cache = PagedCache(spec, num_slots=2, num_blocks=4, block_size=8, device=device)
+        state, outs, at = SequenceState(cache=cache, slot=1, block_table=[0, 1, 2]), [], 0
+        for length in chunks:
+            ctx = ForwardContext([state], [length], device=device)
+            view = kv_window_append(kv[at: at + length], layer=0, window=window, ctx=ctx)
+            call = Call(HeadsStatic(heads, dim), PLAIN, config, attrs, args=(q[at: at + length], view, sink),
+                        ctx=ctx, dot_fp32=dot_fp32)
+            outs.append(SPARSE_ATTENTION.run(call))
+            ctx.commit()
+            at += length
+        return torch.cat(outs)
+
+    whole = run([n])
+    assert torch.equal(run([9, 4, 1, 7]), whole) and torch.equal(run([4, 4, 4, 4, 4, 1]), whole)
+    ctx = ForwardContext([SequenceState()], [n], device=device)
+    eager = kv_window_block(kv, layer=0, window=window, ctx=ctx)  # no cache: the chunk's own keys
+    ref_q = q if dot_fp32 else q.bfloat16()
+    want = ref_sparse_attention(ref_q.double(), eager, sink.double(), window_size=window, scale=0.125, ctx=ctx)
+    assert rel_l2(whole, want) < TOLERANCE[dot_fp32]
 
 
 @pytest.mark.parametrize("dot_fp32", [False, True])
@@ -206,14 +241,19 @@ def test_draft_blocks_read_the_ring_in_place(dot_fp32: bool, device) -> None:
     assert torch.equal(static[: q.shape[0]], got)
 
 
-def test_long_chunks_take_the_gathered_path(device) -> None:
+def test_long_chunks_read_a_snapshot_of_their_view(device) -> None:
     """A chunk longer than the ring's spare positions + 1 overwrites rows its view shows: the view is gathered
-    before the store, and the in-place kernel declines it."""
+    before the store, the ring's in-place read declines it, and its snapshot holds it in the ring's format."""
     step = make_step([(10, 5, 4), (3, 1, 2)], heads=2, dim=64, window=8, topk=4, spare=3, block_size=4,
                      device=device)
-    assert step["view"].ring is not None
-    assert in_place_chunks(step["view"], step["compressed"], step["topk"], causal=True) == [False, True]
-    assert torch.equal(step["view"].flat(), step["eager"].flat())
+    view = step["view"]
+    assert view.ring is not None
+    chunks = in_place_chunks(view, step["compressed"], step["topk"], causal=True)
+    assert chunks == [False, True] and paged.snapshot_serves(view, chunks)
+    assert torch.equal(view.flat(), step["eager"].flat())
+    snap = view.snapshot  # chunk 0's view, positions 3 .. 14, at row p % 12 of its slot 0
+    seen = view.snapshot.fmt.decode(*[p[0, torch.arange(3, 15, device=device) % 12] for p in snap.parts])
+    assert snap.slots.tolist() == [0, 0] and torch.equal(seen, view.keys[0])
     assert not any(in_place_chunks(step["eager"], step["compressed"], step["topk"], causal=True))  # a draft block's
 
 

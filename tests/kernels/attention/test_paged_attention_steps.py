@@ -63,12 +63,12 @@ def test_steps_read_the_caches_in_place_as_they_gather_them(monkeypatch) -> None
     calls = in_place_calls(monkeypatch)
     got = run_steps(compiled, STEPS, "cpu")
     layers = compiled.config.num_hidden_layers
-    # every layer of every step: the decode and verification steps whole, the first step's chunk of 3 tokens while
-    # its chunk of 5 (past the ring's spare positions + 1) gathers
-    assert len(calls) == 4 * layers
+    # every layer of every step: the decode and verification steps whole, the first step's chunk of 3 tokens from
+    # the ring and its chunk of 5 (past the ring's spare positions + 1) from its window's snapshot: two launches
+    assert len(calls) == 5 * layers
     monkeypatch.setattr(paged, "IN_PLACE", False)  # DEEPINFER_PAGED_ATTENTION=0: the gathered path
     want = run_steps(compiled, STEPS, "cpu")
-    assert len(calls) == 4 * layers
+    assert len(calls) == 5 * layers
     for g, w in zip(got, want, strict=True):
         assert rel_l2(g, w) < LOGIT_TOLERANCE
 
