@@ -1,5 +1,5 @@
-"""The model runner's hooks and failures: allowed-token masks (the structured-outputs hook), a failing step; plain steps'
-tokens fed to the next step on the device."""
+"""The model runner's hooks and failures: allowed-token masks (the structured-outputs hook), a failing step; plain
+steps' tokens fed to the next step on the device."""
 
 from __future__ import annotations
 

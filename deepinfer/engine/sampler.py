@@ -4,10 +4,11 @@ Each row's token is `deepinfer.sampler.sample`'s, so it depends on its logits, s
 `sample` would draw from their logits alone (`plain_greedy`, `plain_sampled`: nothing adjusting or cutting them, no
 log-probabilities) are drawn together by `sample_plain`, every row of the step in one call and one read back; the
 others, and every row of a step under a token constraint's mask, go through `sample` one row at a time. A step whose
-every row is plain can leave its tokens on the device (`draw`): `SampledIds` copies them to the host without waiting,
-and the next step feeds them to its placeholders on the device, so the host prepares that step while this one runs. A logits
-processor (a penalty, a ban, a bias) joins `adjust_logits` in deepinfer/sampler.py, and `adjusts_logits` says for
-which rows it acts: those rows then take the per-row path here, the others keep the batched draw.
+every row is plain can leave its tokens on the device (`draw`): `SampledIds` copies them to the host without
+waiting, and the next step feeds them to its placeholders on the device, so the host prepares that step while this
+one runs. A logits processor (a penalty, a ban, a bias) joins `adjust_logits` in deepinfer/sampler.py, and
+`adjusts_logits` says for which rows it acts: those rows then take the per-row path here, the others keep the
+batched draw.
 """
 
 from __future__ import annotations
