@@ -127,7 +127,7 @@ class CompiledModel(Generic[ConfigT]):
         logits = ctx.full_logits(out["logits"])
         if draws is not None and "drawn" in out:  # one per row: each chunk's last row's
             drawn = out["drawn"]
-            draws.tokens = drawn if max(lengths) == 1 else drawn[to_device(_last_rows(lengths), drawn.device)]
+            draws.tokens = drawn if max(lengths) == 1 else drawn[_logit_rows(lengths, None).to(drawn.device)]
         ctx.commit()
         return logits
 
@@ -203,15 +203,6 @@ class CompiledModel(Generic[ConfigT]):
         packed = to_device(ids + rows + index, self.device)
         packed[:n].index_copy_(0, packed[n:n + k], fed[0].to(self.device).index_select(0, packed[n + k:]))
         return states, lengths, packed[:n]
-
-
-def _last_rows(lengths: list[int]) -> list[int]:
-    """Each chunk's last flat row."""
-    ends, out = 0, []
-    for n in lengths:
-        ends += n
-        out.append(ends - 1)
-    return out
 
 
 def _logit_rows(lengths: list[int], num_logits: list[int] | None) -> torch.Tensor:

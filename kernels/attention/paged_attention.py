@@ -257,6 +257,18 @@ def tiles(config: dict | None, num_tokens: int, heads: int, head_dim: int, dot_f
             "split": split}
 
 
+def _check_queries(q: torch.Tensor, sink: torch.Tensor) -> tuple[int, int, int]:
+    """(N, H, D) of the in-place kernels' queries q [N, H, D] and sink [H], checked."""
+    if q.dim() != 3 or q.dtype not in (torch.float32, torch.bfloat16) or not q.is_contiguous():
+        raise ValueError(f"q must be contiguous float32/bfloat16 [N, H, D], got {q.dtype} {list(q.shape)}")
+    n, h, d = q.shape
+    if not supports(d):
+        raise ValueError(f"in-place attention needs a power-of-two head dim of at least 32, got {d}")
+    if tuple(sink.shape) != (h,) or sink.dtype != torch.float32 or not sink.is_contiguous():
+        raise ValueError(f"sink must be contiguous float32 [{h}], got {sink.dtype} {list(sink.shape)}")
+    return n, h, d
+
+
 def paged_attention(q: torch.Tensor, sink: torch.Tensor, *, window_fmt: EntryFormat, window_parts: list[torch.Tensor],
                     slots: torch.Tensor, first: torch.Tensor, row_chunks: torch.Tensor, positions: torch.Tensor,
                     window_size: int, scale: float, pool_fmt: EntryFormat | None = None,
@@ -273,13 +285,7 @@ def paged_attention(q: torch.Tensor, sink: torch.Tensor, *, window_fmt: EntryFor
     Index tensors of any integer type. `config`: the kernel's (`tiles`: block_H, block_S, num_warps, num_stages,
     split) or a plan's sparse_attention config.
     """
-    if q.dim() != 3 or q.dtype not in (torch.float32, torch.bfloat16) or not q.is_contiguous():
-        raise ValueError(f"q must be contiguous float32/bfloat16 [N, H, D], got {q.dtype} {list(q.shape)}")
-    n, h, d = q.shape
-    if not supports(d):
-        raise ValueError(f"in-place attention needs a power-of-two head dim of at least 32, got {d}")
-    if tuple(sink.shape) != (h,) or sink.dtype != torch.float32 or not sink.is_contiguous():
-        raise ValueError(f"sink must be contiguous float32 [{h}], got {sink.dtype} {list(sink.shape)}")
+    n, h, d = _check_queries(q, sink)
     b = slots.shape[0]
     w_codes, w_scales, w_c = pool_operands(window_fmt, window_parts, d, "window")
     index = [index_operand(slots, "slots", (b,)), index_operand(first, "first", (b,))]
@@ -336,15 +342,9 @@ def block_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, *, wi
     q [N, H, D] fp32/bf16, sink [H] fp32; per chunk b [B]: its slot, the first position its view shows, its first
     position, first row and row count; per row [N] its chunk. The ring `window_parts` [slots, RING, ...] in
     `window_fmt`. `config`: block_H, block_S, num_warps (`tiles`'s; the parts are always one)."""
-    if q.dim() != 3 or q.dtype not in (torch.float32, torch.bfloat16) or not q.is_contiguous():
-        raise ValueError(f"q must be contiguous float32/bfloat16 [N, H, D], got {q.dtype} {list(q.shape)}")
-    n, h, d = q.shape
-    if not supports(d):
-        raise ValueError(f"in-place attention needs a power-of-two head dim of at least 32, got {d}")
+    n, h, d = _check_queries(q, sink)
     if kv.dim() != 2 or tuple(kv.shape) != (n, d) or kv.dtype != torch.float32 or not kv.is_contiguous():
         raise ValueError(f"kv must be contiguous float32 [{n}, {d}], got {kv.dtype} {list(kv.shape)}")
-    if tuple(sink.shape) != (h,) or sink.dtype != torch.float32 or not sink.is_contiguous():
-        raise ValueError(f"sink must be contiguous float32 [{h}], got {sink.dtype} {list(sink.shape)}")
     b = slots.shape[0]
     w_codes, w_scales, w_c = pool_operands(window_fmt, window_parts, d, "window")
     index = [index_operand(t, name, (b,)) for t, name in ((slots, "slots"), (first, "first"), (starts, "starts"),
