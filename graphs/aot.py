@@ -21,6 +21,7 @@ import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+import kernels.attention.block_attention as block_attention
 import kernels.attention.paged_attention as paged_attention
 import kernels.cache.rows as cache_kernels
 import kernels.indexer.index_scores as scores
@@ -81,11 +82,11 @@ def record_cache_launches(spec: CacheSpec) -> dict[str, Launch]:
 
 def record_attention_launches(plan: Plan, graph: Graph, caches: Graph | None = None) -> dict[str, Launch]:
     """The launches of the in-place decode attention (kernels/attention/paged_attention.py) that the plan's causal
-    attention nodes over a window append make on decode and verification steps, of its draft block form for
-    non-causal ones over a `kv_window_block` (DSpark's draft pass), and of the indexer's in-place scores
-    (kernels/indexer/index_scores.py) over a cache the graph appends to: for each, the formats of its caches (off
-    `caches`, the graph that declares them: `graph` itself, or for a draft graph its model's), every bucket's config
-    and the batch-invariant one."""
+    attention nodes over a window append make on decode and verification steps, of the draft block kernel
+    (kernels/attention/block_attention.py) for non-causal ones over a `kv_window_block` (DSpark's draft pass), and of
+    the indexer's in-place scores (kernels/indexer/index_scores.py) over a cache the graph appends to: for each, the
+    formats of its caches (off `caches`, the graph that declares them: `graph` itself, or for a draft graph its
+    model's), every bucket's config and the batch-invariant one."""
     spec = CacheSpec.from_graph(caches if caches is not None else graph)
     windows = {layer: fmt for layer, _, _, fmt in spec.windows}
     pools = {(name, layer): fmt for name, layer, _, _, fmt in spec.compressed}
@@ -104,7 +105,7 @@ def record_attention_launches(plan: Plan, graph: Graph, caches: Graph | None = N
             if (window is not None and window.op == "kv_window_block" and not op.attrs.get("causal", True)
                     and paged_attention.supports(node.static.d)):
                 for chosen in [node.buckets[b] for b in plan.buckets] + [node.invariant]:
-                    paged_attention.trace_block(node.static.h, node.static.d, window_size=op.attrs["window_size"],
+                    block_attention.trace_block(node.static.h, node.static.d, window_size=op.attrs["window_size"],
                                                 scale=op.attrs["scale"], window_fmt=windows[window.attrs["layer"]],
                                                 config=chosen.config, dot_fp32=plan.dot_fp32)
                 continue

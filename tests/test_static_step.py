@@ -101,10 +101,10 @@ def test_a_static_step_draws_each_chunks_next_token_in_its_graph() -> None:
 def test_static_draft_passes_give_the_eager_ones(monkeypatch) -> None:
     """DSpark's draft pass as a static step (blocks of 5 tokens, past the rings' spare positions: it stores nothing)
     gives the eager pass's hidden states and logits bit for bit, both reading the window rings in place
-    (`block_attention_kernel`; tests/kernels/attention/test_paged_attention.py checks it against the reference),
+    (`block_attention_kernel`; tests/kernels/attention/test_block_attention.py checks it against the reference),
     with sequences joining and leaving between the passes."""
     from deepinfer.default_model import TRAINED_CHECKPOINT
-    from kernels.attention import paged_attention
+    from kernels.attention import block_attention
 
     model = DeepseekV41Flash.from_pretrained(TRAINED_CHECKPOINT)
 
@@ -124,8 +124,8 @@ def test_static_draft_passes_give_the_eager_ones(monkeypatch) -> None:
         return out
 
     launches = []
-    block = paged_attention.block_attention
-    monkeypatch.setattr(paged_attention, "block_attention", lambda *a, **k: launches.append(1) or block(*a, **k))
+    block = block_attention.block_attention
+    monkeypatch.setattr(block_attention, "block_attention", lambda *a, **k: launches.append(1) or block(*a, **k))
     eager = run(False)
     assert len(launches) == 3 * 3  # each draft pass's three draft layers, in place
     static = run(True)

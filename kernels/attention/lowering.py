@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels.attention.block_attention as block
 import kernels.attention.paged_attention as paged
 import kernels.attention.sparse_attention as attention
 from dsl.graph import Node
@@ -38,22 +39,23 @@ class SparseAttention(Lowering):
     def run(self, call: Call) -> torch.Tensor:
         """A static step's attention (dsl/step.py) reads the caches in place. Elsewhere, where `paged.IN_PLACE`, the
         chunks of decode and verification steps and DSpark's draft blocks over paged pools read the caches in place
-        (kernels/attention/paged_attention.py), and prefill chunks read their window's snapshot in place with the
-        same kernel, so a token's values follow neither what it is batched with nor how its prompt was chunked; the
-        rest (unpaged caches, `IN_PLACE` off) gathers."""
+        (kernels/attention/paged_attention.py; the draft blocks' kernel: kernels/attention/block_attention.py), and
+        prefill chunks read their window's snapshot in place with the decode kernel, so a token's values follow
+        neither what it is batched with nor how its prompt was chunked; the rest (unpaged caches, `IN_PLACE` off)
+        gathers."""
         q, window, sink, compressed, topk = (list(call.args) + [None, None])[:5]
         a, ctx = call.attrs, call.ctx
         if isinstance(window, StaticWindow):  # a static step (dsl/step.py): only where `paged.serves` the head dim
             return paged.static_attention_op(q, window, sink, compressed, topk, window_size=a["window_size"],
                                              scale=a["scale"], config=call.config, dot_fp32=call.dot_fp32)
         if isinstance(window, StaticBlock):  # a static step's draft block
-            return paged.static_block_attention_op(q, window, sink, window_size=a["window_size"], scale=a["scale"],
+            return block.static_block_attention_op(q, window, sink, window_size=a["window_size"], scale=a["scale"],
                                                    config=call.config, dot_fp32=call.dot_fp32)
         causal = a.get("causal", True)
         common = dict(window_size=a["window_size"], scale=a["scale"], ctx=ctx, config=call.config,
                       dot_fp32=call.dot_fp32)
-        if not causal and topk is None and paged.serves(q.shape[-1]) and paged.block_chunks(window):
-            return paged.block_attention_op(q, window, sink, **common)  # draft blocks: as a static step's
+        if not causal and topk is None and paged.serves(q.shape[-1]) and block.block_chunks(window):
+            return block.block_attention_op(q, window, sink, **common)  # draft blocks: as a static step's
         chunks, snapshot = [], False
         if paged.serves(q.shape[-1]):
             chunks = paged.in_place_chunks(window, compressed, topk, causal=causal)
