@@ -31,8 +31,9 @@ from autotune.tune import time_us  # noqa: E402
 from dsl.cache import CacheSpec, PagedCache  # noqa: E402
 from dsl.cache_format import EntryFormat  # noqa: E402
 from dsl.context import ForwardContext, SequenceState  # noqa: E402
-from dsl.ops.attention import CacheView, PagedEntries, kv_window_append, kv_window_block  # noqa: E402
+from dsl.ops.attention import kv_window_append, kv_window_block  # noqa: E402
 from dsl.ops.attention import sparse_attention as reference  # noqa: E402
+from dsl.ops.cache_view import CacheView, PagedEntries  # noqa: E402
 from dsl.ops.rounding import fp8_round  # noqa: E402
 from dsl.transfer import to_device  # noqa: E402
 from kernels.attention.lowering import SPARSE_ATTENTION, HeadsStatic  # noqa: E402

@@ -20,7 +20,7 @@ from deepinfer.sampling_params import SamplingParams
 from dsl.context import ForwardContext, SequenceState
 from dsl.interpret import interpret
 from dsl.ops import OPS, invariant_references
-from dsl.ops.attention import CacheView
+from dsl.ops.cache_view import CacheView
 from tests.conftest import DISCRETE, SMOOTH, fixture_dir, oracle, rel_l2
 
 FIXTURES = SMOOTH + DISCRETE

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dsl.ops import OPS
-from dsl.ops.attention import CacheView
+from dsl.ops.cache_view import CacheView
 from dsl.ragged import Ragged
 
 

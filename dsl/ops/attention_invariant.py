@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from dsl.context import cast
-from dsl.ops.attention import CacheView
+from dsl.ops.cache_view import CacheView
 from dsl.ops.invariant import softmax
 from dsl.ops.registry import invariant
 

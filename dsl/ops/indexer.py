@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from dsl.context import cast
-from dsl.ops.attention import CacheView
+from dsl.ops.cache_view import CacheView
 from dsl.ops.invariant import MIN_COLS, padded_rows
 from dsl.ops.registry import invariant, op
 from dsl.ops.static_entries import StaticCompressed, visible_counts

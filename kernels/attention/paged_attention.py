@@ -285,7 +285,7 @@ def paged_attention(q: torch.Tensor, sink: torch.Tensor, *, window_fmt: EntryFor
 def in_place_chunks(window, compressed, topk: torch.Tensor | None, *, causal: bool) -> list[bool]:
     """Per chunk of the forward: whether `paged_attention_op` serves its tokens from the ring. A causal attention
     over a paged window view, with picks only from a paged compressed view, and a chunk whose ring still holds its
-    view after this forward's store (decode and verification chunks: `dsl.ops.attention.PagedWindow.intact_chunks`);
+    view after this forward's store (decode and verification chunks: `dsl.ops.cache_view.PagedWindow.intact_chunks`);
     the others (prefill chunks) from the view's `snapshot` where it has one (`snapshot_serves`), else gathered.
     DSpark's draft blocks take `block_attention_op` (kernels/attention/block_attention.py)."""
     ring = getattr(window, "ring", None)

@@ -147,7 +147,7 @@ def gather_indices(window, compressed, topk: torch.Tensor | None, *, window_size
                    dtype: torch.dtype = torch.bfloat16, causal: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """The DSL's cache views as one key pool and per-token entry lists: (kv [P, D], idx int32 [N, S]).
 
-    `window` and `compressed` are `dsl.ops.attention.CacheView`s, `topk` [N, K] the selected compressed entries
+    `window` and `compressed` are `dsl.ops.cache_view.CacheView`s, `topk` [N, K] the selected compressed entries
     (-1 = none). A token sees the window entries whose positions lie in (pos - window_size, pos], a contiguous run of
     at most `window_size`, then its picks (`dsl.ops.attention.visible_entries`: a few tensor ops for any batch; the
     pools' entries are decoded as they are gathered); with `causal` False, its chunk's whole view (a DSpark block).

@@ -203,7 +203,7 @@ def reads_in_place(keys, dim: int) -> bool:
 
 def index_scores_op(q: torch.Tensor, weights: torch.Tensor, keys, *, ratio: int, ctx, config: dict | None = None,
                     dot_fp32: bool = False) -> torch.Tensor:
-    """The DSL op `index_scores` (same arguments) on the kernels: `keys` a `dsl.ops.attention.CacheView` (read in
+    """The DSL op `index_scores` (same arguments) on the kernels: `keys` a `dsl.ops.cache_view.CacheView` (read in
     place where `reads_in_place`, else flat; each token finds its chunk's keys through `ctx.row_chunks`), or a static
     step's `StaticCompressed`. q [N, H, d] -> fp32 [N, C], C the longest cache (a static step's: its static width)."""
     dtype = torch.float32 if dot_fp32 else torch.bfloat16

@@ -12,8 +12,9 @@ import kernels.attention.paged_attention as paged
 from dsl.cache import CacheSpec, PagedCache
 from dsl.cache_format import EntryFormat
 from dsl.context import ForwardContext, SequenceState
-from dsl.ops.attention import CacheView, PagedEntries, kv_window_append, kv_window_block
+from dsl.ops.attention import kv_window_append, kv_window_block
 from dsl.ops.attention import sparse_attention as ref_sparse_attention
+from dsl.ops.cache_view import CacheView, PagedEntries
 from dsl.ops.rounding import fp4_round, fp8_round
 from dsl.transfer import to_device
 from kernels.attention.lowering import SPARSE_ATTENTION, HeadsStatic

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from dsl.context import ForwardContext, SequenceState
-from dsl.ops.attention import CacheView
 from dsl.ops.attention import sparse_attention as ref_sparse_attention
+from dsl.ops.cache_view import CacheView
 from kernels.attention.sparse_attention import sparse_attention_op
 from tests.kernels.cases import HEAD_DIM, HEADS, INDEX_TOPK, WINDOW, gen, rel_l2
 

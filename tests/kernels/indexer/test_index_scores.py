@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsl.context import ForwardContext, SequenceState
-from dsl.ops.attention import CacheView
+from dsl.ops.cache_view import CacheView
 from dsl.ops.indexer import index_scores as ref_index_scores
 from graphs.plan import INVARIANT_TOKENS
 from kernels.indexer.index_scores import index_scores_op
