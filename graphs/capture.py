@@ -42,10 +42,8 @@ inputs of zeros (a segment's nodes compute the same whatever the rows hold; inpu
 segment's outputs, as in a real forward), each after one eager run that loads its kernels. The largest bucket's
 temporaries are then free blocks the smaller ones fit into, and a step at any decode size replays from its first.
 
-A static step also draws the token after each of its rows inside its graph (`DRAWN`, an output of the segment that
-makes the logits): the sampling kernel over the logits with each row's factor, seed and position from the
-`StaticStep` (dsl/step.py), so a step's tokens need no launch of their own; a forward that asked for them
-(`dsl.context.Draws`) takes them, the others leave them.
+A static step also draws the token after each of its rows inside its graph (graphs/draws.py: `DRAWN`, an output of
+the segment that makes the logits), so a step's tokens need no launch of their own.
 
 Forwards of more than `max_tokens` tokens (prefill chunks, GPU-bound already) run eagerly, unpadded; at most
 `max_steps` (bucket, mode) pairs keep graphs, holding at most about `max_bytes` of device memory (the least recently
@@ -63,32 +61,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsl.graph import Graph, Value
+from dsl.graph import Graph
 from dsl.step import STORING_OPS, StaticStep, table_width
-from dsl.tensor import TensorType, num_tokens
+from graphs.draws import _drawing
 from graphs.segments import CONTEXT_TENSORS, GRAPH_BUCKETS, Segment, Split, capturable, find_segments
-from kernels.sampling.gumbel_argmax import gumbel_argmax
-
-# The tokens a static step draws after its rows (int64 [N]): an output of the segment that makes the logits.
-DRAWN = Value("drawn", TensorType((num_tokens,), "int64"))
-
-
-def _drawing(graph: Graph, segments: list[Segment]) -> list[Segment]:
-    """A static step's segments, the one that makes every row's logits (the graph's output "logits", [N, vocab])
-    drawing the tokens after them too (`DRAWN`)."""
-    logits = graph.outputs.get("logits")
-    out = []
-    for s in segments:
-        if logits is not None and any(v is logits and r for v, r in zip(s.outputs, s.row_outputs, strict=True)):
-            s = Segment(s.start, s.stop, s.inputs, [*s.outputs, DRAWN], True)
-        out.append(s)
-    return out
-
-
-def draw(env: dict, logits: Value, layout: StaticStep) -> None:
-    """Put the tokens drawn after the rows of `env[logits]` in `env[DRAWN]`, with the rows' factors, seeds and
-    positions of `layout`."""
-    env[DRAWN] = gumbel_argmax(env[logits], layout.draw_factors, layout.draw_seeds, layout.draw_positions)
 
 
 class _StaticContext:
@@ -138,7 +114,8 @@ class CudaGraphs:
     """Captured segments of one executor's graph, per token-count bucket and mode (see the module's docstring).
     `capture=False` pads the segments without capturing them (what a forward in a new bucket does; on a CPU, the
     padding alone can be tested); `pad` fills the padding rows of tensors made for it (floating point only);
-    `draws`: static steps draw their rows' next tokens (`DRAWN`; not a DSpark draft graph's, which samples its own)."""
+    `draws`: static steps draw their rows' next tokens (graphs/draws.py; not a DSpark draft graph's, which samples
+    its own)."""
 
     def __init__(self, graph: Graph, max_tokens: int = GRAPH_BUCKETS[-1], max_steps: int = 64, max_bytes: int = 4 << 30,
                  capture: bool = True, pad: float = 0.0, ahead: int = 0,
@@ -398,5 +375,5 @@ class _Forward:
         return {k: v.clone() if id(v) in self.static else v for k, v in outputs.items()}
 
 
-__all__ = ["CONTEXT_TENSORS", "DRAWN", "GRAPH_BUCKETS", "CudaGraphs", "Segment", "Split", "bucket", "capturable",
-           "draw", "find_segments"]
+__all__ = ["CONTEXT_TENSORS", "GRAPH_BUCKETS", "CudaGraphs", "Segment", "Split", "bucket", "capturable",
+           "find_segments"]

@@ -113,7 +113,7 @@ class CompiledModel(Generic[ConfigT]):
         the rows of a chunk wholly before its sequence's `replay_from` are not computed: NaN. `fed`: inputs whose
         tokens an earlier step left on the device (their ids in `batch` are ignored), taken there without the host
         waiting for them. `draws`: the tokens to draw after each chunk, which a step that draws them inside its
-        graph (a GPU target's static step: graphs/capture.py) puts in `draws.tokens`.
+        graph (a GPU target's static step: graphs/draws.py) puts in `draws.tokens`.
         """
         self.runtime.ready()
         states, lengths, ids = self._chunks(batch, fed)

@@ -22,7 +22,8 @@ from dsl.interpret import empty_output
 from dsl.ops import OPS
 from dsl.ragged import Ragged
 from dsl.step import StaticStep
-from graphs.capture import DRAWN, CudaGraphs, draw
+from graphs.capture import CudaGraphs
+from graphs.draws import DRAWN, draw
 from graphs.plan import Plan
 from kernels.linear.fp8 import rowwise_weight
 from kernels.moe.expert_parallel_kernel import ParallelMoeKernel
@@ -39,8 +40,8 @@ class Executor:
                  parallel_experts: ParallelMoeKernel | None = None, draws: bool = True) -> None:
         """`formatted`: another executor's converted weights, shared (a DSpark draft graph beside its model's).
         `cuda_graphs`: replay the graph's static segments as CUDA graphs (graphs/capture.py), whose static steps
-        draw their rows' next tokens where `draws` (not a draft graph's). `parallel_experts`: the MoE nodes run over
-        this rank's experts through it (expert parallelism), outside the CUDA graphs."""
+        draw their rows' next tokens where `draws` (graphs/draws.py; not a draft graph's). `parallel_experts`: the
+        MoE nodes run over this rank's experts through it (expert parallelism), outside the CUDA graphs."""
         plan.check_graph(graph)
         self.graph, self.plan, self.device = graph, plan, torch.device(device)
         self.parallel_experts = parallel_experts
