@@ -20,7 +20,8 @@ from dsl.interpret import interpret
 from dsl.ops import OPS
 from dsl.passes import run_passes
 from dsl.step import has_static_form
-from graphs.capture import CONTEXT_TENSORS, GRAPH_BUCKETS, CudaGraphs, _StaticContext, bucket, capturable, find_segments
+from graphs.capture import CONTEXT_TENSORS, GRAPH_BUCKETS, CudaGraphs, bucket, capturable, find_segments
+from graphs.captured_step import _StaticContext
 from graphs.plan import BUCKETS as PLAN_BUCKETS
 from graphs.segments import _token_shaped
 from tests.conftest import fixture_dir
@@ -172,7 +173,8 @@ def test_buckets_hold_the_plans_bucket_bounds() -> None:
 
 def test_the_least_recently_used_token_counts_make_room() -> None:
     """Eviction by count and by the device memory the captures took (no GPU needed: the records alone)."""
-    from graphs.capture import CapturedStep, CudaGraphs
+    from graphs.capture import CudaGraphs
+    from graphs.captured_step import CapturedStep
 
     _, (graph,) = graphs("v41-smooth", False)
     keep = CudaGraphs(graph, max_steps=3, max_bytes=100)
