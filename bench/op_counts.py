@@ -43,7 +43,7 @@ from deepinfer.models import DeepseekV41Flash
 from dsl.cache import PagedCache, load_rows, store_rows
 from dsl.context import ForwardContext
 from dsl.ops import OPS
-from dsl.ops.attention import _attend as attend
+from dsl.ops.attend import attend
 from dsl.ops.compressor import pool_rows
 from dsl.ops.indexer import mask_incomplete
 from dsl.ops.rope import _rotated as rotated

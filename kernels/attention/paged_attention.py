@@ -367,7 +367,7 @@ def paged_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=N
 def static_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=None, topk: torch.Tensor | None = None,
                         *, window_size: int, scale: float, config: dict | None = None,
                         dot_fp32: bool = False) -> torch.Tensor:
-    """The DSL op `sparse_attention` of a static step (dsl/step.py) over its window (`dsl.ops.attention.StaticWindow`)
+    """The DSL op `sparse_attention` of a static step (dsl/step.py) over its window (`dsl.ops.static_attention.StaticWindow`)
     and the entries `topk` [R, K] picks of `compressed` (`dsl.ops.static_entries.StaticCompressed`): q [R, H, D] ->
     fp32 [R, H, D], every index the kernel reads taken from the step's tensors, so the launch reads whatever a later
     step writes there. The rows' values are the eager path's (`paged_attention_op`) bit for bit: a token's oldest
