@@ -54,8 +54,8 @@ import torch
 
 from dsl.graph import Graph
 from dsl.step import STORING_OPS, StaticStep, table_width
-from graphs.captured_step import CapturedStep, _Forward
-from graphs.draws import _drawing
+from graphs.captured_step import CapturedStep, Forward
+from graphs.draws import drawing_segments
 from graphs.segments import CONTEXT_TENSORS, GRAPH_BUCKETS, Segment, Split, capturable, find_segments
 
 
@@ -79,7 +79,7 @@ class CudaGraphs:
         # the segments of forwards in general, and of static steps (dsl/step.py)
         static = find_segments(graph, uncaptured=uncaptured, static=True)
         self.splits = {False: Split(find_segments(graph, uncaptured=uncaptured)),
-                       True: Split(_drawing(graph, static) if draws else static)}
+                       True: Split(drawing_segments(graph, static) if draws else static)}
         self.segments, self.at = self.splits[False].segments, self.splits[False].at
         self.stores = any(node.op in STORING_OPS for node in graph.nodes)  # else its static steps' chunks are free
         self.cache = None  # the pools the static steps' graphs read and write
@@ -92,7 +92,7 @@ class CudaGraphs:
         self.ahead_done: set[tuple] = set()  # modes whose decode buckets were captured ahead
         self.replays = self.captures = self.eager = 0  # segment runs by kind (eager: padded, in a bucket's first)
 
-    def begin(self, ctx, mode: tuple) -> _Forward | None:
+    def begin(self, ctx, mode: tuple) -> Forward | None:
         """This forward's way through the segments, or None to run every node eagerly and unpadded."""
         n = ctx.num_tokens
         static = n <= self.max_tokens and StaticStep.fits(ctx, self.stores)
@@ -111,10 +111,10 @@ class CudaGraphs:
         key = (rows, *mode)
         if key in self.steps:
             self.steps.move_to_end(key)
-            return _Forward(self, split, self.steps[key], ctx, rows, width)
+            return Forward(self, split, self.steps[key], ctx, rows, width)
         if key not in self.seen or not self.capture:  # the warm-up forward: padded, eager
             self.seen.add(key)
-            return _Forward(self, split, None, ctx, rows, width)
+            return Forward(self, split, None, ctx, rows, width)
         ahead = []
         if self.ahead and mode not in self.ahead_done:
             self.ahead_done.add(mode)
@@ -128,7 +128,7 @@ class CudaGraphs:
         for b, other in others:
             self.steps[(b, *mode)] = other
         step = self.steps[key] = CapturedStep()
-        return _Forward(self, split, step, ctx, rows, width, capturing=True, others=others)
+        return Forward(self, split, step, ctx, rows, width, capturing=True, others=others)
 
     @property
     def broken(self) -> set[tuple[bool, int]]:

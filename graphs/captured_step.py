@@ -1,5 +1,5 @@
 """The CUDA graphs of one token-count bucket and mode (`CapturedStep`: a `Run` for each captured segment, with the
-static tensors it reads and writes), and one forward's way through a graph's segments (`_Forward`): replaying a
+static tensors it reads and writes), and one forward's way through a graph's segments (`Forward`): replaying a
 segment's graph, capturing it (and, at a mode's first capture, the same segment for the buckets captured ahead), or
 running its nodes eagerly over the bucket's padded rows. `CudaGraphs` (graphs/capture.py) chooses which for each
 forward and keeps the captured steps.
@@ -68,7 +68,7 @@ class CapturedStep:
 RunNodes = Callable[[dict, object], None]  # runs a segment's nodes eagerly over an env and a context
 
 
-class _Forward:
+class Forward:
     """One forward through the segments: `step` None runs them eagerly (padded), else replays or captures them."""
 
     def __init__(self, owner: CudaGraphs, split: Split, step: CapturedStep | None, ctx, rows: int, width: int = 0,
@@ -247,4 +247,4 @@ class _Forward:
         return {k: v.clone() if id(v) in self.static else v for k, v in outputs.items()}
 
 
-__all__ = ["CapturedStep", "Run", "RunNodes"]
+__all__ = ["CapturedStep", "Forward", "Run", "RunNodes"]

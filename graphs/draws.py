@@ -1,10 +1,11 @@
 """A static step's draws inside its CUDA graph: the token after each of its rows, drawn by the segment that makes
 the logits.
 
-The segment of a static step (dsl/step.py) that makes every row's logits gets one more output, `DRAWN` (`_drawing`,
-which graphs/capture.py applies to a static step's segments), and after its nodes the executor runs the sampling
-kernel (`draw`) over the logits with each row's factor, seed and position from the `StaticStep`, so a step's tokens
-need no launch of their own; a forward that asked for them (`dsl.context.Draws`) takes them, the others leave them.
+The segment of a static step (dsl/step.py) that makes every row's logits gets one more output, `DRAWN`
+(`drawing_segments`, which graphs/capture.py applies to a static step's segments), and after its nodes the executor
+runs the sampling kernel (`draw`) over the logits with each row's factor, seed and position from the `StaticStep`,
+so a step's tokens need no launch of their own; a forward that asked for them (`dsl.context.Draws`) takes them, the
+others leave them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from kernels.sampling.gumbel_argmax import gumbel_argmax
 DRAWN = Value("drawn", TensorType((num_tokens,), "int64"))
 
 
-def _drawing(graph: Graph, segments: list[Segment]) -> list[Segment]:
+def drawing_segments(graph: Graph, segments: list[Segment]) -> list[Segment]:
     """A static step's segments, the one that makes every row's logits (the graph's output "logits", [N, vocab])
     drawing the tokens after them too (`DRAWN`)."""
     logits = graph.outputs.get("logits")
@@ -37,4 +38,4 @@ def draw(env: dict, logits: Value, layout: StaticStep) -> None:
     env[DRAWN] = gumbel_argmax(env[logits], layout.draw_factors, layout.draw_seeds, layout.draw_positions)
 
 
-__all__ = ["DRAWN", "draw"]
+__all__ = ["DRAWN", "draw", "drawing_segments"]
