@@ -37,7 +37,7 @@ from dsl.ops.cache_view import CacheView, PagedEntries  # noqa: E402
 from dsl.ops.rounding import fp8_round  # noqa: E402
 from dsl.transfer import to_device  # noqa: E402
 from kernels.attention.lowering import SPARSE_ATTENTION, HeadsStatic  # noqa: E402
-from kernels.attention.paged_attention import paged_attention_op  # noqa: E402
+from kernels.attention.paged_ops import paged_attention_op  # noqa: E402
 from kernels.attention.sparse_attention import sparse_attention_op  # noqa: E402
 
 HEADS, DIM, WINDOW, TOPK, BLOCK = 64, 512, 128, 512, 64

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import kernels.attention.block_attention as block_attention
 import kernels.attention.paged_attention as paged_attention
+import kernels.attention.paged_ops as paged_ops
 import kernels.cache.rows as cache_kernels
 import kernels.indexer.index_scores as scores
 import kernels.sampling.gumbel_argmax as sampling_kernels
@@ -119,11 +120,10 @@ def record_attention_launches(plan: Plan, graph: Graph, caches: Graph | None = N
                 pool_fmt, k = pools[(source["name"], source["layer"])], int(topk.type.shape[-1])
             for chosen in [node.buckets[b] for b in plan.buckets] + [node.invariant]:
                 # the widths a forward's picks run at, and none: a step where no sequence has compressed entries yet
-                for picks in [0, *paged_attention.pick_widths(k)] if k else [0]:
-                    paged_attention.trace(node.static.h, node.static.d, window_size=op.attrs["window_size"],
-                                          scale=op.attrs["scale"], window_fmt=windows[window.attrs["layer"]],
-                                          pool_fmt=pool_fmt, topk=picks, config=chosen.config,
-                                          dot_fp32=plan.dot_fp32)
+                for picks in [0, *paged_ops.pick_widths(k)] if k else [0]:
+                    paged_ops.trace(node.static.h, node.static.d, window_size=op.attrs["window_size"],
+                                    scale=op.attrs["scale"], window_fmt=windows[window.attrs["layer"]],
+                                    pool_fmt=pool_fmt, topk=picks, config=chosen.config, dot_fp32=plan.dot_fp32)
     return found
 
 

@@ -16,7 +16,7 @@ from dsl.graph import Graph, Value
 from dsl.ops import OPS
 from dsl.step import has_static_form
 from dsl.tensor import OPAQUE_DTYPES, num_entries, num_tokens
-from kernels.attention import paged_attention as paged
+from kernels.attention import paged_ops as paged
 
 # The token counts segments are captured at; each of the plan's tuning buckets (graphs/plan.py) up to 512 is one.
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.attention.paged_attention as paged
+import kernels.attention.paged_ops as paged
 from deepinfer.models import DeepseekV41Flash
 from dsl.passes import run_passes
 from dsl.step import StaticStep

@@ -91,8 +91,8 @@ def static_attention(q: torch.Tensor, window: StaticWindow, sink: torch.Tensor,
                      compressed: StaticCompressed | None = None, topk: torch.Tensor | None = None, *,
                      window_size: int, scale: float) -> torch.Tensor:
     """`sparse_attention` of a static step's rows over their windows and the entries `topk` [R, K] picks of
-    `compressed` (the reference of the in-place kernel's static use, kernels/attention/paged_attention.py):
-    q [R, H, D] -> fp32 [R, H, D]."""
+    `compressed` (the reference of the in-place kernel's static use, kernels/attention/paged_ops.py
+    `static_attention_op`): q [R, H, D] -> fp32 [R, H, D]."""
     keys, visible = static_window_entries(window, window_size)
     if compressed is not None and topk is not None:
         picked, real = static_picks(compressed, topk)

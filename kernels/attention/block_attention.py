@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from dsl.cache_format import EntryFormat
-from kernels.attention.paged_attention import _attend, _check_queries, _int32, tiles
+from kernels.attention.paged_attention import _attend, _check_queries, tiles
 from kernels.attention.paged_entries import (
     bf16_halves,
     decode_tile,
@@ -25,6 +25,7 @@ from kernels.attention.paged_entries import (
     pool_operands,
     window_rows,
 )
+from kernels.attention.paged_ops import _int32
 from kernels.lang import tl, triton
 from kernels.launch import launch
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 import kernels.attention.block_attention as block
-import kernels.attention.paged_attention as paged
+import kernels.attention.paged_ops as paged
 import kernels.attention.sparse_attention as attention
 from dsl.graph import Node
 from dsl.ops.static_attention import StaticBlock, StaticWindow

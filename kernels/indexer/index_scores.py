@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import torch
 
-import kernels.attention.paged_attention as paged
+import kernels.attention.paged_ops as paged
 from dsl.cache_format import EntryFormat
 from dsl.context import cast
 from dsl.ops.static_entries import StaticCompressed
+from kernels.attention.paged_attention import supports
 from kernels.attention.paged_entries import decode_tile, index_operand, load_tile, pick_rows, pool_operands
 from kernels.lang import tl, triton
 from kernels.launch import launch
@@ -157,7 +158,7 @@ def paged_index_scores(q: torch.Tensor, weights: torch.Tensor, *, fmt: EntryForm
     if q.dim() != 3 or q.dtype not in (torch.float32, torch.bfloat16) or not q.is_contiguous():
         raise ValueError(f"q must be contiguous float32/bfloat16 [N, H, d], got {q.dtype} {list(q.shape)}")
     n, h, d = q.shape
-    if not paged.supports(d):
+    if not supports(d):
         raise ValueError(f"in-place scores need a power-of-two key dim of at least 32, got {d}")
     if tuple(weights.shape) != (n, h) or weights.dtype != torch.float32 or not weights.is_contiguous():
         raise ValueError(f"weights must be contiguous float32 [{n}, {h}], got {weights.dtype} {list(weights.shape)}")

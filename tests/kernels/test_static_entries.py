@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.attention.paged_attention as paged
+import kernels.attention.paged_ops as paged
 from dsl.cache import CacheSpec, PagedCache
 from dsl.context import ForwardContext, SequenceState
 from dsl.ops.attention import cache_append
@@ -19,7 +19,7 @@ from dsl.ops.rounding import fp4_round
 from dsl.ops.static_attention import StaticWindow, static_attention
 from dsl.ops.static_entries import StaticCompressed, StaticEntries
 from dsl.step import StaticStep, table_width
-from kernels.attention.paged_attention import paged_attention_op, static_attention_op
+from kernels.attention.paged_ops import paged_attention_op, static_attention_op
 from kernels.indexer.index_scores import index_scores_op, reads_in_place
 from tests.kernels.attention.test_paged_attention import POOL_FMT, make_step
 from tests.kernels.attention.test_static_attention import PADDING, SPLIT, WHOLE, static_step

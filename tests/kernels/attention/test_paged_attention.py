@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.attention.paged_attention as paged
+import kernels.attention.paged_ops as paged
 from dsl.cache import CacheSpec, PagedCache
 from dsl.cache_format import EntryFormat
 from dsl.context import ForwardContext, SequenceState
@@ -18,7 +18,8 @@ from dsl.ops.cache_view import CacheView, PagedEntries
 from dsl.ops.rounding import fp4_round, fp8_round
 from dsl.transfer import to_device
 from kernels.attention.lowering import SPARSE_ATTENTION, HeadsStatic
-from kernels.attention.paged_attention import in_place_chunks, paged_attention_op, tiles
+from kernels.attention.paged_attention import tiles
+from kernels.attention.paged_ops import in_place_chunks, paged_attention_op
 from kernels.attention.sparse_attention import sparse_attention_op
 from kernels.lowering import PLAIN, Call
 from tests.kernels.cases import HEAD_DIM, HEADS, INDEX_TOPK, WINDOW, gen, rel_l2

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kernels.attention.paged_attention as paged
+import kernels.attention.paged_ops as paged
 import kernels.indexer.index_scores as scores
 from deepinfer.default_model import trained_model
 from dsl.cache import CacheSpec, PagedCache
@@ -17,6 +17,7 @@ from dsl.passes import run_passes
 from graphs.compiled_model import CompiledModel
 from graphs.passes import make_plan
 from graphs.plan_runtime import PlanRuntime
+from kernels.attention.paged_attention import supports
 from tests.kernels.cases import rel_l2
 
 SPARE = 3  # drafts a verification step may take back: its chunks hold up to SPARE + 1 tokens
@@ -90,7 +91,7 @@ def test_gpu_steps_in_place_eager_and_captured_are_the_gathered_path(monkeypatch
     # the indexer's scores still in place: read in place they sum in another order too, and on this model's relu
     # scores (many near 0) a rounding swaps picks often enough that the logits drift 2-5% over the steps
     monkeypatch.setattr(scores, "reads_in_place",
-                        lambda keys, dim: paged.supports(dim) and getattr(keys, "paged", None) is not None)
+                        lambda keys, dim: supports(dim) and getattr(keys, "paged", None) is not None)
     gathered = run_steps(compiled, steps, "cuda")
     for step, (c, e, g) in enumerate(zip(captured, eager, gathered, strict=True)):
         assert torch.equal(c, e), f"step {step}: captured and eager differ by {(c - e).abs().max():.3g}"

@@ -12,7 +12,7 @@ from dsl.ops.attention import kv_window_append
 from dsl.ops.rounding import fp8_round
 from dsl.ops.static_attention import StaticWindow, static_attention
 from dsl.step import StaticStep, table_width
-from kernels.attention.paged_attention import paged_attention_op, static_attention_op
+from kernels.attention.paged_ops import paged_attention_op, static_attention_op
 from tests.kernels.attention.test_paged_attention import STEPS, make_step
 from tests.kernels.cases import gen, rel_l2
 
