@@ -38,7 +38,8 @@ class StaticBlock:
 def static_block_attention(q: torch.Tensor, block: StaticBlock, sink: torch.Tensor, *, window_size: int,
                            scale: float) -> torch.Tensor:
     """`sparse_attention` (non-causal) of a static step's rows over their chunk's `StaticBlock` view (the reference
-    of the in-place kernel's static use, kernels/attention/paged_attention.py): q [R, H, D] -> fp32 [R, H, D]."""
+    of the draft-block kernel's static use, kernels/attention/block_attention.py `static_block_attention_op`):
+    q [R, H, D] -> fp32 [R, H, D]."""
     step = block.step
     chunk = step.row_chunks.long()
     start = step.chunk_starts.long()[chunk]  # [R]: each row's chunk's first position
