@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from dsl.cache_format import EntryFormat
-from kernels.attention.paged_attention import _attend, _check_queries, tiles
+from kernels.attention.paged_attention import _attend, check_queries, tiles
 from kernels.attention.paged_entries import (
     bf16_halves,
     decode_tile,
@@ -25,7 +25,7 @@ from kernels.attention.paged_entries import (
     pool_operands,
     window_rows,
 )
-from kernels.attention.paged_ops import _int32
+from kernels.attention.paged_ops import int32_index
 from kernels.lang import tl, triton
 from kernels.launch import launch
 
@@ -90,7 +90,7 @@ def block_attention(q: torch.Tensor, kv: torch.Tensor, sink: torch.Tensor, *, wi
     q [N, H, D] fp32/bf16, sink [H] fp32; per chunk b [B]: its slot, the first position its view shows, its first
     position, first row and row count; per row [N] its chunk. The ring `window_parts` [slots, RING, ...] in
     `window_fmt`. `config`: block_H, block_S, num_warps (`tiles`'s; the parts are always one)."""
-    n, h, d = _check_queries(q, sink)
+    n, h, d = check_queries(q, sink)
     if kv.dim() != 2 or tuple(kv.shape) != (n, d) or kv.dtype != torch.float32 or not kv.is_contiguous():
         raise ValueError(f"kv must be contiguous float32 [{n}, {d}], got {kv.dtype} {list(kv.shape)}")
     b = slots.shape[0]
@@ -127,9 +127,10 @@ def block_attention_op(q: torch.Tensor, window, sink: torch.Tensor, *, window_si
     _, _, first = window.layout(ctx.device)
     dtype = torch.float32 if dot_fp32 else torch.bfloat16
     return block_attention(q.to(dtype).contiguous(), window.block.float().contiguous(), sink.float().contiguous(),
-                           window_fmt=fmt, window_parts=parts, slots=_int32(ctx, ring.slots), first=_int32(ctx, first),
-                           starts=_int32(ctx, ctx.chunk_starts), chunk_rows=_int32(ctx, ctx.chunk_rows),
-                           lengths=_int32(ctx, ctx.chunk_lengths), row_chunks=_int32(ctx, ctx.row_chunks),
+                           window_fmt=fmt, window_parts=parts, slots=int32_index(ctx, ring.slots),
+                           first=int32_index(ctx, first),
+                           starts=int32_index(ctx, ctx.chunk_starts), chunk_rows=int32_index(ctx, ctx.chunk_rows),
+                           lengths=int32_index(ctx, ctx.chunk_lengths), row_chunks=int32_index(ctx, ctx.row_chunks),
                            window_size=window_size, scale=scale, config=config, dot_fp32=dot_fp32)
 
 

@@ -192,7 +192,7 @@ def tiles(config: dict | None, num_tokens: int, heads: int, head_dim: int, dot_f
             "split": split}
 
 
-def _check_queries(q: torch.Tensor, sink: torch.Tensor) -> tuple[int, int, int]:
+def check_queries(q: torch.Tensor, sink: torch.Tensor) -> tuple[int, int, int]:
     """(N, H, D) of the in-place kernels' queries q [N, H, D] and sink [H], checked."""
     if q.dim() != 3 or q.dtype not in (torch.float32, torch.bfloat16) or not q.is_contiguous():
         raise ValueError(f"q must be contiguous float32/bfloat16 [N, H, D], got {q.dtype} {list(q.shape)}")
@@ -220,7 +220,7 @@ def paged_attention(q: torch.Tensor, sink: torch.Tensor, *, window_fmt: EntryFor
     Index tensors of any integer type. `config`: the kernel's (`tiles`: block_H, block_S, num_warps, num_stages,
     split) or a plan's sparse_attention config.
     """
-    n, h, d = _check_queries(q, sink)
+    n, h, d = check_queries(q, sink)
     b = slots.shape[0]
     w_codes, w_scales, w_c = pool_operands(window_fmt, window_parts, d, "window")
     index = [index_operand(slots, "slots", (b,)), index_operand(first, "first", (b,))]
@@ -267,5 +267,5 @@ def paged_attention(q: torch.Tensor, sink: torch.Tensor, *, window_fmt: EntryFor
     return out
 
 
-__all__ = ["default_split", "paged_attention", "paged_attention_combine_kernel", "paged_attention_kernel",
-           "supports", "tiles"]
+__all__ = ["check_queries", "default_split", "paged_attention", "paged_attention_combine_kernel",
+           "paged_attention_kernel", "supports", "tiles"]

@@ -79,7 +79,7 @@ def _widened(picks: torch.Tensor) -> torch.Tensor:
     return picks if width == picks.shape[1] else torch.nn.functional.pad(picks, (0, width - picks.shape[1]), value=-1)
 
 
-def _int32(ctx, t: torch.Tensor) -> torch.Tensor:
+def int32_index(ctx, t: torch.Tensor) -> torch.Tensor:
     """t as the kernel's int32 index, once per forward for each tensor the layers share (the memo keeps t alive, so
     its id stays its own)."""
     return ctx.memo(("int32 index", id(t)), lambda: (t, index_operand(t, "index", tuple(t.shape))))[1]
@@ -98,7 +98,7 @@ def paged_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=N
     if snapshot:
         fmt, parts, slots = window.snapshot.fmt, window.snapshot.parts, window.snapshot.slots
     _, _, first = window.layout(ctx.device)
-    chunks, positions = _int32(ctx, ctx.row_chunks), _int32(ctx, ctx.positions)
+    chunks, positions = int32_index(ctx, ctx.row_chunks), int32_index(ctx, ctx.positions)
     if rows is not None:
         q, chunks, positions = q[rows], chunks[rows], positions[rows]
         topk = topk[rows] if topk is not None else None
@@ -107,13 +107,13 @@ def paged_attention_op(q: torch.Tensor, window, sink: torch.Tensor, compressed=N
         entries = compressed.paged
         pool_fmt, _, pool_parts = entries.cache.compressed[(entries.name, entries.layer)]
         length, _, _ = compressed.layout(ctx.device)
-        picks = _widened(_int32(ctx, topk) if rows is None else index_operand(topk, "topk", tuple(topk.shape)))
-        pool = dict(pool_fmt=pool_fmt, pool_parts=pool_parts, tables=_int32(ctx, entries.tables),
-                    lengths=_int32(ctx, length), topk=picks)
+        picks = _widened(int32_index(ctx, topk) if rows is None else index_operand(topk, "topk", tuple(topk.shape)))
+        pool = dict(pool_fmt=pool_fmt, pool_parts=pool_parts, tables=int32_index(ctx, entries.tables),
+                    lengths=int32_index(ctx, length), topk=picks)
     dtype = torch.float32 if dot_fp32 else torch.bfloat16
     q = q.to(dtype).contiguous()
     return paged_attention(q, sink.float().contiguous(), window_fmt=fmt, window_parts=parts,
-                           slots=_int32(ctx, slots), first=_int32(ctx, first), row_chunks=chunks,
+                           slots=int32_index(ctx, slots), first=int32_index(ctx, first), row_chunks=chunks,
                            positions=positions, window_size=window_size, scale=scale, config=config, dot_fp32=dot_fp32,
                            **pool)
 
@@ -160,5 +160,5 @@ def trace(heads: int, dim: int, *, window_size: int, scale: float, window_fmt: E
                         **pool)
 
 
-__all__ = ["IN_PLACE", "in_place_chunks", "paged_attention_op", "pick_width", "pick_widths", "serves",
+__all__ = ["IN_PLACE", "in_place_chunks", "int32_index", "paged_attention_op", "pick_width", "pick_widths", "serves",
            "snapshot_serves", "static_attention_op", "trace"]
