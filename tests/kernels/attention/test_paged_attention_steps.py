@@ -22,6 +22,7 @@ from tests.kernels.cases import rel_l2
 
 SPARE = 3  # drafts a verification step may take back: its chunks hold up to SPARE + 1 tokens
 LOGIT_TOLERANCE = 1e-2  # relative L2 of a step's logits, in place against gathered
+IN_PLACE_MARGIN = 1.25  # on the GPU: in place's distance from fp32 logits, over the gathered path's (H100: <= 1.12)
 
 
 def planned(model, dot_fp32: bool) -> CompiledModel:
@@ -77,10 +78,12 @@ def test_steps_read_the_caches_in_place_as_they_gather_them(monkeypatch) -> None
 @pytest.mark.gpu
 def test_gpu_steps_in_place_eager_and_captured_are_the_gathered_path(monkeypatch) -> None:
     """Steps that cross the window (128) and the pools' blocks: in place, with CUDA graphs and without, bitwise the
-    same; the attention gathered, within the tolerance."""
+    same; against the cpu target's fp32 logits, in place as close as the attention gathered (both compute in bf16
+    and sum in other orders: 1-5% from fp32 on this model, up to 1.3% from each other)."""
     import deepinfer
 
-    compiled = deepinfer.compile(trained_model(), "sm90")
+    model = trained_model()
+    compiled = deepinfer.compile(model, "sm90")
     steps = [([140, 20], True)] + [([1, 1], True)] * 3 + [([4, 3], True), ([1, 2], True)] + [([1, 1], True)] * 8
     calls = in_place_calls(monkeypatch)
     captured = run_steps(compiled, steps, "cuda")
@@ -93,6 +96,9 @@ def test_gpu_steps_in_place_eager_and_captured_are_the_gathered_path(monkeypatch
     monkeypatch.setattr(scores, "reads_in_place",
                         lambda keys, dim: supports(dim) and getattr(keys, "paged", None) is not None)
     gathered = run_steps(compiled, steps, "cuda")
-    for step, (c, e, g) in enumerate(zip(captured, eager, gathered, strict=True)):
+    reference = run_steps(deepinfer.compile(model, "cpu"), steps, "cpu")
+    for step, (c, e, g, r) in enumerate(zip(captured, eager, gathered, reference, strict=True)):
         assert torch.equal(c, e), f"step {step}: captured and eager differ by {(c - e).abs().max():.3g}"
-        assert rel_l2(e, g) < LOGIT_TOLERANCE, f"step {step}: in place vs gathered {rel_l2(e, g):.3g}"
+        near, far = rel_l2(e.float().cpu(), r), rel_l2(g.float().cpu(), r)
+        assert near < IN_PLACE_MARGIN * far and rel_l2(e, g) < 2 * LOGIT_TOLERANCE, (
+            f"step {step}: from fp32, in place {near:.3g}, gathered {far:.3g}; from each other {rel_l2(e, g):.3g}")
