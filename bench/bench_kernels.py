@@ -39,6 +39,7 @@ import kernels.hyper.hyper as hyper  # noqa: E402
 import kernels.indexer.index_scores as indexer  # noqa: E402
 import kernels.linear.linear as linear  # noqa: E402
 import kernels.moe.experts as moe  # noqa: E402
+from kernels.moe.fragments import fragment_codes  # noqa: E402
 import kernels.norm.rms_norm as rms_norm  # noqa: E402
 import kernels.rope.rope as rope  # noqa: E402
 from autotune.cache import TuningCache, cache_key, template_hash  # noqa: E402
@@ -195,37 +196,39 @@ def bench_tilelang_norms(tokens: list[int]) -> None:
 
 
 def bench_moe(tokens: list[int]) -> None:
-    """The plan's config (tuned, else the heuristic for the token bucket) on the bf16 prescaled scales the executor
-    gives the kernel and on fp32 scales, measured side by side."""
+    """The plan's config (tuned, else the heuristic for the token bucket) on the codes in fragment order and bf16
+    scale factors the executor gives the kernel on sm90, against the same kernel on raw codes, side by side
+    (bench/bench_moe_decode.py: the decode sizes, more configs)."""
     e, inter, d, topk = 384, 2304, 5120, 6
     shapes = ((inter, d), (d, inter), (inter, d))
-    ws = [torch.randint(0, 256, (e, o, i // 2), device="cuda", dtype=torch.uint8) for o, i in shapes]
-    ss = [torch.ldexp(torch.ones(e, o, i // 32, device="cuda"), torch.randint(-7, -3, (e, o, i // 32), device="cuda"))
-          for o, i in shapes]
-    forms = {"fp32": ss, "bf16 prescaled": [moe.prescaled(s) for s in ss]}
+    raw = [torch.randint(0, 256, (e, o, i // 2), device="cuda", dtype=torch.uint8) for o, i in shapes]
+    s32 = [torch.ldexp(torch.ones(e, o, i // 32, device="cuda"), torch.randint(-7, -3, (e, o, i // 32), device="cuda"))
+           for o, i in shapes]
+    ss = [moe.prescaled(s) for s in s32]
+    forms = {"raw codes": raw, "fragments": [fragment_codes(w) for w in raw]}
     for m in tokens:
         routes = [torch.stack([torch.randperm(e, device="cuda")[:topk] for _ in range(m)]) for _ in range(4)]
         unique = sum(len(torch.unique(r)) for r in routes) / len(routes)
         x, wts = torch.randn(m, d, device="cuda"), torch.rand(m, topk, device="cuda")
         nr = cycler(routes)
-        cfg = tuned("moe_experts", {"e": e, "inter": inter, "d": d, "topk": topk, "fmt": "fp4"}, m) \
+        cfg = tuned("moe_experts", {"e": e, "inter": inter, "d": d, "topk": topk, "fmt": "fp4_fragments"}, m) \
             or moe.default_config(bucket_of(m))
         # each form timed twice, in one order then the reverse (a long compute-bound run heats the GPU and slows
         # what comes after it), keeping each one's faster time
         times: dict[str, list[float]] = {name: [] for name in forms}
         for order in (list(forms), list(forms)[::-1]):
             for name in order:
-                times[name].append(time_us(lambda s=forms[name]: moe.moe_experts(x, wts, nr(), *ws, *s, limit=10.0,
+                times[name].append(time_us(lambda w=forms[name]: moe.moe_experts(x, wts, nr(), *w, *ss, limit=10.0,
                                                                                   config=cfg)))
         # the reference synchronizes (torch.unique(...).tolist()): timed with events, and only where it is quick
-        eager = time_us(lambda: moe_ref.moe_experts(x, wts, routes[0], *ws, *ss, limit=10.0), 10, graph=False) \
+        eager = time_us(lambda: moe_ref.moe_experts(x, wts, routes[0], *raw, *s32, limit=10.0), 10, graph=False) \
             if m <= 16 else None
         splits = f"split {cfg['up'].get('split_k', 1)}/{cfg['down'].get('split_k', 1)}"
-        for name, scales in forms.items():
-            per_expert = sum(w[0].numel() + s[0].numel() * s.element_size() for w, s in zip(ws, scales, strict=True))
+        per_expert = sum(w[0].numel() + s[0].numel() * s.element_size() for w, s in zip(raw, ss, strict=True))
+        for name in forms:
             record(f"moe fp4 experts {name}", f"T={m} E=384 top6 {d}<->{inter} ({unique:.0f} experts) {splits}",
                    min(times[name]), nbytes=unique * per_expert + m * d * 8, flops=6 * m * topk * d * inter,
-                   base="fp32 scales", base_us=min(times["fp32"]), eager_us=eager)
+                   base="raw codes", base_us=min(times["raw codes"]), eager_us=eager)
 
 
 def torch_sparse_attention(q, kv, idx, sink, scale):

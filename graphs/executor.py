@@ -3,7 +3,9 @@
 It reads like `dsl.interpret` (the cpu target), which it mirrors node for node. Weights are placed on the device
 once, and converted once per format a kernel asks for (plain weights to bf16, or fp32 when the plan multiplies
 in fp32; fp8 32x32-block weights to one scale per row where the plan rounds activations to e4m3; the fp4 experts'
-power-of-two scales to the bf16 factor their kernel multiplies codes by). Kernel
+codes to the order of the tensor cores' fragments, and their power-of-two scales to the bf16 factor their kernel
+multiplies codes by). A weight that only kernels read, all through formats that copy it (`RELAID`), keeps only its
+converted copy on the device: the fp4 experts are most of the model's bytes. Kernel
 launches go through whatever launcher is current: Triton's JIT, or an artifact's cubins.
 `run(..., batch_invariant=True)` gives every kernel node its batch-invariant config. Under expert parallelism
 (`parallel_experts`: kernels/moe/expert_parallel_kernel.py) the MoE nodes hold this rank's experts and exchange their
@@ -28,10 +30,12 @@ from graphs.plan import Plan
 from kernels.linear.fp8 import rowwise_weight
 from kernels.moe.expert_parallel_kernel import ParallelMoeKernel
 from kernels.moe.experts import prescaled
+from kernels.moe.fragments import fragment_codes
 from kernels.moe.lowering import MOE_EXPERTS
 from kernels.registry import LOWERINGS
 
 EXCHANGED = frozenset({"moe_experts"})  # the ops that exchange rows with other ranks under expert parallelism
+RELAID = frozenset({"fragments"})  # formats whose copy replaces the weight on the device where nothing reads it raw
 
 
 class Executor:
@@ -58,6 +62,7 @@ class Executor:
                 v = graph.nodes[node.index].inputs[pos]
                 if v is not None and v.name in self.params:
                     self.param(v.name, fmt)
+        self._drop_relaid()
         # the node that sets the context (bounded replay's `decoder_context`), if any
         self.boundary = next((i for i, n in enumerate(graph.nodes) if OPS[n.op].sets_context), None)
         self.kernel_calls = 0
@@ -84,8 +89,34 @@ class Executor:
                 t = t.float()
             elif fmt == "prescaled":  # fp4 experts' scales as the kernel's bf16 factor (kernels/moe/experts.py)
                 t = prescaled(t)
+            elif fmt == "fragments":  # fp4 experts' codes in fragment order (kernels/moe/fragments.py)
+                t = fragment_codes(t)
             self.formatted[key] = t.contiguous()
         return self.formatted[key]
+
+    def _raw_reads(self) -> set[str]:
+        """The weights some node of this graph reads as they are stored: through its reference, or as a kernel
+        input with no format."""
+        reads = set()
+        for node, entry in zip(self.graph.nodes, self.plan.nodes, strict=True):
+            for pos, v in enumerate(node.inputs):
+                if v is not None and v.name in self.graph.params and not (entry.template and pos in entry.formats):
+                    reads.add(v.name)
+        return reads | {v.name for v in self.graph.outputs.values() if v.name in self.graph.params}
+
+    def _drop_relaid(self) -> None:
+        """Keep only the converted copy of each weight converted to a `RELAID` format that this graph never reads raw
+        (a kernel node's arguments are then replaced by the copy anyway). An executor on another's weights (the
+        draft graph's) must not read raw what that one dropped: checked here."""
+        raw = self._raw_reads()
+        relaid = {name: t for (name, fmt), t in self.formatted.items() if fmt in RELAID and name in self.params}
+        dropped = {name for name, t in relaid.items() if self.params[name] is t}
+        if raw & dropped:
+            raise ValueError(f"weights {sorted(raw & dropped)} are read raw here, but another executor kept only their "
+                             f"converted copies")
+        for name, t in relaid.items():
+            if name not in raw:
+                self.params[name] = t
 
     def run(self, inputs: dict[str, Any], ctx, batch_invariant: bool = False,
             trace: Callable[[int, tuple], None] | None = None) -> dict[str, Any]:

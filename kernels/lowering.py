@@ -2,7 +2,8 @@
 folder (kernels/<family>/lowering.py); kernels/registry.py collects them.
 
 A lowering reads a node and the weights to decide whether its kernel applies and with which static shapes (`static`:
-its family's frozen dataclass of the dims the weights fix), names the weight formats the kernel wants (`formats`), says
+its family's frozen dataclass of the dims the weights fix; `on_target` adapts them to a target where the kernel's
+form follows it), names the weight formats the kernel wants (`formats`), says
 which of its GEMMs serve a bucket (`gemms`: the linear family's decode, prefill or fp8-rows GEMM; nothing for the
 others), gives its heuristic config for a bucket (`default_config`), runs the kernel on a node's runtime arguments
 (`run`), calls its wrappers on meta tensors of a bucket's token count for the ahead-of-time builder (`trace`), and
@@ -22,6 +23,7 @@ import torch
 
 from dsl.graph import Node
 from dsl.tensor import TensorType, num_entries, num_tokens
+from kernels.targets import Target
 
 Params = dict[str, torch.Tensor]
 TRITON, TILELANG = "triton", "tilelang"  # the kernel languages (`Target.backends` names them)
@@ -83,6 +85,11 @@ class Lowering:
     def static(self, node: Node, params: Params) -> Static | None:
         """The node's static shapes, or None: the kernel does not apply to it (its reference runs)."""
         raise NotImplementedError
+
+    def on_target(self, static: Any, target: Target) -> Any:
+        """The static shapes on `target`, where the kernel's form depends on the target (a weight layout its MMA
+        wants); by default the same."""
+        return static
 
     def formats(self, static: Any) -> dict[int, str]:
         """Input position -> the weight format the kernel takes ("bf16", "fp32", "plain", "prescaled", "raw", ...)."""

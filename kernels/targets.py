@@ -3,8 +3,9 @@
 A target says how its kernels are made (`backends`, in the order of preference for a family that has several), for
 which GPU architecture cubins are built (`arch`, `compute_capability`), whose tuning a compile on a machine without
 that GPU uses (`tuning_device`), how much shared memory a block may take (`smem_per_block`, what config spaces are
-filtered by), and what runs a compiled model (`runtime`): the DSL's interpreter over every op's torch reference, or
-a plan of kernels launched from cubins through the CUDA driver. Nothing else in the code names a target.
+filtered by), whether kernels may store weights in the order of its MMA's register fragments (`mma_fragments`), and
+what runs a compiled model (`runtime`): the DSL's interpreter over every op's torch reference, or a plan of kernels
+launched from cubins through the CUDA driver. Nothing else in the code names a target.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ class Target:
     smem_per_block: int = 0  # bytes of shared memory one block may use
     runnable: bool = False  # whether this build runs the target's compiled models (else: built, not run)
     device_type: str = "cpu"  # the torch device type its compiled models run on
+    # Hopper's wgmma reads its A operand from registers in an order the fp4 experts' codes are stored in, the decoding
+    # reading each register's 4 bytes as one word (kernels/moe/fragments.py; checked on its compiled code): other
+    # targets' MMAs keep their operands elsewhere, and their kernels read the raw codes
+    mma_fragments: bool = False
 
     @property
     def is_built(self) -> bool:
@@ -55,7 +60,7 @@ class Target:
 TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("cpu", "every op's torch reference; runs anywhere", INTERPRETER, runnable=True),
     Target("sm90", "Hopper: Triton and TileLang kernels, sm_90a cubins", PLAN, ("tilelang", "triton"), (9, 0),
-           "NVIDIA H200", 227 * 1024, runnable=True, device_type="cuda"),
+           "NVIDIA H200", 227 * 1024, runnable=True, device_type="cuda", mma_fragments=True),
     Target("sm100", "Blackwell: Triton and TileLang kernels, sm_100a cubins, built anywhere", PLAN,
            ("tilelang", "triton"), (10, 0), "NVIDIA B200", 227 * 1024, device_type="cuda"),
     Target("ascend950", "Huawei Ascend 950: reserved", None, device_type="npu"),

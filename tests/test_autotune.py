@@ -97,8 +97,9 @@ def test_committed_h200_tuning_matches_the_kernels() -> None:
         template, _, _, target, device, src = key.split("|")
         module = importlib.import_module(f"kernels.{MODULES[template]}")
         assert (target, device) == ("sm90", "NVIDIA H200")
-        assert src == source_hash(module), f"{key}: the {template} kernels changed since they were tuned"
-        assert src == template_hash(template)  # what plans look the configs up with
+        # what plans look the configs up with: the hashes of every module whose kernels serve the template
+        assert src == template_hash(template), f"{key}: the {template} kernels changed since they were tuned"
+        assert src.startswith(source_hash(module))
 
 
 # ---- `deepinfer autotune`: flags, the config's fields, the errors a user meets --------------------------------------

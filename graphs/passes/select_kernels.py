@@ -1,7 +1,7 @@
 """Kernel selection: each node whose op has a lowering that applies to it (kernels/registry.py) gets its template,
-typed static shapes, weight formats and backend. The backend is the target's rule (`Target.backends`, preferred
-first) among the template's own, skipping one this machine cannot build (said once, kernels.registry.buildable); a
-node none of whose backends qualifies runs its reference."""
+typed static shapes (as they are on the plan's target: `Lowering.on_target`), weight formats and backend. The backend
+is the target's rule (`Target.backends`, preferred first) among the template's own, skipping one this machine cannot
+build (said once, kernels.registry.buildable); a node none of whose backends qualifies runs its reference."""
 
 from __future__ import annotations
 
@@ -28,6 +28,8 @@ def select_kernels(plan: Plan, graph: Graph, params: dict[str, torch.Tensor]) ->
     for node, entry in zip(graph.nodes, plan.nodes, strict=True):
         lowering = LOWERINGS.get(node.op)
         static = None if lowering is None else lowering.static(node, params)
+        if static is not None:
+            static = lowering.on_target(static, get_target(plan.target))
         backend = None if static is None else backend_for(lowering, plan.target)
         if backend is None:
             nodes.append(entry)

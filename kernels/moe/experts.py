@@ -9,6 +9,10 @@ and fp32. The even and odd input columns of a packed byte meet
 the even and odd activations in two products, so nothing is interleaved. Triton's interpreter runs no PTX: there
 (and for fp32 products) the same values come from plain integer and float operations.
 
+Codes come raw, [E, out, in/2], or in fragment order, [E, out/16, in/32, 256] (kernels/moe/fragments.py: what plans
+give the kernel, formatted once at load): the same products in the same order, so the same bits, from 8-byte
+loads and 8 integer instructions per 8 codes where raw codes take 2-byte loads and 14 (bench/RESULTS.md).
+
 Routing (kernels/moe/route.py: two launches, static shapes, no host sync): the (token, slot) pairs are sorted
 by expert and laid out in blocks of `block_M` slots, each block one expert's (`rows[b*block_M + i]` = pair id or
 -1). GEMM 1 gathers each pair's token row and gives h = route_weight * silu(min(x w1, L)) * clamp(x w3, ±L) per
@@ -32,6 +36,7 @@ import torch
 from dsl.quant import scale_to_float
 from kernels.lang import tl, triton
 from kernels.launch import launch
+from kernels.moe.fragments import UNIT, fragment_products
 from kernels.moe.route import route
 
 
@@ -172,7 +177,8 @@ def _plain_products(a_ptr, a_rows, valid, w_ptr, w3_ptr, w_rows, mask_n, k_begin
 def moe_gemm_kernel(a_ptr, rows_ptr, block_expert_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, route_ptr, out_ptr,
                     N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, GATED: tl.constexpr, FP4: tl.constexpr,
                     LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, ASM: tl.constexpr, SPLIT_K: tl.constexpr,
-                    K_PER_SPLIT: tl.constexpr, block_M: tl.constexpr, block_N: tl.constexpr, block_K: tl.constexpr):
+                    K_PER_SPLIT: tl.constexpr, FRAGMENTS: tl.constexpr, block_M: tl.constexpr,
+                    block_N: tl.constexpr, block_K: tl.constexpr):
     """One expert block's [block_M slots, block_N outputs] over one K split: GEMM 1 (GATED: w1 and w3, from the
     tokens' rows of x) or GEMM 2 (w2, from the pairs' rows of h)."""
     pid_b = tl.program_id(0)
@@ -189,7 +195,12 @@ def moe_gemm_kernel(a_ptr, rows_ptr, block_expert_ptr, w_ptr, s_ptr, w3_ptr, s3_
         mask_n = offs_n < N
         w_rows = (e * N + offs_n).to(tl.int64)
         k_begin = split * K_PER_SPLIT
-        if FP4:
+        if FP4 and FRAGMENTS:
+            even = (N % block_N == 0) and (K_PER_SPLIT * SPLIT_K == K)
+            acc1, acc3 = fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, pid_n * block_N,
+                                           w_rows, mask_n, k_begin, N, K, K_PER_SPLIT, GATED, DOT_FP32, ASM, even,
+                                           block_M, block_N, block_K)
+        elif FP4:
             even = (N % block_N == 0) and (K_PER_SPLIT * SPLIT_K == K)
             acc1, acc3 = _fp4_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, w_rows, mask_n, k_begin, K,
                                        K_PER_SPLIT, GATED, DOT_FP32, ASM, even, block_M, block_N, block_K)
@@ -253,6 +264,16 @@ def default_config(m: int, fp4: bool = True) -> dict:
     return {"up": dict(gemm, split_k=up_split), "down": dict(gemm, split_k=down_split)}
 
 
+def expert_shape(w: torch.Tensor) -> tuple[int, int, int]:
+    """(experts, outputs, inputs) of stacked expert weights: [E, out, in] floats, [E, out, in/2] packed fp4 codes, or
+    [E, out/16, in/32, 256] fp4 codes in fragment order (kernels/moe/fragments.py)."""
+    if w.dtype == torch.uint8 and w.dim() == 4 and w.shape[3] == UNIT:
+        return w.shape[0], 16 * w.shape[1], 32 * w.shape[2]
+    if w.dim() != 3:
+        raise ValueError(f"expert weights must be [E, out, in], packed fp4 or in fragment order, got {list(w.shape)}")
+    return w.shape[0], w.shape[1], w.shape[2] * (2 if w.dtype == torch.uint8 else 1)
+
+
 def _check(x, weights, experts, ws: list[torch.Tensor], scales: list[torch.Tensor | None]) -> bool:
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
         raise ValueError(f"x must be contiguous float32/bfloat16 [T, D], got {x.dtype} {list(x.shape)}")
@@ -264,24 +285,24 @@ def _check(x, weights, experts, ws: list[torch.Tensor], scales: list[torch.Tenso
     fp4 = ws[0].dtype == torch.uint8
     if fp4 and len({getattr(s, "dtype", None) for s in scales}) != 1:
         raise TypeError(f"s1, s2, s3 must share a dtype, got {[getattr(s, 'dtype', None) for s in scales]}")
-    for w, s in zip(ws, scales, strict=True):
-        if w.dim() != 3 or not w.is_contiguous() or (w.dtype == torch.uint8) != fp4:
-            raise ValueError("w1, w2, w3 must be contiguous [E, out, in] of one format")
+    if len({w.dim() for w in ws}) != 1:
+        raise ValueError("w1, w2, w3 must share one layout")
+    shapes = [expert_shape(w) for w in ws]
+    for w, s, (e, o, i) in zip(ws, scales, shapes, strict=True):
+        if not w.is_contiguous() or (w.dtype == torch.uint8) != fp4:
+            raise ValueError("w1, w2, w3 must be contiguous and of one format")
         if fp4:
-            e, o, half = w.shape
-            want = (e, o, triton.cdiv(2 * half, 32))
+            want = (e, o, triton.cdiv(i, 32))
             if s is None or tuple(s.shape) != want or s.dtype not in (torch.float32, torch.bfloat16):
                 raise ValueError(f"fp4 weight {list(w.shape)} needs scales {list(want)}: float32, or bfloat16 from "
                                  f"`prescaled`")
         elif w.dtype not in (torch.bfloat16, torch.float32) or s is not None:
             raise TypeError(f"plain expert weights are bfloat16/float32 without scales, got {w.dtype}")
-    d, inter = x.shape[1], ws[0].shape[1]
-    k_mult = 2 if fp4 else 1
-    if ws[0].shape[2] * k_mult != d or ws[2].shape[1:] != ws[0].shape[1:] or ws[1].shape[1] != d \
-            or ws[1].shape[2] * k_mult != inter:
+    (e1, inter, d1), (e2, d2, inter2), shape3 = shapes
+    if d1 != x.shape[1] or shape3 != shapes[0] or d2 != x.shape[1] or inter2 != inter or e2 != e1:
         raise ValueError(f"expert shapes do not chain: x {list(x.shape)}, w1 {list(ws[0].shape)}, "
                          f"w2 {list(ws[1].shape)}, w3 {list(ws[2].shape)}")
-    if fp4 and (d % 32 or inter % 32):
+    if fp4 and (d1 % 32 or inter % 32):
         raise ValueError("fp4 experts need dims that are multiples of 32")
     return fp4
 
@@ -308,7 +329,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
                 dot_fp32: bool = False) -> torch.Tensor:
     """sum over each token's k experts of weight * w2(silu(min(w1 x, L)) * clamp(w3 x, ±L)): x [T, D] -> fp32 [T, D].
 
-    weights fp32 [T, k], experts int [T, k]. w1, w3 [E, I, D], w2 [E, D, I]: packed fp4 (uint8, [.., in/2]) with
+    weights fp32 [T, k], experts int [T, k]. w1, w3 [E, I, D], w2 [E, D, I]: packed fp4 (uint8, [.., in/2], or
+    [E, out/16, in/32, 256] in fragment order from `fragments.fragment_codes`: the same products, faster) with
     power-of-two scales [E, out, in/32] (fp32, or bf16 scale * 2^63 from `prescaled`: the same products, half the
     scale bytes, and faster at decode), or bfloat16/float32. `config`: {"up": tiles, "down": tiles} for the
     two GEMMs (block_M, block_N, block_K, num_warps, num_stages, split_k).
@@ -336,13 +358,14 @@ def pair_outputs(xk: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                  limit: float, config: dict, dot_fp32: bool) -> torch.Tensor:
     """Every (token, slot) pair's weight * expert(x) as GEMM 2's split-K partials, fp32 [T*k, split_k, D] (pair
     t*k + slot), from the rows `gemm_rows` made; experts whose id is outside [0, E) are not computed."""
-    fp4 = w1.dtype == torch.uint8
+    fp4, fragments = w1.dtype == torch.uint8, w1.dim() == 4
     t, topk = experts.shape
-    num_experts, inter = w1.shape[0], w1.shape[1]
-    d = w2.shape[1]
+    num_experts, inter, d = expert_shape(w1)
     up, down = config["up"], config["down"]
     if up["block_M"] != down["block_M"]:
         raise ValueError("both GEMMs read one routing layout: their block_M must match")
+    if fragments and (up["block_N"] % 16 or down["block_N"] % 16):
+        raise ValueError("codes in fragment order come in groups of 16 rows: block_N must be a multiple of 16")
     (split_up, per_up), (split_down, per_down) = _split(up, d), _split(down, inter)
     pairs, dev = t * topk, xk.device
     if pairs == 0:
@@ -353,7 +376,7 @@ def pair_outputs(xk: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     y = torch.empty(pairs, split_down, d, dtype=torch.float32, device=dev)
     # the interpreter (CPU tensors) runs no PTX; meta tensors are the AOT builder's, for the GPU
     common = dict(TOPK=topk, FP4=fp4, LIMIT=float(limit), DOT_FP32=dot_fp32, ASM=dev.type != "cpu" and not dot_fp32,
-                  block_M=up["block_M"])
+                  FRAGMENTS=fragments, block_M=up["block_M"])
     s1_, s2_, s3_ = (s1, s2, s3) if fp4 else (w1, w2, w3)
     launch(moe_gemm_kernel, (block_expert.numel(), triton.cdiv(inter, up["block_N"]), split_up),
            (xk, rows, block_expert, w1, s1_, w3, s3_, weights, part),

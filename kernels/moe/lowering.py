@@ -10,11 +10,13 @@ import torch
 
 import kernels.linear.linear as linear
 import kernels.moe.experts as experts
+import kernels.moe.fragments as fragments
 import kernels.moe.gate as gate
 from dsl.graph import Node
 from kernels.linear.lowering import weight_format
 from kernels.lowering import PLAIN, Call, Lowering, Params, Static, Variant, meta, over_tokens, param, weight_dtype
 from kernels.moe.expert_parallel_kernel import ConfigFor, ParallelMoeKernel, serve_pairs, wire_splits
+from kernels.targets import Target
 
 
 @dataclass(frozen=True)
@@ -23,7 +25,9 @@ class ExpertsStatic(Static):
     inter: int
     d: int
     topk: int
-    fmt: str  # "fp4" (packed codes, power-of-two scales per 32) | "plain"
+    # "fp4" (packed codes, power-of-two scales per 32), "fp4_fragments" (the same codes in the order of the MMA's
+    # register fragments: kernels/moe/fragments.py, on targets whose MMA takes it) | "plain"
+    fmt: str
 
 
 @dataclass(frozen=True)
@@ -33,7 +37,7 @@ class GateStatic(Static):
 
 
 class MoeExperts(Lowering):
-    template, ops, static_type, sources = "moe_experts", ("moe_experts",), ExpertsStatic, (experts,)
+    template, ops, static_type, sources = "moe_experts", ("moe_experts",), ExpertsStatic, (experts, fragments)
 
     def static(self, node: Node, params: Params) -> ExpertsStatic | None:
         w1 = param(node, 3, params)
@@ -49,14 +53,18 @@ class MoeExperts(Lowering):
     def whole(self, static: ExpertsStatic, expert_shards: int) -> ExpertsStatic:
         return replace(static, e=static.e * expert_shards)
 
+    def on_target(self, static: ExpertsStatic, target: Target) -> ExpertsStatic:
+        return replace(static, fmt="fp4_fragments") if static.fmt == "fp4" and target.mma_fragments else static
+
     def formats(self, static: ExpertsStatic) -> dict[int, str]:
-        if static.fmt == "fp4":
-            return {3: "raw", 4: "raw", 5: "raw", 6: "prescaled", 7: "prescaled", 8: "prescaled"}
-        return {3: "plain", 4: "plain", 5: "plain"}
+        if static.fmt == "plain":
+            return {3: "plain", 4: "plain", 5: "plain"}
+        codes = "fragments" if static.fmt == "fp4_fragments" else "raw"
+        return {3: codes, 4: codes, 5: codes, 6: "prescaled", 7: "prescaled", 8: "prescaled"}  # the bf16 factor
 
     def default_config(self, static: ExpertsStatic, tokens: int, variant: Variant = PLAIN,
                        gemms: tuple[str, ...] = ()) -> dict:
-        return experts.default_config(tokens, static.fmt == "fp4")
+        return experts.default_config(tokens, static.fmt != "plain")
 
     def run(self, call: Call) -> torch.Tensor:
         x, weights, picks, w1, w2, w3, s1, s2, s3 = call.args
@@ -83,7 +91,7 @@ class MoeExperts(Lowering):
         batch-invariant mode, and the origin's sum of the partials that come back."""
         st, m = call.static, call.tokens
         w1, w2, s1, s2 = self._meta_weights(call)
-        fp4 = st.fmt == "fp4"
+        fp4 = st.fmt != "plain"
         rows = meta(m * st.topk, st.d, dtype=torch.float32 if call.dot_fp32 or not fp4 else torch.bfloat16)
         serve_pairs(rows, meta(m * st.topk, 1), meta(m * st.topk, 1, dtype=torch.int64), w1, w2, w1, s1, s2, s1,
                     limit=call.attrs["limit"], config=call.config, invariant=invariant, dot_fp32=call.dot_fp32)
@@ -92,11 +100,17 @@ class MoeExperts(Lowering):
     @staticmethod
     def _meta_weights(call: Call) -> tuple:
         st = call.static
-        fp4, wd = st.fmt == "fp4", weight_dtype(st.fmt, call.dot_fp32)
-        w1 = meta(st.e, st.inter, st.d // 2 if fp4 else st.d, dtype=wd)
-        w2 = meta(st.e, st.d, st.inter // 2 if fp4 else st.inter, dtype=wd)
-        s1, s2 = (meta(st.e, st.inter, st.d // 32, dtype=torch.bfloat16),
-                  meta(st.e, st.d, st.inter // 32, dtype=torch.bfloat16)) if fp4 else (None, None)
+        if st.fmt == "plain":
+            wd = weight_dtype(st.fmt, call.dot_fp32)
+            return meta(st.e, st.inter, st.d, dtype=wd), meta(st.e, st.d, st.inter, dtype=wd), None, None
+        if st.fmt == "fp4_fragments":
+            w1 = meta(st.e, st.inter // 16, st.d // 32, fragments.UNIT, dtype=torch.uint8)
+            w2 = meta(st.e, st.d // 16, st.inter // 32, fragments.UNIT, dtype=torch.uint8)
+        else:
+            w1 = meta(st.e, st.inter, st.d // 2, dtype=torch.uint8)
+            w2 = meta(st.e, st.d, st.inter // 2, dtype=torch.uint8)
+        s1 = meta(st.e, st.inter, st.d // 32, dtype=torch.bfloat16)
+        s2 = meta(st.e, st.d, st.inter // 32, dtype=torch.bfloat16)
         return w1, w2, s1, s2
 
 

@@ -9,6 +9,7 @@ import torch
 
 import kernels.linear.linear as linear
 import kernels.moe.experts as experts
+from kernels.moe.fragments import fragment_codes
 from kernels.moe.lowering import MOE_EXPERTS, MOE_GATE, ExpertsStatic, GateStatic
 from kernels.moe.space import gate_configs, moe_configs
 from kernels.tuning import Job, Tuning
@@ -18,9 +19,11 @@ def experts_job(st: ExpertsStatic, m: int, fields: dict) -> Job:
     e, inter, d, topk, dev = st.e, st.inter, st.d, st.topk, "cuda"
     shapes = ((inter, d), (d, inter), (inter, d))
     ws = [torch.randint(0, 256, (e, o, i // 2), device=dev, dtype=torch.uint8) for o, i in shapes]
+    if st.fmt == "fp4_fragments":
+        ws = [fragment_codes(w) for w in ws]
     ss = [experts.prescaled(torch.ldexp(torch.ones(e, o, i // 32, device=dev),
                                         torch.randint(-7, -3, (e, o, i // 32), device=dev)))
-          for o, i in shapes]  # the form the executor gives the kernel
+          for o, i in shapes]  # the forms the executor gives the kernel
     picks = torch.stack([torch.randperm(e, device=dev)[:topk] for _ in range(m)])
     weights = torch.rand(m, topk, device=dev)
     x = torch.randn(m, d, device=dev)
@@ -41,8 +44,9 @@ TUNINGS = (
     Tuning(MOE_GATE.template, gate_configs, gate_job,
            lambda f: [GateStatic(f["n_routed_experts"], f["hidden_size"])]),
     Tuning(MOE_EXPERTS.template, moe_configs, experts_job,
+           # the codes as plans give them on the GPU the tuner runs on (Hopper: `ExpertsStatic`'s fragment order)
            lambda f: [ExpertsStatic(f["n_routed_experts"], f["moe_intermediate_size"], f["hidden_size"],
-                                    f["num_experts_per_tok"], "fp4")],
+                                    f["num_experts_per_tok"], "fp4_fragments")],
            # the expert count is a runtime size: a few experts compile the same kernels
            warmup=lambda st: replace(st, e=min(st.e, 16))),
 )

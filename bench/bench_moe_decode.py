@@ -1,0 +1,132 @@
+"""The decode MoE's routed experts at V4.1-Flash's shapes: the kernel on raw fp4 codes against the same kernel on codes
+in fragment order (kernels/moe/fragments.py, what sm90 plans run), side by side in one process on one GPU.
+
+Per token count (1, 8, 16, 64, 256 by default) and config (the plan's heuristic for the bucket, and the unsplit
+16 x 64 x 128 tiles the H200 tuner chose for the raw codes), both layouts are checked first (the same routing: the
+outputs must be the same bits; at 1 token both also against the op's torch reference), then timed from CUDA-graph
+replays (`autotune.tune.time_us`, medians), each twice in one order and then the other, the faster kept. Routings
+rotate (4 a count) so the experts streamed differ between calls. Bytes are the codes and bf16 scales of the experts a
+routing touches (the activations are < 0.1% of them); TB/s against the H200's 4.28 read-only.
+
+    python bench/bench_moe_decode.py [--tokens 1,8,16,64,256] [--experts 384] [--out results.json]
+
+Needs a CUDA GPU and Triton (it compiles its kernels there, a minute or so); no carried cubins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_rows import HBM_TBS, cycler  # noqa: E402
+
+from autotune.tune import time_us  # noqa: E402
+from dsl.ops.moe import moe_experts as reference  # noqa: E402
+from graphs.plan import bucket_of  # noqa: E402
+from kernels.moe.experts import default_config, moe_experts, prescaled  # noqa: E402
+from kernels.moe.fragments import fragment_codes  # noqa: E402
+
+D, INTER, TOPK, LIMIT = 5120, 2304, 6, 10.0
+DEVICE = "cuda"
+UNSPLIT = {"block_M": 16, "block_N": 64, "block_K": 128, "num_warps": 4, "num_stages": 3, "split_k": 1}
+
+
+def experts(e: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """Random raw codes, the same in fragment order, and power-of-two scales as the bf16 factor plans give."""
+    shapes = ((INTER, D), (D, INTER), (INTER, D))
+    raw = [torch.randint(0, 256, (e, o, i // 2), device=DEVICE, dtype=torch.uint8) for o, i in shapes]
+    scales = [torch.ldexp(torch.ones(e, o, i // 32, device=DEVICE),
+                          torch.randint(-8, -4, (e, o, i // 32), device=DEVICE)) for o, i in shapes]
+    return raw, [fragment_codes(w) for w in raw], scales
+
+
+def configs(tokens: int) -> dict[str, dict]:
+    heuristic = default_config(bucket_of(tokens))
+    out = {"heuristic": heuristic, "unsplit": {"up": dict(UNSPLIT), "down": dict(UNSPLIT)}}
+    return out if heuristic != out["unsplit"] else {"heuristic": heuristic}
+
+
+def expert_bytes(raw: list[torch.Tensor], scales: list[torch.Tensor]) -> int:
+    """Bytes one expert streams: its codes and its bf16 scale factors."""
+    return sum(w[0].numel() + s[0].numel() * 2 for w, s in zip(raw, scales, strict=True))
+
+
+def run(tokens: int, e: int, weights: tuple, rep_ms: float) -> list[dict]:
+    raw, frag, scales = weights
+    factors = [prescaled(s) for s in scales]
+    g = torch.Generator(device=DEVICE).manual_seed(tokens)
+    routes = [torch.stack([torch.randperm(e, device=DEVICE, generator=g)[:TOPK] for _ in range(tokens)])
+              for _ in range(4)]
+    x = torch.randn(tokens, D, device=DEVICE, generator=g)
+    route_weights = torch.rand(tokens, TOPK, device=DEVICE, generator=g)
+    touched = sum(len(torch.unique(r)) for r in routes) / len(routes)
+    nbytes = touched * expert_bytes(raw, scales)
+    rows = []
+    for name, config in configs(tokens).items():
+        layouts = {"raw": raw, "fragments": frag}
+        for route in routes[:2]:  # correctness first: the same bits from both layouts
+            out = {k: moe_experts(x, route_weights, route, *w, *factors, limit=LIMIT, config=config)
+                   for k, w in layouts.items()}
+            if not torch.equal(out["raw"], out["fragments"]):
+                raise AssertionError(f"T={tokens} {name}: fragments differ from raw codes "
+                                     f"(max {(out['raw'] - out['fragments']).abs().max().item():.3e})")
+        if tokens == 1:
+            want = reference(x.bfloat16().float(), route_weights, routes[1], *raw, *scales, limit=LIMIT)
+            err = ((out["fragments"] - want).norm() / want.norm()).item()
+            if not err < 5e-3:
+                raise AssertionError(f"T=1 {name}: {err:.2e} from the reference")
+        times: dict[str, list[float]] = {k: [] for k in layouts}
+        for order in (list(layouts), list(layouts)[::-1]):
+            for k in order:
+                nxt = cycler(routes)
+                times[k].append(time_us(lambda w=layouts[k], nxt=nxt, config=config: moe_experts(
+                    x, route_weights, nxt(), *w, *factors, limit=LIMIT, config=config), rep_ms))
+        old, new = min(times["raw"]), min(times["fragments"])
+        split = f"{config['up']['split_k']}/{config['down']['split_k']}"
+        rows.append({"tokens": tokens, "config": f"{name} (split {split})", "experts": round(touched, 1),
+                     "GB": round(nbytes / 1e9, 3), "raw_us": round(old, 1), "fragments_us": round(new, 1),
+                     "raw_TB/s": round(nbytes / old / 1e6, 3), "fragments_TB/s": round(nbytes / new / 1e6, 3),
+                     "speedup": round(old / new, 3), "fragments_%HBM": round(100 * nbytes / new / 1e6 / HBM_TBS, 1)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'T':>4} {'config':22} {'experts':>7} {'GB':>6} {'raw us':>9} {'frag us':>9} {'raw TB/s':>8} "
+            f"{'frag TB/s':>9} {'x':>6} {'%HBM':>5}")
+    lines = [head] + [f"{r['tokens']:>4} {r['config']:22} {r['experts']:>7} {r['GB']:>6.2f} {r['raw_us']:>9.1f} "
+                      f"{r['fragments_us']:>9.1f} {r['raw_TB/s']:>8.2f} {r['fragments_TB/s']:>9.2f} "
+                      f"{r['speedup']:>6.2f} {r['fragments_%HBM']:>5.1f}" for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", default="1,8,16,64,256")
+    p.add_argument("--experts", type=int, default=384)
+    p.add_argument("--rep-ms", type=float, default=25.0)
+    p.add_argument("--out", type=Path)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    torch.manual_seed(0)
+    weights = experts(args.experts)
+    print(f"{torch.cuda.get_device_name()}: E={args.experts} top{TOPK} {D}<->{INTER}, "
+          f"{expert_bytes(weights[0], weights[2]) / 1e6:.2f} MB an expert", flush=True)
+    rows = [row for t in (int(v) for v in args.tokens.split(",")) for row in run(t, args.experts, weights,
+                                                                                  args.rep_ms)]
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    print(f"\nraw codes (the old kernel) against fragment order (the new), side by side; %HBM of {HBM_TBS} TB/s")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
