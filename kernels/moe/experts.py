@@ -78,9 +78,9 @@ def _dequant(b, s, ASM: tl.constexpr, DOT_FP32: tl.constexpr, block_N: tl.conste
         b = b.to(tl.int32)
         lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * f
         hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * f
-        if DOT_FP32:
-            return lo, hi
-        return lo.to(tl.bfloat16), hi.to(tl.bfloat16)
+        if not DOT_FP32:  # one return: Triton 3.6 compiles both returns of a static branch and refuses their dtypes
+            lo, hi = lo.to(tl.bfloat16), hi.to(tl.bfloat16)
+        return lo, hi
 
 
 @triton.jit

@@ -184,8 +184,8 @@ def _weights(wp, sp, wo, so, mask_w, mask_s, EVEN: tl.constexpr, ASM: tl.constex
     f = tl.reshape(tl.broadcast_to(f[:, :, None], [block_N, block_K // 32, 16]), [block_N, block_K // 2])
     lo = _unfragment(lo, block_N, block_K) * f
     hi = _unfragment(hi, block_N, block_K) * f
-    if not ASM and not DOT_FP32:
-        return lo.to(tl.bfloat16), hi.to(tl.bfloat16)
+    if not ASM and not DOT_FP32:  # one return (see experts.py's `_dequant`)
+        lo, hi = lo.to(tl.bfloat16), hi.to(tl.bfloat16)
     return lo, hi
 
 
