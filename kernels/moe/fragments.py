@@ -8,7 +8,10 @@ an even and an odd input, which meet the even and the odd activations in two pro
 needs 4 bytes of each of its two rows per 32 inputs. `fragment_codes` stores an expert's [N, K/2] codes as
 [N/16, K/32, 32 lanes, 8 bytes]; a lane's 8 bytes are [q, h, p]: columns 8q + 2c + p of row g + 8h, in the order
 Triton keeps that layout's registers, so a 4-byte word is one register (checked in tests/kernels/moe/test_fragments.py
-against the compiled code).
+against the compiled code). That holds where Triton lowers the GEMMs' dot to wgmma (`decodes_whole_words`): narrower
+tiles get mma.sync, whose A operand (kWidth 4) gives a lane 4 consecutive inputs, so the 4 bytes the asm reads as one
+word come from two words and decode to other codes; there the GPU kernel refuses fragments (the interpreter and fp32
+products decode byte by byte, under any tiles).
 
 Each word's 32 bits are permuted so that its 8 codes become the bf16 bit patterns sign << 15 | e2m1 magnitude << 6,
 i.e. e2m1 * 2^-126 (e = 0 on bf16 subnormals, exact), the values experts.py's `_e2m1_asm` makes, with
@@ -35,6 +38,13 @@ ROTATIONS = (10, 13)  # pairs 1 and 2
 LEFT, SPREAD = 0x001B001B, (1 << 2) | (1 << 7) | (1 << 12)  # pair 3: the bits the other pairs leave, and their copies
 _NIBBLE_BIT = {15: 3, 8: 2, 7: 1, 6: 0}  # a pattern bit (within its half) -> the e2m1 code bit: sign, e1, e0, m
 UNIT = 256  # bytes of one 16-row group over 32 inputs
+
+
+def decodes_whole_words(block_N: int, num_warps: int) -> bool:
+    """Whether the GPU's decoding reads whole words under these tiles: Triton 3.6 lowers the dot to wgmma for tiles of
+    whole 64-row warpgroups (and whole warpgroups of warps), and keeps its register A operand's bytes in fragment
+    order; other tiles get mma.sync and split the words (checked on compiled layouts: bench/moe_sass.py --words)."""
+    return block_N % 64 == 0 and num_warps % 4 == 0
 
 
 def decode_word(w: int) -> tuple[int, int, int, int]:
@@ -239,4 +249,4 @@ def fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, n_b
     return acc1 * 9.223372036854775808e18, acc3 * 9.223372036854775808e18  # 2^63: the weights' 2^-63 undone
 
 
-__all__ = ["UNIT", "decode_word", "fragment_codes", "fragment_products", "raw_codes"]
+__all__ = ["UNIT", "decode_word", "decodes_whole_words", "fragment_codes", "fragment_products", "raw_codes"]
