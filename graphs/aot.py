@@ -45,6 +45,7 @@ class Built:
     ptx: str
     spec: dict
     source: str = ""
+    ttgir: str = ""  # a Triton variant's GPU IR as compiled here (not cached): its layouts, for inspection
 
     @property
     def file_id(self) -> str:
@@ -224,7 +225,7 @@ def compile_launch(call: Launch, target: str) -> Built:
             "profile_scratch_size": md.profile_scratch_size, "profile_scratch_align": md.profile_scratch_align,
             "triton": triton.__version__,
             "source_sha256": hashlib.sha256(kernel_source(call.kernel).encode()).hexdigest()}
-    return Built(k.asm["cubin"], k.asm["ptx"], spec)
+    return Built(k.asm["cubin"], k.asm["ptx"], spec, ttgir=k.asm["ttgir"])
 
 
 def _cache_dir() -> Path:
