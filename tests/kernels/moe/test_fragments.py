@@ -1,7 +1,8 @@
 """fp4 expert codes in fragment order (kernels/moe/fragments.py): the format and its inverse, every word's decoding
 against the e2m1 table, the grouped GEMMs over them against the same GEMMs over raw codes (bitwise: the same products
 in the same order) and against `dsl.ops.moe.moe_experts`, batch invariance, the executor's format, and the compiled
-decode loop (bench/moe_sass.py: the words reach the decoding whole, so the asm's word is the format's)."""
+code (bench/moe_sass.py): the decoding reads whole words under every tile the plan can choose and the wrapper takes on
+the GPU, and does not under the tiles it refuses; the decode loop runs fewer instructions."""
 
 from __future__ import annotations
 
@@ -15,15 +16,35 @@ from pathlib import Path
 import pytest
 import torch
 
+from autotune.space import get_configs
 from dsl.ops.moe import moe_experts as ref_moe_experts
 from kernels.lang import tl, triton
+from kernels.launch import use_launcher
+from kernels.lowering import meta
 from kernels.moe.experts import default_config, moe_experts, prescaled
-from kernels.moe.fragments import UNIT, _decode_plain, _unfragment, decode_word, fragment_codes, raw_codes
+from kernels.moe.fragments import (
+    UNIT,
+    _decode_plain,
+    _unfragment,
+    decode_word,
+    decodes_whole_words,
+    fragment_codes,
+    raw_codes,
+)
+from kernels.moe.lowering import ExpertsStatic
 from tests.kernels.cases import EXPERTS, HIDDEN, MOE_INTER, TOPK, gen, rel_l2
-from tests.kernels.moe.test_experts import LIMIT, SMALL, make_experts, routing, split
+from tests.kernels.moe.test_experts import LIMIT, make_experts, routing
 
 ROOT = Path(__file__).resolve().parents[3]
 E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
+# tiles of one warpgroup over 64 rows (wgmma: the GPU decodes whole words); 32-row tiles (mma.sync) split them
+NARROW = [dict(block_M=16, block_N=32, block_K=64, num_warps=4, num_stages=2),
+          dict(block_M=16, block_N=32, block_K=32, num_warps=4, num_stages=2)]
+
+
+def tiles(up: int = 1, down: int = 1, block_k: int = 64) -> dict:
+    gemm = dict(block_M=16, block_N=64, block_K=block_k, num_warps=4, num_stages=2)
+    return dict(up=dict(gemm, split_k=up), down=dict(gemm, split_k=down))
 
 
 def bf16_value(bits: int) -> float:
@@ -100,11 +121,11 @@ def both_layouts(t: int, e: int, inter: int, d: int, config: dict | None, device
 
 
 # (t, e, inter, d, config, scales, dot_fp32): 0 and 1 token, odd counts, 19 tokens past a block of 16 slots; 96 / 64
-# leaves a short last split, 3 splits of 96 an empty one; the tiles are 32 x 64, so a tile spans 2 groups of 16 rows
-BITWISE = [(0, 8, 64, 96, SMALL, "prescaled", False), (1, 8, 64, 96, SMALL, "prescaled", False),
-           (5, 8, 96, 64, SMALL, "fp32", False), (19, 4, 64, 96, split(2, 3), "prescaled", False),
-           (1, 8, 64, 96, split(3, 1), "fp32", False), (7, 6, 64, 96, split(2, 2), "prescaled", True),
-           (3, 8, 32, 64, split(1, 1, block_k=32), "prescaled", False)]
+# leaves a short last split, 3 splits of 96 an empty one; 64-row tiles over 96 or 32 outputs leave part of a tile
+BITWISE = [(0, 8, 64, 96, tiles(), "prescaled", False), (1, 8, 64, 96, tiles(), "prescaled", False),
+           (5, 8, 96, 64, tiles(), "fp32", False), (19, 4, 64, 96, tiles(2, 3), "prescaled", False),
+           (1, 8, 64, 96, tiles(3, 1), "fp32", False), (7, 6, 64, 96, tiles(2, 2), "prescaled", True),
+           (3, 8, 32, 64, tiles(block_k=32), "prescaled", False)]
 
 
 @pytest.mark.usefixtures("row_independent_dot")  # the same rows in other blocks: the kernel's order, not the BLAS's
@@ -116,7 +137,7 @@ def test_fragments_give_the_bits_of_raw_codes(t, e, inter, d, config, scales, do
     assert t == 0 or (torch.isfinite(raw).all() and raw.abs().max() > 0)
 
 
-@pytest.mark.parametrize("t,inter,d,config", [(1, 64, 96, SMALL), (7, 96, 64, split(2, 1)), (19, 64, 96, None)])
+@pytest.mark.parametrize("t,inter,d,config", [(1, 64, 96, tiles()), (7, 96, 64, tiles(2, 1)), (19, 64, 96, None)])
 def test_fragments_match_the_reference(t, inter, d, config, device) -> None:
     """Against the op's reference on bf16-rounded x (the kernel's operands; the activation between the GEMMs is
     bf16 in the kernel, fp32 in the reference: the rest of the difference)."""
@@ -133,13 +154,13 @@ def test_a_token_is_bitwise_the_same_alone_and_in_a_batch(device) -> None:
     ws, ss = [fragment_codes(w) for w in ws], [prescaled(s) for s in ss]
     weights, experts = routing(1, e, k, device, seed=5)
     x = gen(1, d, device=device, seed=6)
-    alone = moe_experts(x, weights, experts, *ws, *ss, limit=LIMIT, config=split(2, 2))
+    alone = moe_experts(x, weights, experts, *ws, *ss, limit=LIMIT, config=tiles(2, 2))
     for rows, at in [(6, 4), (21, 0), (33, 32)]:
         w_all, e_all = routing(rows, e, k, device, seed=rows)
         w_all[at], e_all[at] = weights[0], experts[0]
         x_all = gen(rows, d, device=device, seed=rows + 1)
         x_all[at] = x[0]
-        assert torch.equal(moe_experts(x_all, w_all, e_all, *ws, *ss, limit=LIMIT, config=split(2, 2))[at], alone[0])
+        assert torch.equal(moe_experts(x_all, w_all, e_all, *ws, *ss, limit=LIMIT, config=tiles(2, 2))[at], alone[0])
 
 
 def test_fragments_need_tiles_of_whole_row_groups() -> None:
@@ -149,6 +170,37 @@ def test_fragments_need_tiles_of_whole_row_groups() -> None:
     with pytest.raises(ValueError, match="multiple of 16"):
         moe_experts(gen(2, 96), weights, experts, *map(fragment_codes, ws), *ss, limit=LIMIT,
                     config={"up": gemm, "down": gemm})
+
+
+@pytest.mark.parametrize("narrow", NARROW)
+def test_the_gpu_kernel_refuses_fragments_under_tiles_that_split_words(narrow) -> None:
+    """On the GPU path (meta tensors: the AOT build's) fragments under mma.sync tiles are refused, either GEMM; raw
+    codes under them, and fragments under fp32 products (decoded byte by byte), are not."""
+    e, inter, d = 8, 64, 96
+    ws = [meta(e, o // 16, i // 32, UNIT, dtype=torch.uint8) for o, i in ((inter, d), (d, inter), (inter, d))]
+    raws = [meta(e, o, i // 2, dtype=torch.uint8) for o, i in ((inter, d), (d, inter), (inter, d))]
+    ss = [meta(e, o, i // 32, dtype=torch.bfloat16) for o, i in ((inter, d), (d, inter), (inter, d))]
+    args = (meta(3, d), meta(3, 2), meta(3, 2, dtype=torch.int64))
+    wide = tiles()["up"]
+    calls = []
+    with use_launcher(calls.append):
+        for config in ({"up": dict(narrow, split_k=1), "down": wide}, {"up": wide, "down": dict(narrow, split_k=1)}):
+            with pytest.raises(ValueError, match="wgmma tiles"):
+                moe_experts(*args, *ws, *ss, limit=LIMIT, config=config)
+            moe_experts(*args, *raws, *ss, limit=LIMIT, config=config)
+            moe_experts(meta(3, d, dtype=torch.float32), *args[1:], *ws, *ss, limit=LIMIT, config=config,
+                        dot_fp32=True)
+    assert len([c for c in calls if c.name == "moe_gemm_kernel"]) == 8
+
+
+@pytest.mark.parametrize("bucket", [1, 16, 64, 512, 8192])
+def test_every_config_the_plan_can_choose_decodes_whole_words(bucket) -> None:
+    """The heuristic's tiles and the tuner's space (what a plan's configs come from) at V4.1's shapes."""
+    static = ExpertsStatic(EXPERTS, MOE_INTER, HIDDEN, TOPK, "fp4_fragments")
+    configs = [default_config(bucket)] + get_configs("moe_experts", static, bucket)
+    assert len(configs) > 1
+    for config in configs:
+        assert all(decodes_whole_words(g["block_N"], g["num_warps"]) for g in config.values()), config
 
 
 def _small_slice(moe_kernels: bool):
@@ -224,6 +276,38 @@ def test_the_decode_loop_reads_whole_words_and_runs_fewer_instructions(tmp_path)
             assert not decode or frag.get("LDS.U16", 0) == 0 < raw["LDS.U16"]
     decode = mixes[True]["GEMM 1"]
     assert sum(decode["fragments"].values()) <= 0.75 * sum(decode["raw"].values())
+
+
+def _plan_tiles() -> list[dict]:
+    """One of each (block_M, block_N, num_warps) the heuristic and the tuner's space give V4.1's experts, at the
+    smallest block_K; the heuristic's own tiles as they are."""
+    static = ExpertsStatic(EXPERTS, MOE_INTER, HIDDEN, TOPK, "fp4_fragments")
+    found = {}
+    for bucket in (1, 64, 8192):
+        for config in [default_config(bucket)] + get_configs("moe_experts", static, bucket):
+            gemm = {k: v for k, v in config["up"].items() if k != "split_k"}
+            key = (gemm["block_M"], gemm["block_N"], gemm["num_warps"])
+            if key not in found or gemm["block_K"] < found[key]["block_K"]:
+                found[key] = gemm
+    return list(found.values()) + [{k: v for k, v in default_config(m)["up"].items() if k != "split_k"}
+                                   for m in (1, 8192)]
+
+
+def test_the_compiled_decoding_reads_whole_words_exactly_under_wgmma_tiles(tmp_path) -> None:
+    """On cubins built here for sm_90a: under the plan's tiles both GEMMs' asm operand holds each word of the format
+    in 4 consecutive registers of a lane (bench/moe_sass.py --words); under the 32-row tiles (mma.sync, the tiles
+    that gave wrong values on an H100) it does not, and `decodes_whole_words` tells them apart."""
+    cases = _plan_tiles() + NARROW
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "words.json"
+    subprocess.run([sys.executable, "bench/moe_sass.py", "--words", json.dumps(cases), "--json", str(out)], cwd=ROOT,
+                   env=env, check=True, capture_output=True, timeout=1200)
+    found = json.loads(out.read_text())
+    assert [f["tiles"] for f in found] == cases
+    for f in found:
+        want = decodes_whole_words(f["tiles"]["block_N"], f["tiles"]["num_warps"])
+        assert f["GEMM 1"] == f["GEMM 2"] == want, f
+    assert sum(not f["GEMM 1"] for f in found) == len(NARROW)
 
 
 @pytest.mark.gpu
