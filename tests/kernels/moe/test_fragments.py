@@ -263,7 +263,7 @@ def _loop_mix(tiles: dict | None, tokens: int, out: Path) -> dict:
 def test_the_decode_loop_reads_whole_words_and_runs_fewer_instructions(tmp_path) -> None:
     """On cubins built here for sm_90a (no GPU needed): in both GEMMs' loops on fragments, no byte shuffles (PRMT) at
     the decode tiles and at the heuristic's prefill tiles (that the asm's registers are whole words is the layouts'
-    test above: no PRMT alone does not show it); at the decode tiles no 2-byte loads either, and GEMM 1 at most 75%
+    test below: no PRMT alone does not show it); at the decode tiles no 2-byte loads either, and GEMM 1 at most 75%
     of the raw codes' instructions."""
     prefill = {k: v for k, v in default_config(8192)["up"].items() if k != "split_k"}
     mixes = {tiles is None: _loop_mix(tiles, tokens, tmp_path / f"{tokens}.json")
