@@ -3,12 +3,6 @@ here for sm_90a (no GPU needed) and read with cuobjdump: per GEMM, the loop arou
 by opcode, with the loads' widths.
 
     python bench/moe_sass.py [--tokens 64] [--config '{"block_M": 16, "block_N": 64, ...}'] [--json out.json]
-    python bench/moe_sass.py --words '[{"block_M": 16, "block_N": 32, ...}, ...]' [--json out.json]
-
---words: per tiles, whether each GEMM's compiled decoding reads whole words of the fragment format, from the layout
-Triton gives the asm's operand (kernels/moe/fragments.py): the asm takes 4 consecutive registers of a lane as one
-word, so its first two register bases must step one and two bytes along the codes and every other base (register,
-lane, warp) a multiple of 4 bytes. Tiles the wrapper refuses are compiled too (their launches edited).
 
 Run it without TRITON_INTERPRET (Triton's interpreter compiles nothing).
 """
@@ -17,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
 import re
 import subprocess
@@ -96,38 +89,6 @@ def mixes(tokens: int, tiles: dict) -> dict[str, dict[str, collections.Counter]]
     return out
 
 
-def asm_operand_layout(ttgir: str) -> str:
-    """The layout attribute of the fragment decoding's asm operand (`_decode_asm`: the one with rotations)."""
-    defs = dict(re.findall(r"^(#\w+) = (.*)$", ttgir, re.MULTILINE))
-    line = next(x for x in ttgir.splitlines() if "elementwise_inline_asm" in x and "shf.l.wrap" in x)
-    return defs[re.search(r"\} %\S+ : tensor<[0-9x]+xi8, (#\w+)>", line).group(1)]
-
-
-def whole_words(layout: str) -> bool:
-    """Whether a linear (or blocked) layout of the [groups, bytes] codes gives each lane's registers 4j..4j+3 the 4
-    bytes of one word, in order."""
-    if layout.startswith("#ttg.blocked"):
-        per_thread, order = (json.loads(v) for v in re.findall(r"(?:sizePerThread|order) = (\[[^]]*\])", layout))
-        return order[0] == 1 and per_thread[1] % 4 == 0
-    bases = {k: json.loads(v) for k, v in re.findall(r"(\w+) = (\[\[.*?\]\]|\[\])", layout)}
-    register = bases["register"]
-    rest = register[2:] + bases.get("lane", []) + bases.get("warp", []) + bases.get("block", [])
-    return register[:2] == [[0, 1], [0, 2]] and all(b[1] % 4 == 0 for b in rest)
-
-
-def words(tiles: dict) -> dict[str, bool]:
-    """{"GEMM 1" | "GEMM 2": whether its decoding reads whole words} for the GEMMs on fragments under `tiles`, at
-    V4.1's shapes (the launches of 64-wide tiles, then the given tiles put in)."""
-    base = dict(tiles, block_N=64, num_warps=4)
-    out = {}
-    for call in gemm_launches(64, base, True):
-        call = dataclasses.replace(call, constexprs={**call.constexprs, "block_N": tiles["block_N"]},
-                                   num_warps=tiles["num_warps"])
-        built = compile_launch(call, "sm90")
-        out["GEMM 1" if call.constexprs["GATED"] else "GEMM 2"] = whole_words(asm_operand_layout(built.ttgir))
-    return out
-
-
 def table(found: dict[str, dict[str, collections.Counter]]) -> str:
     lines = []
     for gemm, by_layout in found.items():
@@ -142,14 +103,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--config", type=json.loads, default=DECODE, help="one GEMM's tiles (both GEMMs take them)")
     p.add_argument("--json", type=Path)
-    p.add_argument("--words", type=json.loads, help="a list of tiles: report whole words instead of the mix")
     args = p.parse_args()
-    if args.words is not None:
-        found = [{"tiles": t, **words(t)} for t in args.words]
-        print("\n".join(json.dumps(f) for f in found))
-        if args.json:
-            args.json.write_text(json.dumps(found, indent=1))
-        return 0
     found = mixes(args.tokens, args.config)
     print(f"per thread per loop iteration, tiles {args.config}; columns: raw, fragments")
     print(table(found))

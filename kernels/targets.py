@@ -26,9 +26,9 @@ class Target:
     smem_per_block: int = 0  # bytes of shared memory one block may use
     runnable: bool = False  # whether this build runs the target's compiled models (else: built, not run)
     device_type: str = "cpu"  # the torch device type its compiled models run on
-    # Hopper's wgmma reads its A operand from registers in an order the fp4 experts' codes are stored in, the decoding
-    # reading each register's 4 bytes as one word (kernels/moe/fragments.py; checked on its compiled code): other
-    # targets' MMAs keep their operands elsewhere, and their kernels read the raw codes
+    # Hopper's wgmma reads its A operand from registers in an order the fp4 experts' codes are stored in, so the
+    # decoded words land in the operand's registers with no shuffle (kernels/moe/fragments.py; checked on its
+    # compiled code): other targets' MMAs keep their operands elsewhere, and their kernels read the raw codes
     mma_fragments: bool = False
 
     @property

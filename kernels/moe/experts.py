@@ -36,7 +36,7 @@ import torch
 from dsl.quant import scale_to_float
 from kernels.lang import tl, triton
 from kernels.launch import launch
-from kernels.moe.fragments import UNIT, decodes_whole_words, fragment_products
+from kernels.moe.fragments import UNIT, fragment_products
 from kernels.moe.route import route
 
 
@@ -369,9 +369,6 @@ def pair_outputs(xk: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     (split_up, per_up), (split_down, per_down) = _split(up, d), _split(down, inter)
     pairs, dev = t * topk, xk.device
     asm = dev.type != "cpu" and not dot_fp32  # the interpreter (CPU tensors) runs no PTX; meta tensors: the AOT build
-    if fragments and asm and not all(decodes_whole_words(g["block_N"], g["num_warps"]) for g in (up, down)):
-        raise ValueError(f"codes in fragment order decode on the GPU only under wgmma tiles (block_N a multiple of 64, "
-                         f"num_warps of 4), got {up} and {down}: other tiles split the decoded words")
     if pairs == 0:
         return torch.empty(pairs, split_down, d, dtype=torch.float32, device=dev)
     rows, block_expert = route(experts, num_experts, up["block_M"])
@@ -381,6 +378,8 @@ def pair_outputs(xk: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     common = dict(TOPK=topk, FP4=fp4, LIMIT=float(limit), DOT_FP32=dot_fp32, ASM=asm, FRAGMENTS=fragments,
                   block_M=up["block_M"])
     s1_, s2_, s3_ = (s1, s2, s3) if fp4 else (w1, w2, w3)
+    if fragments:  # the kernels load whole words of the format (kernels/moe/fragments.py)
+        w1, w2, w3 = (w.view(torch.int32) for w in (w1, w2, w3))
     launch(moe_gemm_kernel, (block_expert.numel(), triton.cdiv(inter, up["block_N"]), split_up),
            (xk, rows, block_expert, w1, s1_, w3, s3_, weights, part),
            dict(common, N=inter, K=d, GATED=True, SPLIT_K=split_up, K_PER_SPLIT=per_up, block_N=up["block_N"],

@@ -1,17 +1,18 @@
 """fp4 expert codes stored in the order of the tensor cores' register fragments (executor format "fragments"): the
-grouped GEMMs of experts.py load them 8 bytes a thread and turn 8 codes into 4 bf16 pairs in 8 integer
-instructions, where the raw [E, N, K/2] codes cost 2-byte loads and 14 instructions (bench/RESULTS.md).
+grouped GEMMs of experts.py load them as 32-bit words, 8 bytes a thread, and turn 8 codes into 4 bf16 pairs in 8
+integer instructions, where the raw [E, N, K/2] codes cost 2-byte loads and 14 instructions (bench/RESULTS.md).
 
 The weights are wgmma's A operand, read from registers: for each 16 columns, lane 4g + c of the warp holding rows
 [16w, 16w + 16) holds columns 2c, 2c + 1 (one register) and 2c + 8, 2c + 9 of rows g and g + 8. A packed byte holds
 an even and an odd input, which meet the even and the odd activations in two products (experts.py), so each lane
 needs 4 bytes of each of its two rows per 32 inputs. `fragment_codes` stores an expert's [N, K/2] codes as
-[N/16, K/32, 32 lanes, 8 bytes]; a lane's 8 bytes are [q, h, p]: columns 8q + 2c + p of row g + 8h, in the order
-Triton keeps that layout's registers, so a 4-byte word is one register (checked in tests/kernels/moe/test_fragments.py
-against the compiled code). That holds where Triton lowers the GEMMs' dot to wgmma (`decodes_whole_words`): narrower
-tiles get mma.sync, whose A operand (kWidth 4) gives a lane 4 consecutive inputs, so the 4 bytes the asm reads as one
-word come from two words and decode to other codes; there the GPU kernel refuses fragments (the interpreter and fp32
-products decode byte by byte, under any tiles).
+[N/16, K/32, 32 lanes, 8 bytes]; a lane's 8 bytes are [q, h, p]: columns 8q + 2c + p of row g + 8h.
+
+The kernels load int32 words and decode each one alone (`_decode_asm`: one word in, its 8 codes out), then put the
+codes in row and column order by reshapes and a permutation (`_bytes`, `_unfragment`). The values therefore never
+depend on the layouts Triton picks: under wgmma tiles (64-row warpgroups) the relabelling moves no data and the loop
+has no byte shuffles (bench/moe_sass.py); under narrower tiles Triton lowers the dot to mma.sync, whose operand takes
+4 consecutive inputs a lane, and moves the codes between registers: the same values, more instructions.
 
 Each word's 32 bits are permuted so that its 8 codes become the bf16 bit patterns sign << 15 | e2m1 magnitude << 6,
 i.e. e2m1 * 2^-126 (e = 0 on bf16 subnormals, exact), the values experts.py's `_e2m1_asm` makes, with
@@ -38,13 +39,6 @@ ROTATIONS = (10, 13)  # pairs 1 and 2
 LEFT, SPREAD = 0x001B001B, (1 << 2) | (1 << 7) | (1 << 12)  # pair 3: the bits the other pairs leave, and their copies
 _NIBBLE_BIT = {15: 3, 8: 2, 7: 1, 6: 0}  # a pattern bit (within its half) -> the e2m1 code bit: sign, e1, e0, m
 UNIT = 256  # bytes of one 16-row group over 32 inputs
-
-
-def decodes_whole_words(block_N: int, num_warps: int) -> bool:
-    """Whether the GPU's decoding reads whole words under these tiles: Triton 3.6 lowers the dot to wgmma for tiles of
-    whole 64-row warpgroups (and whole warpgroups of warps), and keeps its register A operand's bytes in fragment
-    order; other tiles get mma.sync and split the words (checked on compiled layouts: bench/moe_sass.py --words)."""
-    return block_N % 64 == 0 and num_warps % 4 == 0
 
 
 def decode_word(w: int) -> tuple[int, int, int, int]:
@@ -117,19 +111,27 @@ def raw_codes(fragments: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _decode_asm(w):
-    """uint8 codes in fragment order -> (low nibbles, high nibbles) as bf16 e2m1 * 2^-126, of the same shape."""
+    """int32 words in fragment order -> their 8 codes as bf16 e2m1 * 2^-126, 8 tensors of w's shape: the low nibbles
+    of bytes 0..3, then the high nibbles of bytes 0..3. One word per instance, so a word is whole whatever layout
+    Triton gives w."""
     return tl.inline_asm_elementwise(
         """{
-        .reg .b32 t;
-        and.b32 $0, $4, 0x81C081C0;
-        shf.l.wrap.b32 t, $4, $4, 10;
-        and.b32 $1, t, 0x81C081C0;
-        shf.l.wrap.b32 t, $4, $4, 13;
-        and.b32 $2, t, 0x81C081C0;
-        and.b32 t, $4, 0x001B001B;
+        .reg .b32 t, p;
+        and.b32 p, $8, 0x81C081C0;
+        mov.b32 {$0, $1}, p;
+        shf.l.wrap.b32 t, $8, $8, 10;
+        and.b32 p, t, 0x81C081C0;
+        mov.b32 {$2, $3}, p;
+        shf.l.wrap.b32 t, $8, $8, 13;
+        and.b32 p, t, 0x81C081C0;
+        mov.b32 {$4, $5}, p;
+        and.b32 t, $8, 0x001B001B;
         mul.lo.u32 t, t, 0x1084;
-        and.b32 $3, t, 0x81C081C0;
-        }""", "=r,=r,=r,=r,r", [w], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4)
+        and.b32 p, t, 0x81C081C0;
+        mov.b32 {$6, $7}, p;
+        }""", "=h,=h,=h,=h,=h,=h,=h,=h,r", [w],
+        dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16),
+        is_pure=True, pack=1)
 
 
 @triton.jit
@@ -144,20 +146,21 @@ def _halves(pair):
 
 
 @triton.jit
-def _decode_plain(w, R: tl.constexpr, C: tl.constexpr):
-    """`_decode_asm` in plain operations (Triton's interpreter runs no PTX), to fp32: uint8 [R, C] -> (lo, hi)."""
-    even, odd = tl.split(tl.reshape(w, [R, C // 4, 2, 2]).to(tl.uint32))  # bytes 0, 2 and 1, 3 of each word
-    b0, b2 = tl.split(even)
-    b1, b3 = tl.split(odd)
-    word = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+def _decode_plain(w):
+    """`_decode_asm` in plain operations (Triton's interpreter runs no PTX), to fp32."""
+    word = w.to(tl.uint32, bitcast=True)
     l0, l1 = _halves(word & 0x81C081C0)
     l2, l3 = _halves(_rotl(word, 10) & 0x81C081C0)
     h0, h1 = _halves(_rotl(word, 13) & 0x81C081C0)
     h2, h3 = _halves(((word & 0x001B001B) * 0x1084) & 0x81C081C0)
+    return l0, l1, l2, l3, h0, h1, h2, h3
+
+
+@triton.jit
+def _bytes(b0, b1, b2, b3, R: tl.constexpr, C: tl.constexpr):
+    """Four [R, C/4] tensors, one value per byte i of each word -> [R, C] in byte order (byte 4j + i)."""
     # join stacks on a new last axis: join(join(b0, b2), join(b1, b3)) is [.., q, p], byte 2q + p
-    lo = tl.reshape(tl.join(tl.join(l0, l2), tl.join(l1, l3)), [R, C])
-    hi = tl.reshape(tl.join(tl.join(h0, h2), tl.join(h1, h3)), [R, C])
-    return lo, hi
+    return tl.reshape(tl.join(tl.join(b0, b2), tl.join(b1, b3)), [R, C])
 
 
 @triton.jit
@@ -172,25 +175,29 @@ def _unfragment(x, block_N: tl.constexpr, block_K: tl.constexpr):
 @triton.jit
 def _weights(wp, sp, wo, so, mask_w, mask_s, EVEN: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr,
              block_N: tl.constexpr, block_K: tl.constexpr):
-    """One stage of a weight, codes at wo [block_N/16, block_K/32 * 256] and scales at so [block_N, block_K/32] ->
-    its even and odd input columns * 2^-63, [block_N, block_K/2], bf16 (fp32 with DOT_FP32): experts.py's
+    """One stage of a weight, int32 words at wo [block_N/16, block_K/32 * 64] and scales at so [block_N, block_K/32]
+    -> its even and odd input columns * 2^-63, [block_N, block_K/2], bf16 (fp32 with DOT_FP32): experts.py's
     `_dequant`, value for value."""
     if EVEN:
-        b = tl.load(wp + wo)
+        w = tl.load(wp + wo)
         s = tl.load(sp + so)
     else:
-        b = tl.load(wp + wo, mask=mask_w, other=0)
+        w = tl.load(wp + wo, mask=mask_w, other=0)
         s = tl.load(sp + so, mask=mask_s, other=0)
+    R: tl.constexpr = block_N // 16
+    C: tl.constexpr = block_K // 32 * 256
     if ASM:
         f = s if s.dtype == tl.bfloat16 else (s * 9.223372036854775808e18).to(tl.bfloat16)  # scale * 2^63
-        lo, hi = _decode_asm(b)  # e2m1 * 2^-126
+        l0, l1, l2, l3, h0, h1, h2, h3 = _decode_asm(w)  # e2m1 * 2^-126
+        lo = _bytes(l0, l1, l2, l3, R, C)
+        hi = _bytes(h0, h1, h2, h3, R, C)
     else:
         if s.dtype == tl.bfloat16:
             s = s.to(tl.float32) * 1.0842021724855044e-19  # * 2^-63
         f = s * 1.7763568394002505e-15  # scale * 2^-49, against e2m1 * 2^-14 below: `_dequant`'s products
-        lo, hi = _decode_plain(b, block_N // 16, block_K // 32 * 256)
-        lo = lo * 5.192296858534828e33  # * 2^112, exact
-        hi = hi * 5.192296858534828e33
+        l0, l1, l2, l3, h0, h1, h2, h3 = _decode_plain(w)
+        lo = _bytes(l0, l1, l2, l3, R, C) * 5.192296858534828e33  # * 2^112, exact
+        hi = _bytes(h0, h1, h2, h3, R, C) * 5.192296858534828e33
     f = tl.reshape(tl.broadcast_to(f[:, :, None], [block_N, block_K // 32, 16]), [block_N, block_K // 2])
     lo = _unfragment(lo, block_N, block_K) * f
     hi = _unfragment(hi, block_N, block_K) * f
@@ -213,11 +220,11 @@ def fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, n_b
     sg = k_begin // 32 + tl.arange(0, block_K // 32)
     xa = a_ptr + a_rows[None, :] * K + kh[:, None]  # [block_K/2, block_M]; the odd columns at + K/2
     groups = (e * N + n_begin) // 16 + tl.arange(0, block_N // 16)  # the tile's 16-row groups
-    cols = tl.arange(0, block_K // 32 * 256)
-    wo = (groups.to(tl.int64)[:, None] * SC + k_begin // 32) * 256 + cols[None, :]
+    cols = tl.arange(0, block_K // 32 * 64)  # int32 words: 64 a 16-row group over 32 inputs
+    wo = (groups.to(tl.int64)[:, None] * SC + k_begin // 32) * 64 + cols[None, :]
     so = w_rows[:, None] * SC + sg[None, :]  # [block_N, block_K/32]
     mask_g = (n_begin + tl.arange(0, block_N // 16) * 16) < N
-    unit = k_begin // 32 + cols // 256
+    unit = k_begin // 32 + cols // 64
     acc1 = tl.zeros([block_N, block_M], dtype=tl.float32)
     acc3 = tl.zeros([block_N, block_M], dtype=tl.float32)
     for _ in range(0, K_PER_SPLIT, block_K):
@@ -241,7 +248,7 @@ def fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, n_b
                 acc3 = tl.dot(lo, x_even, acc3, input_precision="ieee" if DOT_FP32 else None)
                 acc3 = tl.dot(hi, x_odd, acc3, input_precision="ieee" if DOT_FP32 else None)
         xa += block_K // 2
-        wo += block_K // 32 * 256
+        wo += block_K // 32 * 64
         so += block_K // 32
         kh += block_K // 2
         sg += block_K // 32
@@ -249,4 +256,4 @@ def fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, n_b
     return acc1 * 9.223372036854775808e18, acc3 * 9.223372036854775808e18  # 2^63: the weights' 2^-63 undone
 
 
-__all__ = ["UNIT", "decode_word", "decodes_whole_words", "fragment_codes", "fragment_products", "raw_codes"]
+__all__ = ["UNIT", "decode_word", "fragment_codes", "fragment_products", "raw_codes"]

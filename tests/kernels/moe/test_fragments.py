@@ -1,8 +1,7 @@
 """fp4 expert codes in fragment order (kernels/moe/fragments.py): the format and its inverse, every word's decoding
 against the e2m1 table, the grouped GEMMs over them against the same GEMMs over raw codes (bitwise: the same products
-in the same order) and against `dsl.ops.moe.moe_experts`, batch invariance, the executor's format, and the compiled
-code (bench/moe_sass.py): the decoding reads whole words under every tile the plan can choose and the wrapper takes on
-the GPU, and does not under the tiles it refuses; the decode loop runs fewer instructions."""
+in the same order, under wgmma and mma.sync tiles) and against `dsl.ops.moe.moe_experts`, batch invariance, the
+executor's format, and the compiled code (bench/moe_sass.py): the decode loop runs fewer instructions."""
 
 from __future__ import annotations
 
@@ -16,34 +15,29 @@ from pathlib import Path
 import pytest
 import torch
 
-from autotune.space import get_configs
 from dsl.ops.moe import moe_experts as ref_moe_experts
 from kernels.lang import tl, triton
-from kernels.launch import use_launcher
-from kernels.lowering import meta
 from kernels.moe.experts import default_config, moe_experts, prescaled
 from kernels.moe.fragments import (
     UNIT,
+    _bytes,
     _decode_plain,
     _unfragment,
     decode_word,
-    decodes_whole_words,
     fragment_codes,
     raw_codes,
 )
-from kernels.moe.lowering import ExpertsStatic
 from tests.kernels.cases import EXPERTS, HIDDEN, MOE_INTER, TOPK, gen, rel_l2
 from tests.kernels.moe.test_experts import LIMIT, make_experts, routing
 
 ROOT = Path(__file__).resolve().parents[3]
 E2M1 = torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6])
-# tiles of one warpgroup over 64 rows (wgmma: the GPU decodes whole words); 32-row tiles (mma.sync) split them
-NARROW = [dict(block_M=16, block_N=32, block_K=64, num_warps=4, num_stages=2),
-          dict(block_M=16, block_N=32, block_K=32, num_warps=4, num_stages=2)]
 
 
-def tiles(up: int = 1, down: int = 1, block_k: int = 64) -> dict:
-    gemm = dict(block_M=16, block_N=64, block_K=block_k, num_warps=4, num_stages=2)
+def tiles(up: int = 1, down: int = 1, block_k: int = 64, block_n: int = 64) -> dict:
+    """Tiles for both GEMMs: 64 rows are one wgmma warpgroup; 32 and 16 rows lower to mma.sync on the GPU, whose
+    operand registers hold the words' codes in another order (the decoding must not care)."""
+    gemm = dict(block_M=16, block_N=block_n, block_K=block_k, num_warps=4, num_stages=2)
     return dict(up=dict(gemm, split_k=up), down=dict(gemm, split_k=down))
 
 
@@ -87,10 +81,12 @@ def test_every_word_decodes_to_its_rows_and_columns() -> None:
 
 @triton.jit
 def _decode_kernel(w_ptr, lo_ptr, hi_ptr, block_N: tl.constexpr, block_K: tl.constexpr):
-    r = tl.arange(0, block_N // 16)
-    c = tl.arange(0, block_K // 32 * 256)
-    lo, hi = _decode_plain(tl.load(w_ptr + r[:, None] * (block_K // 32 * 256) + c[None, :]), block_N // 16,
-                           block_K // 32 * 256)
+    R: tl.constexpr = block_N // 16
+    C: tl.constexpr = block_K // 32 * 256
+    r = tl.arange(0, R)
+    c = tl.arange(0, C // 4)
+    l0, l1, l2, l3, h0, h1, h2, h3 = _decode_plain(tl.load(w_ptr + r[:, None] * (C // 4) + c[None, :]))
+    lo, hi = _bytes(l0, l1, l2, l3, R, C), _bytes(h0, h1, h2, h3, R, C)
     n = tl.arange(0, block_N)[:, None] * (block_K // 2) + tl.arange(0, block_K // 2)[None, :]
     tl.store(lo_ptr + n, _unfragment(lo, block_N, block_K))
     tl.store(hi_ptr + n, _unfragment(hi, block_N, block_K))
@@ -101,7 +97,7 @@ def test_a_tile_decodes_in_the_interpreter_to_its_codes() -> None:
     """The interpreter's decoding of a [32, 128-input] tile, put back in row and column order: the e2m1 values."""
     codes = torch.randint(0, 256, (1, 32, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
     lo, hi = torch.empty(32, 64), torch.empty(32, 64)
-    _decode_kernel[(1,)](fragment_codes(codes), lo, hi, 32, 128)
+    _decode_kernel[(1,)](fragment_codes(codes).view(torch.int32), lo, hi, 32, 128)
     assert torch.equal(lo, E2M1[(codes[0] & 15).long()] * 2.0**-126)
     assert torch.equal(hi, E2M1[(codes[0] >> 4).long()] * 2.0**-126)
     assert torch.equal(torch.signbit(lo), torch.signbit(E2M1[(codes[0] & 15).long()]))
@@ -121,8 +117,10 @@ def both_layouts(t: int, e: int, inter: int, d: int, config: dict | None, device
 
 
 # (t, e, inter, d, config, scales, dot_fp32): 0 and 1 token, odd counts, 19 tokens past a block of 16 slots; 96 / 64
-# leaves a short last split, 3 splits of 96 an empty one; 64-row tiles over 96 or 32 outputs leave part of a tile
-BITWISE = [(0, 8, 64, 96, tiles(), "prescaled", False), (1, 8, 64, 96, tiles(), "prescaled", False),
+# leaves a short last split, 3 splits of 96 an empty one; 64-row tiles over 96 or 32 outputs leave part of a tile;
+# 32- and 16-row tiles (mma.sync on the GPU)
+BITWISE = [(5, 8, 64, 96, tiles(block_n=32), "prescaled", False), (9, 8, 96, 64, tiles(2, 1, 32, 16), "prescaled", False),
+           (0, 8, 64, 96, tiles(), "prescaled", False), (1, 8, 64, 96, tiles(), "prescaled", False),
            (5, 8, 96, 64, tiles(), "fp32", False), (19, 4, 64, 96, tiles(2, 3), "prescaled", False),
            (1, 8, 64, 96, tiles(3, 1), "fp32", False), (7, 6, 64, 96, tiles(2, 2), "prescaled", True),
            (3, 8, 32, 64, tiles(block_k=32), "prescaled", False)]
@@ -170,37 +168,6 @@ def test_fragments_need_tiles_of_whole_row_groups() -> None:
     with pytest.raises(ValueError, match="multiple of 16"):
         moe_experts(gen(2, 96), weights, experts, *map(fragment_codes, ws), *ss, limit=LIMIT,
                     config={"up": gemm, "down": gemm})
-
-
-@pytest.mark.parametrize("narrow", NARROW)
-def test_the_gpu_kernel_refuses_fragments_under_tiles_that_split_words(narrow) -> None:
-    """On the GPU path (meta tensors: the AOT build's) fragments under mma.sync tiles are refused, either GEMM; raw
-    codes under them, and fragments under fp32 products (decoded byte by byte), are not."""
-    e, inter, d = 8, 64, 96
-    ws = [meta(e, o // 16, i // 32, UNIT, dtype=torch.uint8) for o, i in ((inter, d), (d, inter), (inter, d))]
-    raws = [meta(e, o, i // 2, dtype=torch.uint8) for o, i in ((inter, d), (d, inter), (inter, d))]
-    ss = [meta(e, o, i // 32, dtype=torch.bfloat16) for o, i in ((inter, d), (d, inter), (inter, d))]
-    args = (meta(3, d), meta(3, 2), meta(3, 2, dtype=torch.int64))
-    wide = tiles()["up"]
-    calls = []
-    with use_launcher(calls.append):
-        for config in ({"up": dict(narrow, split_k=1), "down": wide}, {"up": wide, "down": dict(narrow, split_k=1)}):
-            with pytest.raises(ValueError, match="wgmma tiles"):
-                moe_experts(*args, *ws, *ss, limit=LIMIT, config=config)
-            moe_experts(*args, *raws, *ss, limit=LIMIT, config=config)
-            moe_experts(meta(3, d, dtype=torch.float32), *args[1:], *ws, *ss, limit=LIMIT, config=config,
-                        dot_fp32=True)
-    assert len([c for c in calls if c.name == "moe_gemm_kernel"]) == 8
-
-
-@pytest.mark.parametrize("bucket", [1, 16, 64, 512, 8192])
-def test_every_config_the_plan_can_choose_decodes_whole_words(bucket) -> None:
-    """The heuristic's tiles and the tuner's space (what a plan's configs come from) at V4.1's shapes."""
-    static = ExpertsStatic(EXPERTS, MOE_INTER, HIDDEN, TOPK, "fp4_fragments")
-    configs = [default_config(bucket)] + get_configs("moe_experts", static, bucket)
-    assert len(configs) > 1
-    for config in configs:
-        assert all(decodes_whole_words(g["block_N"], g["num_warps"]) for g in config.values()), config
 
 
 def _small_slice(moe_kernels: bool):
@@ -262,9 +229,8 @@ def _loop_mix(tiles: dict | None, tokens: int, out: Path) -> dict:
 
 def test_the_decode_loop_reads_whole_words_and_runs_fewer_instructions(tmp_path) -> None:
     """On cubins built here for sm_90a (no GPU needed): in both GEMMs' loops on fragments, no byte shuffles (PRMT) at
-    the decode tiles and at the heuristic's prefill tiles (that the asm's registers are whole words is the layouts'
-    test below: no PRMT alone does not show it); at the decode tiles no 2-byte loads either, and GEMM 1 at most 75%
-    of the raw codes' instructions."""
+    the decode tiles and at the heuristic's prefill tiles: the words decode straight into the operand's registers; at
+    the decode tiles no 2-byte loads either, and GEMM 1 at most 75% of the raw codes' instructions."""
     prefill = {k: v for k, v in default_config(8192)["up"].items() if k != "split_k"}
     mixes = {tiles is None: _loop_mix(tiles, tokens, tmp_path / f"{tokens}.json")
              for tiles, tokens in ((None, 64), (prefill, 8192))}
@@ -278,43 +244,13 @@ def test_the_decode_loop_reads_whole_words_and_runs_fewer_instructions(tmp_path)
     assert sum(decode["fragments"].values()) <= 0.75 * sum(decode["raw"].values())
 
 
-def _plan_tiles() -> list[dict]:
-    """One of each (block_M, block_N, num_warps) the heuristic and the tuner's space give V4.1's experts, at the
-    smallest block_K; the heuristic's own tiles as they are."""
-    static = ExpertsStatic(EXPERTS, MOE_INTER, HIDDEN, TOPK, "fp4_fragments")
-    found = {}
-    for bucket in (1, 64, 8192):
-        for config in [default_config(bucket)] + get_configs("moe_experts", static, bucket):
-            gemm = {k: v for k, v in config["up"].items() if k != "split_k"}
-            key = (gemm["block_M"], gemm["block_N"], gemm["num_warps"])
-            if key not in found or gemm["block_K"] < found[key]["block_K"]:
-                found[key] = gemm
-    return list(found.values()) + [{k: v for k, v in default_config(m)["up"].items() if k != "split_k"}
-                                   for m in (1, 8192)]
-
-
-def test_the_compiled_decoding_reads_whole_words_exactly_under_wgmma_tiles(tmp_path) -> None:
-    """On cubins built here for sm_90a: under the plan's tiles both GEMMs' asm operand holds each word of the format
-    in 4 consecutive registers of a lane (bench/moe_sass.py --words); under the 32-row tiles (mma.sync, the tiles
-    that gave wrong values on an H100) it does not, and `decodes_whole_words` tells them apart."""
-    cases = _plan_tiles() + NARROW
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = tmp_path / "words.json"
-    subprocess.run([sys.executable, "bench/moe_sass.py", "--words", json.dumps(cases), "--json", str(out)], cwd=ROOT,
-                   env=env, check=True, capture_output=True, timeout=1200)
-    found = json.loads(out.read_text())
-    assert [f["tiles"] for f in found] == cases
-    for f in found:
-        want = decodes_whole_words(f["tiles"]["block_N"], f["tiles"]["num_warps"])
-        assert f["GEMM 1"] == f["GEMM 2"] == want, f
-    assert sum(not f["GEMM 1"] for f in found) == len(NARROW)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", [1, 7, 16, 64, 600])
-@pytest.mark.parametrize("config", ["default", "unsplit", "prefill"])
+@pytest.mark.parametrize("config", ["default", "unsplit", "prefill", "narrow"])
 def test_v41_shapes_fragments_give_the_bits_of_raw_codes(t, config) -> None:
-    """On the GPU (the asm decoding) at V4.1's shapes: the bits of the raw codes' kernel."""
-    chosen = {"default": None, "unsplit": default_config(512), "prefill": default_config(8192)}[config]
+    """On the GPU (the asm decoding) at V4.1's shapes, under wgmma tiles and mma.sync ones: the bits of the raw
+    codes' kernel."""
+    chosen = {"default": None, "unsplit": default_config(512), "prefill": default_config(8192),
+              "narrow": tiles(1, 1, 128, 32)}[config]
     raw, frag, _ = both_layouts(t, EXPERTS, MOE_INTER, HIDDEN, chosen, "cuda")
     assert torch.equal(frag, raw) and raw.abs().max() > 0
