@@ -1,6 +1,7 @@
 """The instruction mix of the fp4 MoE GEMMs' main loop, raw codes against codes in fragment order, from cubins built
 here for sm_90a (no GPU needed) and read with cuobjdump: per GEMM, the loop around the wgmma instructions, counted
-by opcode, with the loads' widths.
+by opcode, with the loads' widths, and the writes to the registers of wgmma operands still in flight
+(`operand_hazards`).
 
     python bench/moe_sass.py [--tokens 64] [--config '{"block_M": 16, "block_N": 64, ...}'] [--json out.json]
 
@@ -56,8 +57,8 @@ def sass(cubin: bytes) -> str:
         return subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True, check=True).stdout
 
 
-def loop_mix(text: str) -> collections.Counter:
-    """Opcodes (loads with their width) of the innermost backward branch's body that holds wgmma instructions."""
+def wgmma_loop(text: str) -> list[str]:
+    """The instructions (predicates dropped) of the innermost backward branch's body that holds wgmma instructions."""
     body = []
     at = {}
     for line in text.splitlines():
@@ -74,19 +75,63 @@ def loop_mix(text: str) -> collections.Counter:
                 loops.append(loop)
     if not loops:
         raise ValueError("no loop with wgmma instructions in this cubin")
-    loop = min(loops, key=len)
+    return min(loops, key=len)
+
+
+_NO_DESTINATION = ("ST", "RED", "BAR", "BRA", "HGMMA", "WARPGROUP", "LDGSTS", "DEPBAR", "LDGDEPBAR", "NOP", "EXIT",
+                   "WARPSYNC", "MEMBAR", "FENCE", "ARRIVES", "SYNCS")
+
+
+def _written(ins: str) -> set[int]:
+    """The R registers an instruction writes: its first operand, over the width of the result."""
+    op, _, rest = ins.partition(" ")
+    m = re.match(r"R(\d+)\b", rest.strip())
+    if op.startswith(_NO_DESTINATION) or not m:
+        return set()
+    width = 4 if ".128" in op else 2 if (".64" in op or op.startswith(("IMAD.WIDE", "CS2R", "DADD", "DMUL"))) else 1
+    return set(range(int(m.group(1)), int(m.group(1)) + width))
+
+
+def operand_hazards(text: str) -> list[str]:
+    """Instructions that overwrite the register operand of a wgmma still in flight: the A registers (4 a 16-input
+    step) of the HGMMAs after the loop's last WARPGROUP.DEPBAR, written between the back edge and the next
+    iteration's first WARPGROUP.DEPBAR, which is where they are known to have been read."""
+    loop = wgmma_loop(text)
+    waits = [i for i, x in enumerate(loop) if x.startswith("WARPGROUP.DEPBAR")]
+    last = max(waits, default=-1)
+    live = set()
+    for x in loop[last + 1:]:
+        if x.startswith("HGMMA"):
+            a = re.match(r"R(\d+)", x.split(",")[1].strip())
+            if a:  # A from registers (RS); a descriptor means shared memory
+                live |= set(range(int(a.group(1)), int(a.group(1)) + 4))
+    if not live:
+        return []
+    tail = max(i for i, x in enumerate(loop) if x.startswith("HGMMA") and i > last)
+    window = loop[tail + 1:] + loop[:min(waits, default=len(loop))]
+    return [x for x in window if _written(x) & live]
+
+
+def loop_mix(text: str) -> collections.Counter:
+    """Opcodes (loads with their width) of the innermost backward branch's body that holds wgmma instructions."""
+    loop = wgmma_loop(text)
     return collections.Counter(x.split()[0] if x.startswith(("LDS", "LDG", "STS")) else x.split()[0].split(".")[0]
                                for x in loop)
 
 
-def mixes(tokens: int, tiles: dict) -> dict[str, dict[str, collections.Counter]]:
-    """{"GEMM 1" | "GEMM 2": {"raw" | "fragments": the loop's opcodes}}."""
-    out: dict[str, dict[str, collections.Counter]] = {"GEMM 1": {}, "GEMM 2": {}}
+def cubins_sass(tokens: int, tiles: dict) -> dict[str, dict[str, str]]:
+    """{"GEMM 1" | "GEMM 2": {"raw" | "fragments": the kernel's SASS}}."""
+    out: dict[str, dict[str, str]] = {"GEMM 1": {}, "GEMM 2": {}}
     for layout, fragments in (("raw", False), ("fragments", True)):
         for call in gemm_launches(tokens, tiles, fragments):
             gemm = "GEMM 1" if call.constexprs["GATED"] else "GEMM 2"
-            out[gemm][layout] = loop_mix(sass(compile_launch(call, "sm90").cubin))
+            out[gemm][layout] = sass(compile_launch(call, "sm90").cubin)
     return out
+
+
+def mixes(texts: dict[str, dict[str, str]]) -> dict[str, dict[str, collections.Counter]]:
+    """{"GEMM 1" | "GEMM 2": {"raw" | "fragments": the loop's opcodes}}."""
+    return {gemm: {layout: loop_mix(t) for layout, t in by_layout.items()} for gemm, by_layout in texts.items()}
 
 
 def table(found: dict[str, dict[str, collections.Counter]]) -> str:
@@ -104,11 +149,17 @@ def main() -> int:
     p.add_argument("--config", type=json.loads, default=DECODE, help="one GEMM's tiles (both GEMMs take them)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
-    found = mixes(args.tokens, args.config)
+    texts = cubins_sass(args.tokens, args.config)
+    found = mixes(texts)
+    hazards = {g: {k: operand_hazards(t) for k, t in v.items()} for g, v in texts.items()}
     print(f"per thread per loop iteration, tiles {args.config}; columns: raw, fragments")
     print(table(found))
+    for gemm, by_layout in hazards.items():
+        print(f"{gemm}: writes to the registers of wgmma operands in flight: "
+              + ", ".join(f"{k} {len(v)}" for k, v in by_layout.items()))
     if args.json:
-        args.json.write_text(json.dumps({g: {k: dict(c) for k, c in v.items()} for g, v in found.items()}, indent=1))
+        args.json.write_text(json.dumps({g: {k: dict(c) for k, c in v.items()} for g, v in found.items()}
+                                        | {"hazards": hazards}, indent=1))
     return 0
 
 

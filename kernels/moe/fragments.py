@@ -207,6 +207,16 @@ def _weights(wp, sp, wo, so, mask_w, mask_s, EVEN: tl.constexpr, ASM: tl.constex
 
 
 @triton.jit
+def _settled(acc):
+    """acc itself, through an instruction that is not a dot, so that Triton waits for the wgmma instructions that
+    accumulate it where it is used. A wgmma reads its register operand (the decoded weights) after it is issued;
+    Triton 3.6 leaves an iteration's last products in flight across the loop's back edge without keeping their
+    registers live, and ptxas gives those registers to the next iteration's decoding, which then overwrites weights
+    a wgmma has yet to read (bench/moe_sass.py's `operand_hazards` finds such writes in the cubins)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, n_begin, w_rows, mask_n, k_begin,
                       N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, GATED: tl.constexpr,
                       DOT_FP32: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, block_M: tl.constexpr,
@@ -247,6 +257,10 @@ def fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, n_b
             else:
                 acc3 = tl.dot(lo, x_even, acc3, input_precision="ieee" if DOT_FP32 else None)
                 acc3 = tl.dot(hi, x_odd, acc3, input_precision="ieee" if DOT_FP32 else None)
+        if ASM:  # the iteration's products finish before the next one decodes: `_settled`
+            acc1 = _settled(acc1)
+            if GATED:
+                acc3 = _settled(acc3)
         xa += block_K // 2
         wo += block_K // 32 * 64
         so += block_K // 32

@@ -5,6 +5,7 @@ executor's format, and the compiled code (bench/moe_sass.py): the decode loop ru
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -119,7 +120,8 @@ def both_layouts(t: int, e: int, inter: int, d: int, config: dict | None, device
 # (t, e, inter, d, config, scales, dot_fp32): 0 and 1 token, odd counts, 19 tokens past a block of 16 slots; 96 / 64
 # leaves a short last split, 3 splits of 96 an empty one; 64-row tiles over 96 or 32 outputs leave part of a tile;
 # 32- and 16-row tiles (mma.sync on the GPU)
-BITWISE = [(5, 8, 64, 96, tiles(block_n=32), "prescaled", False), (9, 8, 96, 64, tiles(2, 1, 32, 16), "prescaled", False),
+BITWISE = [(5, 8, 64, 96, tiles(block_n=32), "prescaled", False),
+           (9, 8, 96, 64, tiles(2, 1, 32, 16), "prescaled", False),
            (0, 8, 64, 96, tiles(), "prescaled", False), (1, 8, 64, 96, tiles(), "prescaled", False),
            (5, 8, 96, 64, tiles(), "fp32", False), (19, 4, 64, 96, tiles(2, 3), "prescaled", False),
            (1, 8, 64, 96, tiles(3, 1), "fp32", False), (7, 6, 64, 96, tiles(2, 2), "prescaled", True),
@@ -242,6 +244,29 @@ def test_the_decode_loop_reads_whole_words_and_runs_fewer_instructions(tmp_path)
             assert not decode or frag.get("LDS.U16", 0) == 0 < raw["LDS.U16"]
     decode = mixes[True]["GEMM 1"]
     assert sum(decode["fragments"].values()) <= 0.75 * sum(decode["raw"].values())
+    assert all(not mix["hazards"][gemm]["fragments"] for mix in mixes.values() for gemm in ("GEMM 1", "GEMM 2"))
+
+
+def _sass(*body: str) -> str:
+    return "\n".join(f"        /*{16 * i:04x}*/                   {ins} ;" for i, ins in enumerate(body))
+
+
+def test_the_sass_check_finds_a_write_to_an_operand_in_flight() -> None:
+    """bench/moe_sass.py's `operand_hazards` on hand-written loops: the A registers (R56..R59) of a wgmma issued after
+    the loop's last wait are written at the top of the next iteration (a hazard), or after its wait, or the wgmma
+    is waited for before the back edge (none); a shared-memory operand (a descriptor) holds no registers."""
+    spec = importlib.util.spec_from_file_location("moe_sass", ROOT / "bench" / "moe_sass.py")
+    sass = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sass)
+    head = ["DEPBAR.LE SB0, 0x3"]
+    issue = ["WARPGROUP.ARRIVE", "HGMMA.64x64x16.F32.BF16 R24, R56, gdesc[UR8], R24, gsb0"]
+    wait, back = ["WARPGROUP.DEPBAR.LE gsb0, 0x0"], ["@!P1 BRA 0x0"]
+    write = ["LDS.64 R58, [R10+0x6000]"]
+    assert sass.operand_hazards(_sass(*head, *write, *wait, *issue, *back)) == write
+    assert sass.operand_hazards(_sass(*head, *wait, *write, *issue, *back)) == []
+    assert sass.operand_hazards(_sass(*head, *write, *wait, *issue, *wait, *back)) == []
+    smem = ["WARPGROUP.ARRIVE", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT, gsb0"]
+    assert sass.operand_hazards(_sass(*head, *write, *wait, *smem, *back)) == []
 
 
 @pytest.mark.gpu
