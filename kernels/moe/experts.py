@@ -36,7 +36,7 @@ import torch
 from dsl.quant import scale_to_float
 from kernels.lang import tl, triton
 from kernels.launch import launch
-from kernels.moe.fragments import UNIT, fragment_products
+from kernels.moe.fragments import UNIT, fragment_products, settled
 from kernels.moe.route import route
 
 
@@ -138,6 +138,10 @@ def _fp4_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, w_rows, ma
             else:
                 acc3 = tl.dot(lo, x_even, acc3, input_precision="ieee" if DOT_FP32 else None)
                 acc3 = tl.dot(hi, x_odd, acc3, input_precision="ieee" if DOT_FP32 else None)
+        if ASM:  # the iteration's products finish before the next one decodes (fragments.py's `settled`)
+            acc1 = settled(acc1)
+            if GATED:
+                acc3 = settled(acc3)
         xa += block_K // 2
         wo += block_K // 2
         so += block_K // 32

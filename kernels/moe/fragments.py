@@ -207,12 +207,14 @@ def _weights(wp, sp, wo, so, mask_w, mask_s, EVEN: tl.constexpr, ASM: tl.constex
 
 
 @triton.jit
-def _settled(acc):
+def settled(acc):
     """acc itself, through an instruction that is not a dot, so that Triton waits for the wgmma instructions that
-    accumulate it where it is used. A wgmma reads its register operand (the decoded weights) after it is issued;
-    Triton 3.6 leaves an iteration's last products in flight across the loop's back edge without keeping their
-    registers live, and ptxas gives those registers to the next iteration's decoding, which then overwrites weights
-    a wgmma has yet to read (bench/moe_sass.py's `operand_hazards` finds such writes in the cubins)."""
+    accumulate it where it is used: the fp4 GEMMs (here and experts.py's `_fp4_products`) end each iteration with it.
+    A wgmma reads its register operand (the decoded weights) after it is issued; Triton 3.6 leaves an iteration's
+    last products in flight across the loop's back edge without keeping their registers live, and ptxas gives those
+    registers to the next iteration's loads and decoding. On an H100 GEMM 2 then gave other outputs from run to run,
+    on raw codes and on fragments alike (bench/RESULTS.md); bench/moe_sass.py's `operand_hazards` finds the writes
+    in the cubins."""
     return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
 
 
@@ -257,10 +259,10 @@ def fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, n_b
             else:
                 acc3 = tl.dot(lo, x_even, acc3, input_precision="ieee" if DOT_FP32 else None)
                 acc3 = tl.dot(hi, x_odd, acc3, input_precision="ieee" if DOT_FP32 else None)
-        if ASM:  # the iteration's products finish before the next one decodes: `_settled`
-            acc1 = _settled(acc1)
+        if ASM:  # the iteration's products finish before the next one decodes (`settled`)
+            acc1 = settled(acc1)
             if GATED:
-                acc3 = _settled(acc3)
+                acc3 = settled(acc3)
         xa += block_K // 2
         wo += block_K // 32 * 64
         so += block_K // 32
@@ -270,4 +272,4 @@ def fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, n_b
     return acc1 * 9.223372036854775808e18, acc3 * 9.223372036854775808e18  # 2^63: the weights' 2^-63 undone
 
 
-__all__ = ["UNIT", "decode_word", "fragment_codes", "fragment_products", "raw_codes"]
+__all__ = ["UNIT", "decode_word", "fragment_codes", "fragment_products", "raw_codes", "settled"]
