@@ -36,8 +36,9 @@ import torch
 from dsl.quant import scale_to_float
 from kernels.lang import tl, triton
 from kernels.launch import launch
-from kernels.moe.fragments import UNIT, fragment_products, settled
+from kernels.moe.fragments import UNIT, fragment_products
 from kernels.moe.route import route
+from kernels.moe.stages import accumulate, activations, end_stage
 
 
 @triton.jit
@@ -117,11 +118,7 @@ def _fp4_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, w_rows, ma
     for _ in range(0, K_PER_SPLIT, block_K):
         mask_k = kh < KP  # unused when EVEN
         mask_x = valid[None, :] & (mask_k | EVEN)[:, None]
-        x_even = tl.load(xa, mask=mask_x, other=0.0).to(tl.float32)
-        x_odd = tl.load(xa + KP, mask=mask_x, other=0.0).to(tl.float32)
-        if not DOT_FP32:
-            x_even = x_even.to(tl.bfloat16)
-            x_odd = x_odd.to(tl.bfloat16)
+        x_even, x_odd = activations(xa, KP, mask_x, DOT_FP32)
         for which in tl.static_range(2 if GATED else 1):
             wp = w_ptr if which == 0 else w3_ptr
             sp = s_ptr if which == 0 else s3_ptr
@@ -132,16 +129,8 @@ def _fp4_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, w_rows, ma
                 b = tl.load(wp + wo, mask=mask_n[:, None] & mask_k[None, :], other=0)
                 s = tl.load(sp + so, mask=mask_n[:, None] & (sg < SC)[None, :], other=0)
             lo, hi = _dequant(b, s, ASM, DOT_FP32, block_N, block_K)
-            if which == 0:
-                acc1 = tl.dot(lo, x_even, acc1, input_precision="ieee" if DOT_FP32 else None)
-                acc1 = tl.dot(hi, x_odd, acc1, input_precision="ieee" if DOT_FP32 else None)
-            else:
-                acc3 = tl.dot(lo, x_even, acc3, input_precision="ieee" if DOT_FP32 else None)
-                acc3 = tl.dot(hi, x_odd, acc3, input_precision="ieee" if DOT_FP32 else None)
-        if ASM:  # the iteration's products finish before the next one decodes (fragments.py's `settled`)
-            acc1 = settled(acc1)
-            if GATED:
-                acc3 = settled(acc3)
+            acc1, acc3 = accumulate(acc1, acc3, which, lo, hi, x_even, x_odd, DOT_FP32)
+        acc1, acc3 = end_stage(acc1, acc3, ASM, GATED)
         xa += block_K // 2
         wo += block_K // 2
         so += block_K // 32

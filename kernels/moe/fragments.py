@@ -33,6 +33,7 @@ import functools
 import torch
 
 from kernels.lang import tl, triton
+from kernels.moe.stages import accumulate, activations, end_stage
 
 MASK = 0x81C081C0  # per bf16 half: the sign (bit 15) and the magnitude (bits 8..6)
 ROTATIONS = (10, 13)  # pairs 1 and 2
@@ -207,18 +208,6 @@ def _weights(wp, sp, wo, so, mask_w, mask_s, EVEN: tl.constexpr, ASM: tl.constex
 
 
 @triton.jit
-def settled(acc):
-    """acc itself, through an instruction that is not a dot, so that Triton waits for the wgmma instructions that
-    accumulate it where it is used: the fp4 GEMMs (here and experts.py's `_fp4_products`) end each iteration with it.
-    A wgmma reads its register operand (the decoded weights) after it is issued; Triton 3.6 leaves an iteration's
-    last products in flight across the loop's back edge without keeping their registers live, and ptxas gives those
-    registers to the next iteration's loads and decoding. On an H100 GEMM 2 then gave other outputs from run to run,
-    on raw codes and on fragments alike (bench/RESULTS.md); bench/moe_sass.py's `operand_hazards` finds the writes
-    in the cubins."""
-    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [acc], dtype=tl.float32, is_pure=True, pack=1)
-
-
-@triton.jit
 def fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, n_begin, w_rows, mask_n, k_begin,
                       N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, GATED: tl.constexpr,
                       DOT_FP32: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, block_M: tl.constexpr,
@@ -242,27 +231,15 @@ def fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, n_b
     for _ in range(0, K_PER_SPLIT, block_K):
         mask_k = kh < KP  # unused when EVEN
         mask_x = valid[None, :] & (mask_k | EVEN)[:, None]
-        x_even = tl.load(xa, mask=mask_x, other=0.0).to(tl.float32)
-        x_odd = tl.load(xa + KP, mask=mask_x, other=0.0).to(tl.float32)
-        if not DOT_FP32:
-            x_even = x_even.to(tl.bfloat16)
-            x_odd = x_odd.to(tl.bfloat16)
+        x_even, x_odd = activations(xa, KP, mask_x, DOT_FP32)
         mask_w = mask_g[:, None] & (unit < SC)[None, :]
         mask_s = mask_n[:, None] & (sg < SC)[None, :]
         for which in tl.static_range(2 if GATED else 1):
             wp = w_ptr if which == 0 else w3_ptr
             sp = s_ptr if which == 0 else s3_ptr
             lo, hi = _weights(wp, sp, wo, so, mask_w, mask_s, EVEN, ASM, DOT_FP32, block_N, block_K)
-            if which == 0:
-                acc1 = tl.dot(lo, x_even, acc1, input_precision="ieee" if DOT_FP32 else None)
-                acc1 = tl.dot(hi, x_odd, acc1, input_precision="ieee" if DOT_FP32 else None)
-            else:
-                acc3 = tl.dot(lo, x_even, acc3, input_precision="ieee" if DOT_FP32 else None)
-                acc3 = tl.dot(hi, x_odd, acc3, input_precision="ieee" if DOT_FP32 else None)
-        if ASM:  # the iteration's products finish before the next one decodes (`settled`)
-            acc1 = settled(acc1)
-            if GATED:
-                acc3 = settled(acc3)
+            acc1, acc3 = accumulate(acc1, acc3, which, lo, hi, x_even, x_odd, DOT_FP32)
+        acc1, acc3 = end_stage(acc1, acc3, ASM, GATED)
         xa += block_K // 2
         wo += block_K // 32 * 64
         so += block_K // 32
@@ -272,4 +249,4 @@ def fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, n_b
     return acc1 * 9.223372036854775808e18, acc3 * 9.223372036854775808e18  # 2^63: the weights' 2^-63 undone
 
 
-__all__ = ["UNIT", "decode_word", "fragment_codes", "fragment_products", "raw_codes", "settled"]
+__all__ = ["UNIT", "decode_word", "fragment_codes", "fragment_products", "raw_codes"]

@@ -233,7 +233,7 @@ def test_the_decode_loop_reads_whole_words_and_runs_fewer_instructions(tmp_path)
     """On cubins built here for sm_90a (no GPU needed): in both GEMMs' loops on fragments, no byte shuffles (PRMT) at
     the decode tiles and at the heuristic's prefill tiles: the words decode straight into the operand's registers; at
     the decode tiles no 2-byte loads either, and GEMM 1 at most 75% of the raw codes' instructions. In every loop, on
-    either layout, no write to the registers of a wgmma operand still in flight (fragments.py's `settled`)."""
+    either layout, no write to the registers of a wgmma operand still in flight (stages.py's `settled`)."""
     prefill = {k: v for k, v in default_config(8192)["up"].items() if k != "split_k"}
     mixes = {tiles is None: _loop_mix(tiles, tokens, tmp_path / f"{tokens}.json")
              for tiles, tokens in ((None, 64), (prefill, 8192))}
