@@ -15,7 +15,7 @@ has no byte shuffles (bench/moe_sass.py); under narrower tiles Triton lowers the
 4 consecutive inputs a lane, and moves the codes between registers: the same values, more instructions.
 
 Each word's 32 bits are permuted so that its 8 codes become the bf16 bit patterns sign << 15 | e2m1 magnitude << 6,
-i.e. e2m1 * 2^-126 (e = 0 on bf16 subnormals, exact), the values experts.py's `_e2m1_asm` makes, with
+i.e. e2m1 * 2^-126 (e = 0 on bf16 subnormals, exact), the values raw_codes.py's `_e2m1_asm` makes, with
 M = 0x81C081C0 the two patterns' bits:
 
     pair 0 (low nibbles of bytes 0, 1)    w & M
@@ -33,7 +33,7 @@ import functools
 import torch
 
 from kernels.lang import tl, triton
-from kernels.moe.stages import accumulate, activations, end_stage
+from kernels.moe.stages import accumulate, activations, end_stage, scale_factor
 
 MASK = 0x81C081C0  # per bf16 half: the sign (bit 15) and the magnitude (bits 8..6)
 ROTATIONS = (10, 13)  # pairs 1 and 2
@@ -177,7 +177,7 @@ def _unfragment(x, block_N: tl.constexpr, block_K: tl.constexpr):
 def _weights(wp, sp, wo, so, mask_w, mask_s, EVEN: tl.constexpr, ASM: tl.constexpr, DOT_FP32: tl.constexpr,
              block_N: tl.constexpr, block_K: tl.constexpr):
     """One stage of a weight, int32 words at wo [block_N/16, block_K/32 * 64] and scales at so [block_N, block_K/32]
-    -> its even and odd input columns * 2^-63, [block_N, block_K/2], bf16 (fp32 with DOT_FP32): experts.py's
+    -> its even and odd input columns * 2^-63, [block_N, block_K/2], bf16 (fp32 with DOT_FP32): raw_codes.py's
     `_dequant`, value for value."""
     if EVEN:
         w = tl.load(wp + wo)
@@ -188,21 +188,17 @@ def _weights(wp, sp, wo, so, mask_w, mask_s, EVEN: tl.constexpr, ASM: tl.constex
     R: tl.constexpr = block_N // 16
     C: tl.constexpr = block_K // 32 * 256
     if ASM:
-        f = s if s.dtype == tl.bfloat16 else (s * 9.223372036854775808e18).to(tl.bfloat16)  # scale * 2^63
         l0, l1, l2, l3, h0, h1, h2, h3 = _decode_asm(w)  # e2m1 * 2^-126
         lo = _bytes(l0, l1, l2, l3, R, C)
         hi = _bytes(h0, h1, h2, h3, R, C)
-    else:
-        if s.dtype == tl.bfloat16:
-            s = s.to(tl.float32) * 1.0842021724855044e-19  # * 2^-63
-        f = s * 1.7763568394002505e-15  # scale * 2^-49, against e2m1 * 2^-14 below: `_dequant`'s products
+    else:  # e2m1 * 2^-14, as raw_codes.py's plain decoding
         l0, l1, l2, l3, h0, h1, h2, h3 = _decode_plain(w)
         lo = _bytes(l0, l1, l2, l3, R, C) * 5.192296858534828e33  # * 2^112, exact
         hi = _bytes(h0, h1, h2, h3, R, C) * 5.192296858534828e33
-    f = tl.reshape(tl.broadcast_to(f[:, :, None], [block_N, block_K // 32, 16]), [block_N, block_K // 2])
+    f = scale_factor(s, ASM, block_N, block_K)
     lo = _unfragment(lo, block_N, block_K) * f
     hi = _unfragment(hi, block_N, block_K) * f
-    if not ASM and not DOT_FP32:  # one return (see experts.py's `_dequant`)
+    if not ASM and not DOT_FP32:  # one return (see raw_codes.py's `_dequant`)
         lo, hi = lo.to(tl.bfloat16), hi.to(tl.bfloat16)
     return lo, hi
 
@@ -212,7 +208,7 @@ def fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, n_b
                       N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, GATED: tl.constexpr,
                       DOT_FP32: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, block_M: tl.constexpr,
                       block_N: tl.constexpr, block_K: tl.constexpr):
-    """experts.py's `_fp4_products` (the same products, in the same order) over codes in fragment order
+    """raw_codes.py's `raw_products` (the same products, in the same order) over codes in fragment order
     [E, N/16, K/32, 256]: (x w1^T, x w3^T) of output rows [n_begin, n_begin + block_N) over inputs
     [k_begin, k_begin + K_PER_SPLIT) ∩ [0, K)."""
     KP: tl.constexpr = K // 2
@@ -229,9 +225,7 @@ def fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, n_b
     acc1 = tl.zeros([block_N, block_M], dtype=tl.float32)
     acc3 = tl.zeros([block_N, block_M], dtype=tl.float32)
     for _ in range(0, K_PER_SPLIT, block_K):
-        mask_k = kh < KP  # unused when EVEN
-        mask_x = valid[None, :] & (mask_k | EVEN)[:, None]
-        x_even, x_odd = activations(xa, KP, mask_x, DOT_FP32)
+        _, x_even, x_odd = activations(xa, kh, KP, valid, EVEN, DOT_FP32)
         mask_w = mask_g[:, None] & (unit < SC)[None, :]
         mask_s = mask_n[:, None] & (sg < SC)[None, :]
         for which in tl.static_range(2 if GATED else 1):
