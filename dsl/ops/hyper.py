@@ -7,6 +7,7 @@ import functools
 import numpy as np
 import torch
 
+from dsl import native
 from dsl.context import cast
 from dsl.ops.dense import invariant_linear
 from dsl.ops.invariant import sigmoid
@@ -60,34 +61,41 @@ def _scale_columns(hc: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
 
 
-NUMPY_SINKHORN_ROWS = 32  # up to this many tokens numpy's per-call cost wins; above, torch's vectorised reductions
+NUMPY_SINKHORN_ROWS = 32  # without the C loop: up to this many tokens numpy's per-call cost wins, above torch's
 
 
 def doubly_stochastic(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """comb [N, hc, hc] from its logits: softmax over the last dim, plus eps, then `sinkhorn`. Where the loop runs in
-    numpy, the softmax plus eps is written straight into a numpy array's memory (no tensor made and then viewed)."""
-    probs = torch.softmax(logits, dim=-1)
-    if probs.device.type != "cpu" or probs.shape[0] > NUMPY_SINKHORN_ROWS:
-        return sinkhorn(probs + eps, iters, eps)
-    a = np.empty(tuple(probs.shape), np.float32)
-    comb = torch.add(probs, eps, out=torch.from_numpy(a))
-    _numpy_sinkhorn(a, iters, eps)
-    return comb
+    """comb [N, hc, hc] from its logits: softmax over the last dim, plus eps, then `sinkhorn` (in place on that sum,
+    a fresh tensor, where the loop runs in C or numpy)."""
+    return sinkhorn(torch.softmax(logits, dim=-1) + eps, iters, eps)
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """comb [N, hc, hc] (positive) made doubly stochastic: divided by its column sums plus eps, then `iters - 1`
-    times by its row sums plus eps and by its column sums plus eps. Up to NUMPY_SINKHORN_ROWS tokens on the CPU the
-    same float32 sums (of hc values, added in torch's order) and divisions run in numpy, in place, whose calls cost a
-    fraction of torch's: the loop is 6 * iters small calls (tests/test_hyper_sinkhorn.py checks the bits)."""
-    if comb.device.type != "cpu" or comb.shape[0] > NUMPY_SINKHORN_ROWS or not comb.is_contiguous():
+    times by its row sums plus eps and by its column sums plus eps. On the CPU, in float32 and for hc up to
+    native.MAX_HC (torch adds more values in another order), the same sums (added in torch's order) and divisions
+    run in place in C (dsl/native.c) for any number of tokens; without a C compiler, in numpy up to
+    NUMPY_SINKHORN_ROWS tokens, whose calls cost a fraction of torch's (the loop is 6 * iters small calls).
+    tests/test_hyper_sinkhorn.py checks the bits of both."""
+    if _native_sinkhorn(comb, iters, eps):
+        return comb  # the caller's fresh tensor, normalised in place
+    if (comb.device.type != "cpu" or comb.dtype != torch.float32 or comb.shape[0] > NUMPY_SINKHORN_ROWS
+            or not comb.is_contiguous() or comb.shape[1] > native.MAX_HC):
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
         for _ in range(iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
         return comb
-    _numpy_sinkhorn(comb.numpy(), iters, eps)  # the caller's fresh tensor, normalised in place
+    _numpy_sinkhorn(comb.numpy(), iters, eps)
     return comb
+
+
+def _native_sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> bool:
+    """The C loop in place on a contiguous float32 CPU tensor [N, hc, hc]; False where it cannot run (another
+    device or dtype, a view, hc past native.MAX_HC, no C compiler)."""
+    if comb.device.type != "cpu" or comb.dtype != torch.float32 or not comb.is_contiguous():
+        return False
+    return native.sinkhorn_f32(comb.data_ptr(), comb.shape[0], comb.shape[1], iters, eps)
 
 
 def _numpy_sinkhorn(a: np.ndarray, iters: int, eps: float) -> None:
