@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsl import native
 from dsl.ops.rounding import FP4_MAX, FP8_MAX, _fp32, fp4_codes, fp4_values, pow2_ceil
 from dsl.quant import scale_to_float
 
@@ -63,9 +64,11 @@ class EntryFormat:
 
     def encode(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Codes and scales of fp32 values x [..., D] that lie on this format's grid (the rounding ops put them
-        there)."""
+        there). fp32 on the CPU runs the same arithmetic in C (dsl/native.c)."""
         if self.kind == "fp32":
             return [_fp32(x)]
+        if (fast := native.encode(x, self.kind, self.block, self.e4m3_scale)) is not None:
+            return fast
         blocks = _fp32(x).reshape(*x.shape[:-1], -1, self.block)  # [..., D / block, block]
         amax = blocks.abs().amax(-1, keepdim=True)
         if self.kind == "fp8":
@@ -79,10 +82,12 @@ class EntryFormat:
         return [codes[..., 0::2] | (codes[..., 1::2] << 4), self._store_scale(scale.squeeze(-1))]
 
     def decode(self, *parts: torch.Tensor) -> torch.Tensor:
-        """fp32 values [..., D] of stored codes and scales."""
+        """fp32 values [..., D] of stored codes and scales (in C on the CPU, dsl/native.c)."""
         if self.kind == "fp32":
             return parts[0]
         codes, scales = parts
+        if (fast := native.decode(codes, scales, self.kind, self.block, self.e4m3_scale)) is not None:
+            return fast
         scale = scales.float() if self.e4m3_scale else _e8m0_values(scales.device)[scales.long()]
         if self.kind == "fp8":
             values = codes.float()

@@ -6,6 +6,7 @@
  */
 
 #include <stdint.h>
+#include <string.h>
 
 /* The largest hc the Sinkhorn loop takes: torch on the CPU adds up to 4 values one after the other (5 or more it adds
  * in another order, found by tests/test_hyper_sinkhorn.py); dsl/native.py checks it first. */
@@ -39,4 +40,191 @@ int deepinfer_sinkhorn_f32(float *a, int64_t n, int64_t hc, int64_t iters, float
         }
     }
     return 0;
+}
+
+/* ---- fp8 and fp4 rounding and cache codes: dsl/ops/rounding.py and dsl/cache_format.py, value for value ----------
+ * Each function runs over `nblocks` blocks of `block` contiguous float32 values; a block's scale comes from its amax,
+ * which is NaN when any value is (as torch's amax). Every comparison below is false for NaN, so NaN passes through
+ * clamps as it does in torch's clamp. */
+
+static inline uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static inline float float_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* 2^k as float32, exactly (0 below the subnormals, inf above 2^127): torch.exp2 of an integer k. */
+static float exp2_int(int64_t k) {
+    if (k > 127) return float_of(0x7F800000u);
+    if (k >= -126) return float_of((uint32_t)(k + 127) << 23);
+    if (k >= -149) return float_of(1u << (k + 149));
+    return 0.0f;
+}
+
+/* rounding.pow2_ceil: k = exponent - 127, plus one where the mantissa is non-zero, from |x|'s bits. */
+static inline int64_t pow2_ceil_exponent(float x) {
+    int64_t b = (int64_t)(bits_of(x) & 0x7FFFFFFFu);
+    return ((b + 0x7FFFFF) >> 23) - 127;
+}
+
+/* float32 -> e4m3 (fn: no infinities, 0x7F is NaN) rounding to nearest even, as torch's cast: |x| >= 480 and NaN
+ * give NaN; below 2^-6 the subnormals, multiples of 2^-9 (adding 2^14 rounds to them); above, the mantissa's 20 low
+ * bits dropped with ties to even. */
+static uint8_t e4m3_code(float x) {
+    uint32_t b = bits_of(x), sign = (b >> 24) & 0x80u, a = b & 0x7FFFFFFFu;
+    if (a >= 0x43F00000u) return (uint8_t)(sign | 0x7Fu);  /* 480 and up, inf and NaN */
+    if (a < 0x3C800000u) {  /* below 2^-6 */
+        float rounded = float_of(a) + 16384.0f;  /* the add rounds |x| to a multiple of 2^-9 */
+        return (uint8_t)(sign | (bits_of(rounded) - bits_of(16384.0f)));
+    }
+    a += ((uint32_t)(7 - 127) << 23) + 0x7FFFFu + ((a >> 20) & 1u);
+    return (uint8_t)(sign | (a >> 20));
+}
+
+static float e4m3_value(uint8_t c) {
+    uint32_t e = (c >> 3) & 0xFu, m = c & 7u;
+    float v;
+    if (e == 15 && m == 7) v = float_of(0x7FF00000u);  /* the NaN torch's cast makes: the code's mantissa bits kept */
+    else if (e == 0) v = (float)m * (1.0f / 512.0f);
+    else v = float_of(((e - 7 + 127) << 23) | (m << 20));
+    return (c & 0x80u) ? -v : v;
+}
+
+/* e2m1 codes (sign in bit 3) of values clamped to [-6, 6]: how many thresholds |q| reaches. A midpoint belongs to the
+ * upper code when that code is even (the thresholds 0.75, 1.75, 3.5), else the threshold is the next float up. */
+static uint8_t e2m1_code(float q) {
+    static const float mids[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
+    static const int tie_up[7] = {0, 1, 0, 1, 0, 1, 0};
+    uint32_t b = bits_of(q);
+    float a = float_of(b & 0x7FFFFFFFu);
+    uint8_t code = 0;
+    for (int i = 0; i < 7; i++) {
+        float t = tie_up[i] ? mids[i] : float_of(bits_of(mids[i]) + 1u);
+        code += (uint8_t)(a >= t);
+    }
+    return (uint8_t)(code | ((b >> 31) << 3));
+}
+
+static const float e2m1_values[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f,
+                                      -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+
+static float block_amax(const float *x, int64_t n) {
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        float a = float_of(bits_of(x[i]) & 0x7FFFFFFFu);
+        if (a != a) return a;
+        if (a > amax) amax = a;
+    }
+    return amax;
+}
+
+static inline float clamp(float v, float lo, float hi) { return v < lo ? lo : (v > hi ? hi : v); }
+
+/* e8m0 byte of a power-of-two scale 2^k (k from pow2_ceil_exponent: -127 for a zero amax, 128 and up for inf and
+ * NaN), as torch's cast to float8_e8m0fnu; and its value, as cache_format's table (255 is NaN). */
+static inline uint8_t e8m0_byte(int64_t k) { return k > 127 ? 0xFF : (uint8_t)(k + 127); }
+static inline float e8m0_value(uint8_t byte) { return byte == 0xFF ? float_of(0x7FC00000u) : exp2_int((int64_t)byte - 127); }
+
+/* rounding.fp8_round: amax floored at `floor`, the scale pow2_ceil(amax * inv_max), x / scale clamped to +-448, cast
+ * to e4m3 and back, times the scale. */
+void deepinfer_fp8_round_f32(const float *x, float *out, int64_t nblocks, int64_t block, float floor, float inv_max) {
+    for (int64_t t = 0; t < nblocks; t++) {
+        const float *xb = x + t * block;
+        float *ob = out + t * block;
+        float amax = block_amax(xb, block);
+        amax = amax < floor ? floor : amax;
+        float scale = exp2_int(pow2_ceil_exponent(amax * inv_max));
+        for (int64_t i = 0; i < block; i++) ob[i] = e4m3_value(e4m3_code(clamp(xb[i] / scale, -448.0f, 448.0f))) * scale;
+    }
+}
+
+/* rounding.fp4_round. e4m3_scale: the scale is amax (floored at `floor`) / 6 clamped to 448 and cast to e4m3;
+ * otherwise pow2_ceil(amax (floored at `floor`) * inv_max). Then x / scale clamped to +-6, to its e2m1 value, times
+ * the scale. */
+void deepinfer_fp4_round_f32(const float *x, float *out, int64_t nblocks, int64_t block, int e4m3_scale, float floor,
+                             float inv_max) {
+    for (int64_t t = 0; t < nblocks; t++) {
+        const float *xb = x + t * block;
+        float *ob = out + t * block;
+        float amax = block_amax(xb, block), scale;
+        amax = amax < floor ? floor : amax;
+        if (e4m3_scale) {
+            float ratio = amax / 6.0f;
+            scale = e4m3_value(e4m3_code(ratio > 448.0f ? 448.0f : ratio));
+        } else {
+            scale = exp2_int(pow2_ceil_exponent(amax * inv_max));
+        }
+        for (int64_t i = 0; i < block; i++) ob[i] = e2m1_values[e2m1_code(clamp(xb[i] / scale, -6.0f, 6.0f))] * scale;
+    }
+}
+
+/* cache_format.EntryFormat("fp8").encode: e4m3 codes of x / scale and the e8m0 byte of scale = pow2_ceil(amax / 448)
+ * per block. */
+void deepinfer_fp8_encode_f32(const float *x, uint8_t *codes, uint8_t *scales, int64_t nblocks, int64_t block) {
+    for (int64_t t = 0; t < nblocks; t++) {
+        int64_t k = pow2_ceil_exponent(block_amax(x + t * block, block) / 448.0f);
+        float scale = exp2_int(k);
+        for (int64_t i = 0; i < block; i++) codes[t * block + i] = e4m3_code(x[t * block + i] / scale);
+        scales[t] = e8m0_byte(k);
+    }
+}
+
+/* cache_format.EntryFormat("fp4").encode: e2m1 codes of x / scale, two a byte (the even column low), and the scale
+ * byte per block. Power-of-two scales are pow2_ceil(amax / 6) in e8m0. An e4m3 scale is amax over the first of the
+ * block's possible largest |codes| (6, 4, 3, 2, 1.5, 1, 0.5) whose quotient is an e4m3 value that gives the block back
+ * exactly; 1.0 for a zero block. Returns -1 - t where block t has none (its values are not on the grid), else 0. */
+int deepinfer_fp4_encode_f32(const float *x, uint8_t *codes, uint8_t *scales, int64_t nblocks, int64_t block,
+                             int e4m3_scale) {
+    static const float maxima[7] = {6.0f, 4.0f, 3.0f, 2.0f, 1.5f, 1.0f, 0.5f};
+    for (int64_t t = 0; t < nblocks; t++) {
+        const float *xb = x + t * block;
+        float amax = block_amax(xb, block), scale = 0.0f;
+        if (!e4m3_scale) {
+            int64_t k = pow2_ceil_exponent(amax / 6.0f);
+            scale = exp2_int(k);
+            scales[t] = e8m0_byte(k);
+        } else if (amax == 0.0f) {
+            scale = 1.0f;
+            scales[t] = e4m3_code(1.0f);
+        } else {
+            int found = 0;
+            for (int c = 0; c < 7 && !found; c++) {
+                float want = amax / maxima[c];
+                uint8_t code = e4m3_code(want);
+                float s = e4m3_value(code);
+                if (!(s == want)) continue;
+                found = 1;
+                for (int64_t i = 0; i < block && found; i++)
+                    found = e2m1_values[e2m1_code(clamp(xb[i] / s, -6.0f, 6.0f))] * s == xb[i];
+                if (found) { scale = s; scales[t] = code; }
+            }
+            if (!found) return (int)(-1 - t);
+        }
+        for (int64_t i = 0; i < block; i += 2) {
+            uint8_t lo = e2m1_code(xb[i] / scale), hi = e2m1_code(xb[i + 1] / scale);
+            codes[(t * block + i) / 2] = (uint8_t)(lo | (hi << 4));
+        }
+    }
+    return 0;
+}
+
+/* cache_format.EntryFormat.decode: values = code's value times its block's scale. fp4 codes are two a byte (the even
+ * column low); scales are e4m3 bytes when e4m3_scale, else e8m0. */
+void deepinfer_decode_f32(const uint8_t *codes, const uint8_t *scales, float *out, int64_t nblocks, int64_t block,
+                          int fp4, int e4m3_scale) {
+    for (int64_t t = 0; t < nblocks; t++) {
+        float scale = e4m3_scale ? e4m3_value(scales[t]) : e8m0_value(scales[t]);
+        float *ob = out + t * block;
+        if (scale != scale) {  /* a NaN scale: torch's product is the scale's NaN, even where the code is NaN too */
+            for (int64_t i = 0; i < block; i++) ob[i] = scale;
+            continue;
+        }
+        if (fp4) {
+            const uint8_t *cb = codes + t * block / 2;
+            for (int64_t i = 0; i < block / 2; i++) {
+                ob[2 * i] = e2m1_values[cb[i] & 0xFu] * scale;
+                ob[2 * i + 1] = e2m1_values[cb[i] >> 4] * scale;
+            }
+        } else {
+            const uint8_t *cb = codes + t * block;
+            for (int64_t i = 0; i < block; i++) ob[i] = e4m3_value(cb[i]) * scale;
+        }
+    }
 }

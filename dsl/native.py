@@ -1,9 +1,10 @@
 """The cpu target's C loops (dsl/native.c), compiled once per machine with the system's C compiler, run by ctypes.
 
 A loop of many tiny steps (Sinkhorn's, 20 iterations over a 4 x 4 matrix per token, 16 times a decode step of
-v41-tiny) costs microseconds per torch or numpy call; in C the whole loop takes about as long as one such call.
-The C code gives the same bits as the torch code it stands for (tests/test_native.py), so the cpu target still
-matches the reference exactly, with or without it.
+v41-tiny; the fp8 and fp4 roundings and cache codes, a dozen torch calls each on a row or two) costs microseconds
+per torch or numpy call; in C the whole loop takes about as long as one such call. The C code gives the same bits
+as the torch code it stands for (tests/test_hyper_sinkhorn.py, tests/test_native_rounding.py), so the cpu target
+still matches the reference exactly, with or without it.
 
 The shared library is built on first use into $DEEPINFER_CACHE/native (default ~/.cache/deepinfer/native), named by
 a hash of the source, the flags and the compiler's version, written under a temporary name and renamed (concurrent
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 import hashlib
 import os
 import platform
@@ -22,6 +24,8 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+import torch
 
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O2", "-fPIC", "-shared", "-ffp-contract=off", "-fno-fast-math", "-std=c99")
@@ -78,6 +82,13 @@ def library() -> ctypes.CDLL | None:
     lib.deepinfer_sinkhorn_f32.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                            ctypes.c_float]
     lib.deepinfer_sinkhorn_f32.restype = ctypes.c_int
+    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    for name, args, result in (("deepinfer_fp8_round_f32", [p, p, i64, i64, f32, f32], None),
+                               ("deepinfer_fp4_round_f32", [p, p, i64, i64, i32, f32, f32], None),
+                               ("deepinfer_fp8_encode_f32", [p, p, p, i64, i64], None),
+                               ("deepinfer_fp4_encode_f32", [p, p, p, i64, i64, i32], i32),
+                               ("deepinfer_decode_f32", [p, p, p, i64, i64, i32, i32], None)):
+        getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
     return lib
 
 
@@ -93,3 +104,71 @@ def sinkhorn_f32(data_ptr: int, n: int, hc: int, iters: int, eps: float) -> bool
     if lib is None or hc > MAX_HC or hc < 1:
         return False
     return lib.deepinfer_sinkhorn_f32(data_ptr, n, hc, iters, eps) == 0
+
+
+# ---- fp8 / fp4 rounding and cache codes (dsl/ops/rounding.py, dsl/cache_format.py) --------------------------------
+# Each returns None where the C code does not apply (no library; not a contiguous float32 CPU tensor; a last dim that
+# is not whole blocks), and the caller runs its torch code. The floors and factors are those torch code's Python
+# numbers, which torch rounds to float32 before it multiplies, as ctypes' c_float does here.
+
+
+def _blocks_of(x: torch.Tensor, block: int, lib) -> int | None:
+    """How many blocks of `block` values x holds, or None where the C code does not apply to it."""
+    if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous() or x.dim() == 0
+            or block < 1 or x.shape[-1] % block):
+        return None
+    return x.numel() // block
+
+
+def fp8_round(x: torch.Tensor, block: int, floor: float, inv_max: float) -> torch.Tensor | None:
+    lib = library()
+    if (n := _blocks_of(x, block, lib)) is None:
+        return None
+    out = torch.empty_like(x)
+    lib.deepinfer_fp8_round_f32(x.data_ptr(), out.data_ptr(), n, block, floor, inv_max)
+    return out
+
+
+def fp4_round(x: torch.Tensor, block: int, e4m3_scale: bool, floor: float, inv_max: float) -> torch.Tensor | None:
+    lib = library()
+    if (n := _blocks_of(x, block, lib)) is None:
+        return None
+    out = torch.empty_like(x)
+    lib.deepinfer_fp4_round_f32(x.data_ptr(), out.data_ptr(), n, block, int(e4m3_scale), floor, inv_max)
+    return out
+
+
+def encode(x: torch.Tensor, kind: str, block: int, e4m3_scale: bool) -> list[torch.Tensor] | None:
+    """Codes (fp8: float8_e4m3fn [..., D]; fp4: uint8 [..., D / 2]) and scales [..., D / block] (e4m3, or ue8m0 as
+    uint8) of float32 values on the format's grid. Raises ValueError naming the first block an e4m3-scaled fp4 entry
+    cannot hold."""
+    lib = library()
+    if (n := _blocks_of(x, block, lib)) is None or (kind == "fp4" and block % 2):
+        return None
+    lead = tuple(x.shape[:-1])
+    scales = torch.empty(*lead, x.shape[-1] // block, dtype=torch.float8_e4m3fn if e4m3_scale else torch.uint8)
+    if kind == "fp8":
+        codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+        lib.deepinfer_fp8_encode_f32(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), n, block)
+        return [codes, scales]
+    codes = torch.empty(*lead, x.shape[-1] // 2, dtype=torch.uint8)
+    status = lib.deepinfer_fp4_encode_f32(x.data_ptr(), codes.data_ptr(), scales.data_ptr(), n, block, int(e4m3_scale))
+    if status:
+        raise ValueError(f"a cache entry is not on the fp4 grid with an e4m3 scale (block {-1 - status} of {n}, "
+                         f"values {x.reshape(-1, block)[-1 - status].tolist()}): round it with fp4_round first")
+    return [codes, scales]
+
+
+def decode(codes: torch.Tensor, scales: torch.Tensor, kind: str, block: int, e4m3_scale: bool) -> torch.Tensor | None:
+    """float32 values [..., D] of codes and scales as `encode` makes them."""
+    lib = library()
+    if (lib is None or codes.device.type != "cpu" or not codes.is_contiguous() or not scales.is_contiguous()
+            or codes.element_size() != 1 or scales.element_size() != 1 or block < 1 or (kind == "fp4" and block % 2)):
+        return None
+    dim = codes.shape[-1] * (2 if kind == "fp4" else 1)
+    if dim % block or scales.shape[-1] * block != dim or math.prod(scales.shape[:-1]) != math.prod(codes.shape[:-1]):
+        return None
+    out = torch.empty(*codes.shape[:-1], dim, dtype=torch.float32)
+    lib.deepinfer_decode_f32(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), out.numel() // block, block,
+                             int(kind == "fp4"), int(e4m3_scale))
+    return out

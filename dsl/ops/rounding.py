@@ -11,6 +11,7 @@ import functools
 
 import torch
 
+from dsl import native
 from dsl.ops.registry import op, same_as_first
 from dsl.ragged import ragged_map
 
@@ -73,7 +74,10 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor | None:
 @op("fp8_round", same_as_first)
 @ragged_map
 def fp8_round(x: torch.Tensor, *, block: int = 32) -> torch.Tensor:
-    """Round to e4m3 with one power-of-two scale per `block` values: x [..., D] -> [..., D] (same dtype)."""
+    """Round to e4m3 with one power-of-two scale per `block` values: x [..., D] -> [..., D] (same dtype). fp32 on the
+    CPU runs the same arithmetic in C (dsl/native.c)."""
+    if (fast := native.fp8_round(x, block, 1e-4, 1.0 / FP8_MAX)) is not None:
+        return fast
     blocks = _blocks(x, block)
     if blocks is None:
         return x
@@ -90,8 +94,12 @@ def fp4_round(x: torch.Tensor, *, block: int, e4m3_scale: bool) -> torch.Tensor:
 
     `e4m3_scale` picks the compressed-KV scale (amax / 6 rounded to e4m3, amax floored at 6 * 2^-9, the scale at
     most 448);
-    otherwise the indexer's power-of-two scale (amax floored at 6 * 2^-126).
+    otherwise the indexer's power-of-two scale (amax floored at 6 * 2^-126). fp32 on the CPU runs the same arithmetic
+    in C (dsl/native.c).
     """
+    floor = FP4_MAX * (2.0**-9 if e4m3_scale else 2.0**-126)
+    if (fast := native.fp4_round(x, block, e4m3_scale, floor, 1.0 / FP4_MAX)) is not None:
+        return fast
     blocks = _blocks(x, block)
     if blocks is None:
         return x
@@ -99,9 +107,9 @@ def fp4_round(x: torch.Tensor, *, block: int, e4m3_scale: bool) -> torch.Tensor:
     if e4m3_scale:
         # amax / 6 divided exactly on every device (torch's CUDA division by a Python number multiplies by its
         # reciprocal), saturated at 448 before the cast (some torch versions cast past 464 to NaN)
-        ratio = torch.div(amax.clamp_min(FP4_MAX * 2.0**-9), torch.full_like(amax, FP4_MAX))
+        ratio = torch.div(amax.clamp_min(floor), torch.full_like(amax, FP4_MAX))
         scale = ratio.clamp(max=FP8_MAX).to(torch.float8_e4m3fn).float()
     else:
-        scale = pow2_ceil(amax.clamp_min(FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))
+        scale = pow2_ceil(amax.clamp_min(floor) * (1.0 / FP4_MAX))
     q = fp4_values(fp4_codes((blocks / scale).clamp(-FP4_MAX, FP4_MAX)))
     return _as(x, (q * scale).reshape(x.shape))
