@@ -228,3 +228,27 @@ void deepinfer_decode_f32(const uint8_t *codes, const uint8_t *scales, float *ou
         }
     }
 }
+
+/* ---- rope: dsl/ops/rope.py's _rotated ----------------------------------------------------------------------------
+ * x [T, inner, D] with its last 2 * half dims rotated pair by pair: rot [T, half, 2, 2] indexed [.., in, out], an
+ * output the sum of its two rounded products, even * rot[0][out] + odd * rot[1][out] (no fused multiply-add, as
+ * torch's separate multiply and add). The first D - 2 * half dims are copied. */
+void deepinfer_rope_f32(const float *x, const float *rot, float *out, int64_t tokens, int64_t inner, int64_t dim,
+                        int64_t half) {
+    int64_t nope = dim - 2 * half;
+    for (int64_t t = 0; t < tokens; t++) {
+        const float *r = rot + t * half * 4;
+        for (int64_t h = 0; h < inner; h++) {
+            const float *xr = x + (t * inner + h) * dim;
+            float *orow = out + (t * inner + h) * dim;
+            memcpy(orow, xr, (size_t)nope * sizeof(float));
+            for (int64_t p = 0; p < half; p++) {
+                float even = xr[nope + 2 * p], odd = xr[nope + 2 * p + 1];
+                const float *rp = r + p * 4;
+                float a = even * rp[0], b = odd * rp[2], c = even * rp[1], d = odd * rp[3];
+                orow[nope + 2 * p] = a + b;
+                orow[nope + 2 * p + 1] = c + d;
+            }
+        }
+    }
+}

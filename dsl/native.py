@@ -1,10 +1,10 @@
 """The cpu target's C loops (dsl/native.c), compiled once per machine with the system's C compiler, run by ctypes.
 
 A loop of many tiny steps (Sinkhorn's, 20 iterations over a 4 x 4 matrix per token, 16 times a decode step of
-v41-tiny; the fp8 and fp4 roundings and cache codes, a dozen torch calls each on a row or two) costs microseconds
-per torch or numpy call; in C the whole loop takes about as long as one such call. The C code gives the same bits
-as the torch code it stands for (tests/test_hyper_sinkhorn.py, tests/test_native_rounding.py), so the cpu target
-still matches the reference exactly, with or without it.
+v41-tiny; the fp8 and fp4 roundings and cache codes and rope's rotation, each several torch calls on a row or two)
+costs microseconds per torch or numpy call; in C the whole loop takes about as long as one such call. The C code
+gives the same bits as the torch code it stands for (tests/test_hyper_sinkhorn.py, tests/test_native_rounding.py,
+tests/test_native_rope.py), so the cpu target still matches the reference exactly, with or without it.
 
 The shared library is built on first use into $DEEPINFER_CACHE/native (default ~/.cache/deepinfer/native), named by
 a hash of the source, the flags and the compiler's version, written under a temporary name and renamed (concurrent
@@ -87,7 +87,8 @@ def library() -> ctypes.CDLL | None:
                                ("deepinfer_fp4_round_f32", [p, p, i64, i64, i32, f32, f32], None),
                                ("deepinfer_fp8_encode_f32", [p, p, p, i64, i64], None),
                                ("deepinfer_fp4_encode_f32", [p, p, p, i64, i64, i32], i32),
-                               ("deepinfer_decode_f32", [p, p, p, i64, i64, i32, i32], None)):
+                               ("deepinfer_decode_f32", [p, p, p, i64, i64, i32, i32], None),
+                               ("deepinfer_rope_f32", [p, p, p, i64, i64, i64, i64], None)):
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
     return lib
 
@@ -171,4 +172,21 @@ def decode(codes: torch.Tensor, scales: torch.Tensor, kind: str, block: int, e4m
     out = torch.empty(*codes.shape[:-1], dim, dtype=torch.float32)
     lib.deepinfer_decode_f32(codes.data_ptr(), scales.data_ptr(), out.data_ptr(), out.numel() // block, block,
                              int(kind == "fp4"), int(e4m3_scale))
+    return out
+
+
+def rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor | None:
+    """dsl/ops/rope.py's `_rotated` of float32 x [T, ..., D] by rotation [T, (1, ...,) rope_dim / 2, 2, 2] (None where
+    the C code does not apply: no library, not contiguous float32 CPU tensors of those shapes)."""
+    lib = library()
+    if (lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or rotation.dtype != torch.float32
+            or rotation.device.type != "cpu" or not x.is_contiguous() or not rotation.is_contiguous()
+            or x.dim() < 2 or rotation.dim() < 4 or rotation.shape[-2:] != (2, 2)):
+        return None
+    tokens, dim, half = x.shape[0], x.shape[-1], rotation.shape[-3]
+    if rotation.shape[0] != tokens or rotation.numel() != tokens * half * 4 or 2 * half > dim:
+        return None
+    out = torch.empty_like(x)
+    inner = x.numel() // (tokens * dim) if tokens * dim else 0
+    lib.deepinfer_rope_f32(x.data_ptr(), rotation.data_ptr(), out.data_ptr(), tokens, inner, dim, half)
     return out

@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from dsl import native
 from dsl.context import cast
 from dsl.ops.registry import op, same_as_first
 from dsl.ops.static_entries import StaticEntries, entry_positions
@@ -86,7 +87,10 @@ def rotation_at(positions: torch.Tensor, freqs: torch.Tensor, magnitude: float, 
 def _rotated(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """x [T, ..., D] with its last rope_dim dims rotated pair by pair by `rotation` [T, rope_dim / 2, 2, 2]. Each
     output is even * r[0] + odd * r[1], which is bitwise the written-out even * cos - odd * sin: subtracting is
-    adding the negation, and negating a factor negates the rounded product."""
+    adding the negation, and negating a factor negates the rounded product. fp32 on the CPU runs the same products
+    and sums in C (dsl/native.c)."""
+    if (fast := native.rope(x, rotation)) is not None:
+        return fast
     half = rotation.shape[-3]
     for _ in range(x.dim() + 2 - rotation.dim()):  # [T, rope_dim / 2, 2, 2] meets x [T, ..., D]
         rotation = rotation.unsqueeze(1)
