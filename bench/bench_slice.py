@@ -193,6 +193,22 @@ def sm90_step(model: DeepseekV41Flash, artifact: str | None, device: str, cuda_g
     return sm90_runner(model, artifact, device, cuda_graphs)[0]
 
 
+def host_relaid(model: DeepseekV41Flash, executors) -> None:
+    """Move to the host the model's device weights that the executors hold only in another layout (the fp4 experts
+    in fragment order): the slice's weights are made on the device, where the model's raw copy beside the executors'
+    would double the experts' memory (an engine reads its checkpoint on the host, so it has one device copy). The
+    paths run after sm90 copy them back."""
+    params = model.params()
+    kept = {id(t) for e in executors for t in e.params.values() if isinstance(t, torch.Tensor)}
+    for name, t in list(params.items()):
+        if isinstance(t, torch.Tensor) and t.is_cuda and id(t) not in kept:
+            host = t.cpu()
+            for table in (params, model.weights):
+                if table.get(name) is t:
+                    table[name] = host
+    torch.cuda.empty_cache()
+
+
 def sm90_runner(model: DeepseekV41Flash, artifact: str | None, device: str, cuda_graphs: bool = True):
     """(`sm90_step`'s step, the executor of its main graph, for timers: bench/node_timing.py)."""
     if device == "cuda":
@@ -203,6 +219,7 @@ def sm90_runner(model: DeepseekV41Flash, artifact: str | None, device: str, cuda
             compiled = None
         compiled = compiled or deepinfer.compile(model, target="sm90")
         compiled.runtime.cuda_graphs = cuda_graphs
+        host_relaid(model, compiled.runtime.executors())
         return compiled.step, compiled.runtime.executors()[0]
     from graphs.executor import Executor
     from graphs.passes import make_plan
@@ -356,13 +373,12 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     config = slice_config(args.small)
     model = DeepseekV41Flash(config, slice_weights(config, device))
-    params = model.params()
     wanted = [x.strip() for x in args.cases.split(",") if x.strip()]
     every = cases(args.small, args.context)
     todo = [c for c in every if not wanted or c.name.split(" ctx=")[0] in wanted]
-    roofs = {c.name: {"tokens": c.num_tokens, **roofline(config, params, c)} for c in todo}
+    roofs = {c.name: {"tokens": c.num_tokens, **roofline(config, model.params(), c)} for c in todo}
     print(f"device: {torch.cuda.get_device_name() if device == 'cuda' else 'cpu'}; torch {torch.__version__}; "
-          f"weights {sum(t.numel() * t.element_size() for t in params.values()) / 1e9:.1f} GB, made in "
+          f"weights {sum(t.numel() * t.element_size() for t in model.params().values()) / 1e9:.1f} GB, made in "
           f"{time.perf_counter() - start:.1f} s", flush=True)
     gen = torch.Generator().manual_seed(1)  # one sequence's context: each path prefills it, the first one's is cloned
     shared = {"ids": torch.randint(0, config.vocab_size, (every[0].context,), generator=gen).tolist()}
