@@ -199,7 +199,7 @@ def host_relaid(model: DeepseekV41Flash, executors) -> None:
     would double the experts' memory (an engine reads its checkpoint on the host, so it has one device copy). The
     paths run after sm90 copy them back."""
     params = model.params()
-    kept = {id(t) for e in executors for t in e.params.values() if isinstance(t, torch.Tensor)}
+    kept = {id(t) for e in executors if e is not None for t in e.params.values() if isinstance(t, torch.Tensor)}
     for name, t in list(params.items()):
         if isinstance(t, torch.Tensor) and t.is_cuda and id(t) not in kept:
             host = t.cpu()
