@@ -2,7 +2,8 @@
  *
  * Each function computes bit for bit what the torch code it replaces computes: float32 values, every sum added
  * left to right in the order torch adds them, every operation rounded on its own (dsl/native.py compiles this file
- * with -ffp-contract=off, so no multiply-add is fused, and without fast-math). tests/test_native.py checks the bits.
+ * with -ffp-contract=off, so no multiply-add is fused, and without fast-math). tests/test_hyper_sinkhorn.py,
+ * tests/test_native_rounding.py and tests/test_native_rope.py check the bits.
  */
 
 #include <stdint.h>

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import math
 import hashlib
+import math
 import os
 import platform
 import shutil

@@ -78,9 +78,7 @@ def cases(block: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("block", [32, 64, 16])
 def test_fp8_round_is_torch_bit_for_bit(block: int, torch_only) -> None:
     for x in cases(block):
-        got = fp8_round(x, block=block)
-        assert same_bits(got, torch_only(fp8_round, x, block=block))
-        assert got is not x  # the C path ran: torch's path returns a new tensor too, so check the library loaded
+        assert same_bits(fp8_round(x, block=block), torch_only(fp8_round, x, block=block))
     assert native.fp8_round(torch.ones(2, block), block, 1e-4, 1 / 448) is not None, native.reason()
 
 
