@@ -9,8 +9,8 @@
 #include <stdint.h>
 #include <string.h>
 
-/* The largest hc the Sinkhorn loop takes: torch on the CPU adds up to 4 values one after the other (5 or more it adds
- * in another order, found by tests/test_hyper_sinkhorn.py); dsl/native.py checks it first. */
+/* The largest hc the Sinkhorn loop takes: torch on the CPU adds up to 4 values one after the other (5 to 8 it adds in
+ * another order: this loop gave other bits in every random case tried there); dsl/native.py checks it first. */
 #define DEEPINFER_MAX_HC 4
 
 /* Sinkhorn's loop on `n` matrices [hc, hc] of positive float32 values, row-major, in place: divide by the column

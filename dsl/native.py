@@ -34,8 +34,10 @@ MAX_HC = 4  # DEEPINFER_MAX_HC in native.c: up to 4 values torch adds in order (
 _why_not: list[str] = []
 
 
-def _cache_dir() -> Path:
-    return Path(os.environ.get("DEEPINFER_CACHE", Path.home() / ".cache" / "deepinfer")) / "native"
+def cache_root() -> Path:
+    """Where built code is kept: $DEEPINFER_CACHE, default ~/.cache/deepinfer (this library under native/, the GPU
+    targets' cubins under cubins/: graphs/aot.py)."""
+    return Path(os.environ.get("DEEPINFER_CACHE", Path.home() / ".cache" / "deepinfer"))
 
 
 def _compiler_version(cc: str) -> str:
@@ -50,7 +52,7 @@ def _build(cc: str) -> Path:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), _compiler_version(cc).encode(),
                                      platform.machine().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"native-{key}.so"
+    target = cache_root() / "native" / f"native-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -98,13 +100,14 @@ def reason() -> str | None:
     return _why_not[-1] if _why_not else None
 
 
-def sinkhorn_f32(data_ptr: int, n: int, hc: int, iters: int, eps: float) -> bool:
-    """Sinkhorn's loop in place on `n` contiguous float32 matrices [hc, hc] at `data_ptr` (the caller keeps the
-    memory alive); False, doing nothing, where the library is missing or hc is past MAX_HC."""
+def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> bool:
+    """Sinkhorn's loop in place on a contiguous float32 CPU tensor [N, hc, hc]; False, doing nothing, where it cannot
+    run (another device or dtype, a view, hc past MAX_HC, no library)."""
     lib = library()
-    if lib is None or hc > MAX_HC or hc < 1:
+    if (lib is None or comb.device.type != "cpu" or comb.dtype != torch.float32 or not comb.is_contiguous()
+            or comb.dim() != 3 or not 1 <= comb.shape[1] <= MAX_HC):
         return False
-    return lib.deepinfer_sinkhorn_f32(data_ptr, n, hc, iters, eps) == 0
+    return lib.deepinfer_sinkhorn_f32(comb.data_ptr(), comb.shape[0], comb.shape[1], iters, eps) == 0
 
 
 # ---- fp8 / fp4 rounding and cache codes (dsl/ops/rounding.py, dsl/cache_format.py) --------------------------------

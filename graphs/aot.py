@@ -29,6 +29,7 @@ import kernels.indexer.index_scores as scores
 import kernels.sampling.gumbel_argmax as sampling_kernels
 from dsl.cache import CacheSpec
 from dsl.graph import Graph
+from dsl.native import cache_root
 from graphs.executor import EXCHANGED
 from graphs.plan import Plan
 from kernels.launch import Launch, use_launcher
@@ -229,7 +230,7 @@ def compile_launch(call: Launch, target: str) -> Built:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("DEEPINFER_CACHE", Path.home() / ".cache" / "deepinfer")) / "cubins"
+    return cache_root() / "cubins"
 
 
 def build(launches: dict[str, Launch], target: str, use_cache: bool = True) -> dict[str, Built]:

@@ -19,7 +19,7 @@ from dsl.ops.hyper import NUMPY_SINKHORN_ROWS, invariant_hc_mixes, sinkhorn
 @pytest.fixture
 def without_c(monkeypatch):
     """The numpy and torch loops, as on a machine without a C compiler."""
-    monkeypatch.setattr(native, "sinkhorn_f32", lambda *args: False)
+    monkeypatch.setattr(native, "sinkhorn", lambda *args: False)
 
 
 def torch_sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -50,7 +50,7 @@ def test_the_numpy_loop_ran(without_c) -> None:
 @pytest.mark.parametrize("c_loop", [True, False])
 def test_mixes_rows_alike_in_any_batch(monkeypatch, c_loop: bool) -> None:
     if not c_loop:
-        monkeypatch.setattr(native, "sinkhorn_f32", lambda *args: False)
+        monkeypatch.setattr(native, "sinkhorn", lambda *args: False)
     g = torch.Generator().manual_seed(5)
     h, fn = torch.randn(48, 4, 32, generator=g), torch.randn(24, 128, generator=g) * 0.1
     scale, base = torch.rand(3, generator=g) + 0.5, torch.randn(24, generator=g) * 0.1
@@ -87,7 +87,7 @@ def test_c_sinkhorn_is_torch_bit_for_bit(rows: int, hc: int) -> None:
 def test_c_sinkhorn_leaves_what_it_cannot_take() -> None:
     """hc past MAX_HC (torch adds 5 or more values in another order), views and other dtypes go to torch's loop."""
     wide = torch.softmax(torch.randn(3, native.MAX_HC + 1, native.MAX_HC + 1), dim=-1) + 1e-6
-    assert not native.sinkhorn_f32(wide.data_ptr(), 3, native.MAX_HC + 1, 20, 1e-6)
+    assert not native.sinkhorn(wide, 20, 1e-6)
     assert torch.equal(sinkhorn(wide.clone(), 20, 1e-6), torch_sinkhorn(wide, 20, 1e-6))
     strided = (torch.softmax(torch.randn(4, 4, 8), dim=-1) + 1e-6)[:, :, :4]
     assert torch.equal(sinkhorn(strided, 20, 1e-6), torch_sinkhorn(strided, 20, 1e-6))

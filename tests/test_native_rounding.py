@@ -138,5 +138,6 @@ def test_other_inputs_keep_the_torch_code() -> None:
     assert native.encode(x[:, :48], "fp8", 32, False) is None
     assert native.decode(torch.zeros(4, 48, dtype=torch.uint8), torch.zeros(4, 2, dtype=torch.uint8), "fp8", 32,
                          False) is None
-    assert same_bits(fp8_round(x.bfloat16(), block=32), fp8_round(x.bfloat16(), block=32))
-    assert fp8_round(x[:, :48], block=32) is not None
+    assert fp8_round(x.bfloat16(), block=32).dtype == torch.bfloat16
+    part = x[:, :48]
+    assert fp8_round(part, block=32) is part  # not whole blocks: torch's code leaves the values as they are

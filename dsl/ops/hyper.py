@@ -77,7 +77,7 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     run in place in C (dsl/native.c) for any number of tokens; without a C compiler, in numpy up to
     NUMPY_SINKHORN_ROWS tokens, whose calls cost a fraction of torch's (the loop is 6 * iters small calls).
     tests/test_hyper_sinkhorn.py checks the bits of both."""
-    if _native_sinkhorn(comb, iters, eps):
+    if native.sinkhorn(comb, iters, eps):
         return comb  # the caller's fresh tensor, normalised in place
     if (comb.device.type != "cpu" or comb.dtype != torch.float32 or comb.shape[0] > NUMPY_SINKHORN_ROWS
             or not comb.is_contiguous() or comb.shape[1] > native.MAX_HC):
@@ -88,14 +88,6 @@ def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         return comb
     _numpy_sinkhorn(comb.numpy(), iters, eps)
     return comb
-
-
-def _native_sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> bool:
-    """The C loop in place on a contiguous float32 CPU tensor [N, hc, hc]; False where it cannot run (another
-    device or dtype, a view, hc past native.MAX_HC, no C compiler)."""
-    if comb.device.type != "cpu" or comb.dtype != torch.float32 or not comb.is_contiguous():
-        return False
-    return native.sinkhorn_f32(comb.data_ptr(), comb.shape[0], comb.shape[1], iters, eps)
 
 
 def _numpy_sinkhorn(a: np.ndarray, iters: int, eps: float) -> None:
