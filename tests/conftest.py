@@ -52,7 +52,9 @@ def compiled_fixture():
 
 
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked `gpu` need CUDA: skipped where there is none (CI)."""
+    """Tests marked `slow` run first, so that workers in parallel (`-n`, pytest-xdist) start them together rather
+    than one worker ending the run alone on them. Tests marked `gpu` need CUDA: skipped where there is none (CI)."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: each group keeps its order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

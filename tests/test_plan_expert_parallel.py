@@ -82,6 +82,7 @@ def _rank(rank: int, world: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_ranks_give_one_process_s_logits_and_tokens() -> None:
     port = ranks.free_port()
     ctx = mp.get_context("spawn")

@@ -60,6 +60,7 @@ def prompts() -> list[list[int]]:
     return [torch.randint(4, 500, (n,), generator=gen).tolist() for n in (18, 16)]
 
 
+@pytest.mark.slow
 def test_the_plans_replay_is_exact_keeping_every_token_and_the_cpu_targets_replay_truncated(
         model: DeepseekV41Flash) -> None:
     ids, replay = prompts(), planned(model, True)

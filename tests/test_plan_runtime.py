@@ -32,6 +32,7 @@ def planned_model(model: DeepseekV41Flash, drafting: bool = False) -> CompiledMo
     return CompiledModel(model.config, graphs[0], "sm90", runtime, graphs[1] if drafting else None)
 
 
+@pytest.mark.slow
 def test_steps_in_pools_match_the_cpu_target(compiled_fixture, monkeypatch) -> None:
     model = DeepseekV41Flash.from_pretrained(fixture_dir("v41-smooth"))
     planned, cpu = planned_model(model), compiled_fixture("v41-smooth")

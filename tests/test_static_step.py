@@ -20,7 +20,8 @@ from graphs.plan_runtime import PlanRuntime
 from tests.conftest import fixture_dir
 from tests.schedules import Pools, Schedule, mixed
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs where there is no GPU")
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs where there is no GPU"),
+              pytest.mark.slow]
 
 
 def planned(model: DeepseekV41Flash, dot_fp32: bool, padded: bool, drafting: bool = False) -> CompiledModel:

@@ -60,6 +60,7 @@ STEPS = [([5, 3], False), ([1, 1], True), ([4, 2], True), ([1, 1], False)]  # pr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's interpreter runs where there is no GPU")
+@pytest.mark.slow
 def test_steps_read_the_caches_in_place_as_they_gather_them(monkeypatch) -> None:
     compiled = planned(trained_model(), dot_fp32=False)
     calls = in_place_calls(monkeypatch)
