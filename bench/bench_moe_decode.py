@@ -9,6 +9,11 @@ rotate (4 a count) so the experts streamed differ between calls. Bytes are the c
 routing touches (the activations are < 0.1% of them); TB/s against the H200's 4.28 read-only.
 
     python bench/bench_moe_decode.py [--tokens 1,8,16,64,256] [--experts 384] [--out results.json]
+    python bench/bench_moe_decode.py --sweep [--tokens 1,16,64]
+
+`--sweep` times the fragment-order kernel alone under a grid of decode tiles (`SWEEP`: splits, block_N, stages),
+each checked against the heuristic's output first, and prints them fastest first with the heuristic's place: the
+evidence for `default_config`'s decode tiles on the GPU at hand.
 
 Needs a CUDA GPU and Triton (it compiles its kernels there, a minute or so); no carried cubins.
 """
@@ -16,6 +21,7 @@ Needs a CUDA GPU and Triton (it compiles its kernels there, a minute or so); no 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -35,6 +41,7 @@ from kernels.moe.fragments import fragment_codes  # noqa: E402
 D, INTER, TOPK, LIMIT = 5120, 2304, 6, 10.0
 DEVICE = "cuda"
 UNSPLIT = {"block_M": 16, "block_N": 64, "block_K": 128, "num_warps": 4, "num_stages": 3, "split_k": 1}
+SWEEP_SPLITS = ((1, 1), (2, 1), (2, 2), (4, 2), (8, 4))
 
 
 def experts(e: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -50,6 +57,49 @@ def configs(tokens: int) -> dict[str, dict]:
     heuristic = default_config(bucket_of(tokens))
     out = {"heuristic": heuristic, "unsplit": {"up": dict(UNSPLIT), "down": dict(UNSPLIT)}}
     return out if heuristic != out["unsplit"] else {"heuristic": heuristic}
+
+
+def sweep_configs() -> dict[str, dict]:
+    """Decode tiles around the heuristic's: 16 slots x block_N x 128, a warp per 16 outputs (the tuner's rule,
+    kernels/moe/space.py), split-K up/down, 3 or 4 stages."""
+    out = {}
+    for (up, down), block_n, stages in itertools.product(SWEEP_SPLITS, (64, 128), (3, 4)):
+        gemm = dict(UNSPLIT, block_N=block_n, num_warps=block_n // 16, num_stages=stages)
+        out[f"{up}/{down} n{block_n} s{stages}"] = {"up": dict(gemm, split_k=up), "down": dict(gemm, split_k=down)}
+    return out
+
+
+def sweep(tokens: int, e: int, weights: tuple, rep_ms: float) -> list[dict]:
+    """Every `sweep_configs` tile on fragment-order codes at `tokens` tokens, the heuristic's too; the outputs must
+    be within 1e-3 of the heuristic's, the tuner's bound (split-K adds partials in another order, then h is
+    rounded to bf16)."""
+    raw, frag, scales = weights
+    factors = [prescaled(s) for s in scales]
+    g = torch.Generator(device=DEVICE).manual_seed(tokens)
+    routes = [torch.stack([torch.randperm(e, device=DEVICE, generator=g)[:TOPK] for _ in range(tokens)])
+              for _ in range(4)]
+    x = torch.randn(tokens, D, device=DEVICE, generator=g)
+    route_weights = torch.rand(tokens, TOPK, device=DEVICE, generator=g)
+    nbytes = sum(len(torch.unique(r)) for r in routes) / len(routes) * expert_bytes(raw, scales)
+    heuristic = default_config(bucket_of(tokens))
+    want = moe_experts(x, route_weights, routes[0], *frag, *factors, limit=LIMIT, config=heuristic)
+    candidates = {"heuristic": heuristic} | {k: c for k, c in sweep_configs().items() if c != heuristic}
+    rows = []
+    for name, config in candidates.items():
+        got = moe_experts(x, route_weights, routes[0], *frag, *factors, limit=LIMIT, config=config)
+        err = ((got - want).norm() / want.norm()).item()
+        if not err < 1e-3:
+            raise AssertionError(f"T={tokens} {name}: {err:.2e} from the heuristic's output")
+        nxt = cycler(routes)
+        us = min(time_us(lambda nxt=nxt, config=config: moe_experts(
+            x, route_weights, nxt(), *frag, *factors, limit=LIMIT, config=config), rep_ms) for _ in range(2))
+        rows.append({"tokens": tokens, "config": name, "us": round(us, 1), "TB/s": round(nbytes / us / 1e6, 3)})
+    rows.sort(key=lambda r: r["us"])
+    base = next(r["us"] for r in rows if r["config"] == "heuristic")
+    for rank, r in enumerate(rows, 1):
+        r |= {"rank": rank, "vs_heuristic": round(base / r["us"], 3)}
+        print(json.dumps(r), flush=True)
+    return rows
 
 
 def expert_bytes(raw: list[torch.Tensor], scales: list[torch.Tensor]) -> int:
@@ -112,6 +162,7 @@ def main() -> int:
     p.add_argument("--experts", type=int, default=384)
     p.add_argument("--rep-ms", type=float, default=25.0)
     p.add_argument("--out", type=Path)
+    p.add_argument("--sweep", action="store_true", help="fragment order alone under a grid of decode tiles")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -119,8 +170,17 @@ def main() -> int:
     weights = experts(args.experts)
     print(f"{torch.cuda.get_device_name()}: E={args.experts} top{TOPK} {D}<->{INTER}, "
           f"{expert_bytes(weights[0], weights[2]) / 1e6:.2f} MB an expert", flush=True)
-    rows = [row for t in (int(v) for v in args.tokens.split(",")) for row in run(t, args.experts, weights,
-                                                                                  args.rep_ms)]
+    counts = [int(v) for v in args.tokens.split(",")]
+    if args.sweep:
+        rows = [row for t in counts for row in sweep(t, args.experts, weights, args.rep_ms)]
+        if args.out:
+            args.out.write_text(json.dumps(rows, indent=1) + "\n")
+        print(f"\nfragment order, decode tiles fastest first per token count; %HBM of {HBM_TBS} TB/s")
+        for r in rows:
+            print(f"{r['tokens']:>4} {r['rank']:>3} {r['config']:16} {r['us']:>9.1f} us {r['TB/s']:>6.2f} TB/s "
+                  f"{100 * r['TB/s'] / HBM_TBS:>5.1f} %HBM {r['vs_heuristic']:>6.3f}x the heuristic")
+        return 0
+    rows = [row for t in counts for row in run(t, args.experts, weights, args.rep_ms)]
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1) + "\n")
     print(f"\nraw codes (the old kernel) against fragment order (the new), side by side; %HBM of {HBM_TBS} TB/s")

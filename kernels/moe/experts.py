@@ -15,11 +15,11 @@ columns with a stride of two instead is the experts' bottleneck, bench/RESULTS.m
 at the end in slot order (`moe_sum_kernel`). A decode block holds
 one or two pairs: only the valid slots' rows of x or h are read.
 
-Split-K (decode: too few experts to fill the GPU): a GEMM's K is cut into `split_k` fixed ranges, one program
-each, whose fp32 partials are added in split order: by `moe_swiglu_kernel` before the activation (GEMM 1), by
-`moe_sum_kernel` inside each slot (GEMM 2). A pair's products depend only on its row, its expert and the config,
-not on which block or slot it lands in, so under a fixed config a token's result does not depend on the batch
-(batch-invariant runs, graphs/plan.py).
+Split-K (a tile choice for decode, where few experts may leave the GPU short of programs; the heuristic's decode tiles
+keep K whole, `default_config`): a GEMM's K is cut into `split_k` fixed ranges, one program each, whose fp32 partials
+are added in split order: by `moe_swiglu_kernel` before the activation (GEMM 1), by `moe_sum_kernel` inside each slot
+(GEMM 2). A pair's products depend only on its row, its expert and the config, not on which block or slot it lands in,
+so under a fixed config a token's result does not depend on the batch (batch-invariant runs, graphs/plan.py).
 """
 
 from __future__ import annotations
@@ -153,17 +153,20 @@ def moe_sum_kernel(y_ptr, out_ptr, D: tl.constexpr, TOPK: tl.constexpr, SPLIT_K:
 
 
 def default_config(m: int, fp4: bool = True) -> dict:
-    """The heuristic tiles for a token count `m` (a bucket's upper end), the fastest of the H200 sweeps that
-    bench/RESULTS.md records. Decode (m <= 64): few experts' weights to stream, so K is split to put more programs in
-    flight (T=1: 6 experts, 216 programs for GEMM 1 unsplit): 4/2 up to 16 tokens, 2/1 up to 64, in 64 x 128 tiles
-    of block_K 128 (block_K 256 holds 200+ registers in GEMM 1: two programs per SM). Prefill: up to 512 tokens the
-    decode tiles unsplit; beyond, 64 slots a block in 128 x 64 tiles with 8 warps, so each dequantized weight tile
-    serves four times the pairs."""
-    up_split, down_split = (4, 2) if m <= 16 else (2, 1) if m <= 64 else (1, 1)
-    gemm = {"block_M": 16, "block_N": 64, "block_K": 128, "num_warps": 4, "num_stages": 3}
-    if m > 512:
+    """The heuristic tiles for a token count `m` (a bucket's upper end). Decode (m <= 64): 16 slots x 128 outputs x
+    128 inputs, 8 warps, 3 stages, K unsplit: the fastest on fragment-order codes at 16 and 64 tokens of the H100
+    sweep bench/RESULTS.md records (`bench/bench_moe_decode.py --sweep`), and 1.08x the split tiles it replaces at one
+    token. Splitting K put more programs in flight for the raw codes' slower loop (the H200's sweep chose 4/2 up to
+    16 tokens on those); on fragments every split measured slower, as did a fourth stage. Prefill: up to 512 tokens
+    16 x 64 x 128 tiles of 4 warps, unsplit; beyond, 64 slots a block in 128 x 64 tiles with 8 warps, so each
+    dequantized weight tile serves four times the pairs."""
+    if m <= 64:
+        gemm = {"block_M": 16, "block_N": 128, "block_K": 128, "num_warps": 8, "num_stages": 3}
+    elif m <= 512:
+        gemm = {"block_M": 16, "block_N": 64, "block_K": 128, "num_warps": 4, "num_stages": 3}
+    else:
         gemm = {"block_M": 64, "block_N": 128, "block_K": 64, "num_warps": 8, "num_stages": 3}
-    return {"up": dict(gemm, split_k=up_split), "down": dict(gemm, split_k=down_split)}
+    return {"up": dict(gemm, split_k=1), "down": dict(gemm, split_k=1)}
 
 
 def expert_shape(w: torch.Tensor) -> tuple[int, int, int]:

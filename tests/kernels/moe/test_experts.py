@@ -144,11 +144,12 @@ def test_prescaled_is_exact_for_every_ue8m0_scale_up_to_2_64() -> None:
     assert prescaled(torch.tensor([2.0**65])).isinf().all()
 
 
-def test_default_config_splits_k_for_decode_only() -> None:
-    for m in (1, 16, 64):
+def test_default_config_runs_decode_unsplit_in_wide_tiles() -> None:
+    """Decode buckets: 128 outputs a program over two warpgroups, K whole; prefill up to 512 tokens 64 outputs."""
+    for m in (1, 16, 64, 512, 8192):
         config = default_config(m)
-        assert config["up"]["split_k"] * config["down"]["split_k"] > 1
-    assert default_config(512)["up"]["split_k"] == default_config(512)["down"]["split_k"] == 1
+        assert config["up"] == config["down"] and config["up"]["split_k"] == 1
+        assert (config["up"]["block_N"], config["up"]["num_warps"]) == ((128, 8) if m <= 64 or m > 512 else (64, 4))
 
 
 @pytest.mark.parametrize("bucket", [16, 64, 8192])
@@ -166,12 +167,15 @@ def test_tuning_space_splits_k_within_the_shapes(bucket) -> None:
     assert splits == {(1, 1)} if bucket > 64 else max(splits) >= (4, 2)
 
 
-@pytest.mark.parametrize("m", [16, 512])
-def test_aot_trace_records_every_launch_of_the_config(m) -> None:
+@pytest.mark.parametrize("m, splits", [(16, (4, 2)), (16, None), (512, None)])
+def test_aot_trace_records_every_launch_of_the_config(m, splits) -> None:
     """The AOT builder runs the wrapper on meta tensors (no values read): the routing's two kernels, then a split
-    GEMM 1 adds the activation's kernel, and both GEMMs' split counts reach their launches."""
+    GEMM 1 adds the activation's kernel, and both GEMMs' split counts reach their launches (the heuristic's
+    tiles, or them with K split)."""
     static = ExpertsStatic(EXPERTS, MOE_INTER, HIDDEN, TOPK, "fp4")
     config = default_config(m)
+    if splits:
+        config = {g: dict(config[g], split_k=k) for g, k in zip(("up", "down"), splits, strict=True)}
     calls = []
     with use_launcher(calls.append):
         MOE_EXPERTS.trace(Call(static, PLAIN, config, {"limit": LIMIT}, tokens=m))
