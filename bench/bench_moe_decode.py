@@ -11,9 +11,9 @@ routing touches (the activations are < 0.1% of them); TB/s against the H200's 4.
     python bench/bench_moe_decode.py [--tokens 1,8,16,64,256] [--experts 384] [--out results.json]
     python bench/bench_moe_decode.py --sweep [--tokens 1,16,64]
 
-`--sweep` times the fragment-order kernel alone under a grid of decode tiles (`SWEEP`: splits, block_N, stages),
-each checked against the heuristic's output first, and prints them fastest first with the heuristic's place: the
-evidence for `default_config`'s decode tiles on the GPU at hand.
+`--sweep` times the fragment-order kernel alone under a grid of decode tiles (`sweep_configs`: splits, block_N,
+stages), each checked against the heuristic's output first, and prints them fastest first with the heuristic's place:
+the evidence for `default_config`'s decode tiles on the GPU at hand.
 
 Needs a CUDA GPU and Triton (it compiles its kernels there, a minute or so); no carried cubins.
 """
