@@ -73,14 +73,8 @@ def sweep(tokens: int, e: int, weights: tuple, rep_ms: float) -> list[dict]:
     """Every `sweep_configs` tile on fragment-order codes at `tokens` tokens, the heuristic's too; the outputs must
     be within 1e-3 of the heuristic's, the tuner's bound (split-K adds partials in another order, then h is
     rounded to bf16)."""
-    raw, frag, scales = weights
-    factors = [prescaled(s) for s in scales]
-    g = torch.Generator(device=DEVICE).manual_seed(tokens)
-    routes = [torch.stack([torch.randperm(e, device=DEVICE, generator=g)[:TOPK] for _ in range(tokens)])
-              for _ in range(4)]
-    x = torch.randn(tokens, D, device=DEVICE, generator=g)
-    route_weights = torch.rand(tokens, TOPK, device=DEVICE, generator=g)
-    nbytes = sum(len(torch.unique(r)) for r in routes) / len(routes) * expert_bytes(raw, scales)
+    _, frag, _ = weights
+    factors, routes, x, route_weights, _, nbytes = inputs(tokens, e, weights)
     heuristic = default_config(bucket_of(tokens))
     want = moe_experts(x, route_weights, routes[0], *frag, *factors, limit=LIMIT, config=heuristic)
     candidates = {"heuristic": heuristic} | {k: c for k, c in sweep_configs().items() if c != heuristic}
@@ -107,16 +101,22 @@ def expert_bytes(raw: list[torch.Tensor], scales: list[torch.Tensor]) -> int:
     return sum(w[0].numel() + s[0].numel() * 2 for w, s in zip(raw, scales, strict=True))
 
 
-def run(tokens: int, e: int, weights: tuple, rep_ms: float) -> list[dict]:
-    raw, frag, scales = weights
-    factors = [prescaled(s) for s in scales]
+def inputs(tokens: int, e: int, weights: tuple) -> tuple:
+    """(scale factors, 4 routings, x, route weights, experts a routing touches on average, the bytes they stream) for
+    `tokens` tokens, seeded by the count."""
+    raw, _, scales = weights
     g = torch.Generator(device=DEVICE).manual_seed(tokens)
     routes = [torch.stack([torch.randperm(e, device=DEVICE, generator=g)[:TOPK] for _ in range(tokens)])
               for _ in range(4)]
     x = torch.randn(tokens, D, device=DEVICE, generator=g)
     route_weights = torch.rand(tokens, TOPK, device=DEVICE, generator=g)
     touched = sum(len(torch.unique(r)) for r in routes) / len(routes)
-    nbytes = touched * expert_bytes(raw, scales)
+    return [prescaled(s) for s in scales], routes, x, route_weights, touched, touched * expert_bytes(raw, scales)
+
+
+def run(tokens: int, e: int, weights: tuple, rep_ms: float) -> list[dict]:
+    raw, frag, scales = weights
+    factors, routes, x, route_weights, touched, nbytes = inputs(tokens, e, weights)
     rows = []
     for name, config in configs(tokens).items():
         layouts = {"raw": raw, "fragments": frag}
