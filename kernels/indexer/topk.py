@@ -15,8 +15,10 @@ tl.cumsum within a tile and a running count across tiles). So:
   reference's are `topk` wide) change no bit of its one-part (invariant) form;
 - a row's result depends on its own scores alone: bitwise the same in any batch, under any config.
 A row's scores are read once to 5 times, in tiles of block_N items: a row of at most k items skips the search, a row
-with at most k finite items stops after one count. Scores hold no NaN (sums of products of finite values); the key
-would rank a NaN above +inf, where torch keeps it among the top and then reports it as -1.
+with at most k finite items stops after one count, and the passes after the first read up to the row's last finite
+score only (a static step's rows span the caches' static width, finite up to what each token sees). Scores hold no
+NaN (sums of products of finite values); the key would rank a NaN above +inf, where torch keeps it among the top and
+then reports it as -1.
 """
 
 from __future__ import annotations
@@ -61,23 +63,30 @@ def _digit(hist, need):
 @triton.jit
 def _threshold(scores_ptr, cand_ptr, row, C, count, newest, K: tl.constexpr, GROUP: tl.constexpr,
                GROUP_P2: tl.constexpr, HAS_CANDIDATES: tl.constexpr, block_N: tl.constexpr):
-    """(T, ties) over a row's `count` items: the K-th highest finite key and how many items of key T the K highest
-    hold; (the key of -inf, 0) where the row has at most K finite items, all of them kept."""
+    """(T, ties, extent) over a row's `count` items: the K-th highest finite key and how many items of key T the K
+    highest hold, (the key of -inf, 0) where the row has at most K finite items, all of them kept; and an item bound
+    past the row's last finite item (the first pass finds it, `count` without one): a static step's rows are as wide
+    as its caches' static bound and finite only up to what each token sees, so the passes after the first, and the
+    caller's, stop there. Items past it are -inf, which no threshold keeps."""
     threshold = tl.full((), -2139095041, tl.int32)  # the key of -inf: keys above it are finite
     ties = tl.full((), 0, tl.int32)
+    extent = count
     if count > K:
         hist = tl.zeros([256], dtype=tl.int32)
+        last = tl.full((), -1, tl.int32)
         for start in range(0, count, block_N):
-            key = _keys(scores_ptr, cand_ptr, row, start + tl.arange(0, block_N), C, newest, GROUP, GROUP_P2,
-                        HAS_CANDIDATES)
+            items = start + tl.arange(0, block_N)
+            key = _keys(scores_ptr, cand_ptr, row, items, C, newest, GROUP, GROUP_P2, HAS_CANDIDATES)
             hist += tl.histogram((key >> 24) + 128, 256, mask=key > -2139095041)
+            last = tl.maximum(last, tl.max(tl.where(key > -2139095041, items, -1), axis=0))
+        extent = last + 1
         if tl.sum(hist, axis=0) > K:
             prefix, need = _digit(hist, K)
             prefix -= 128  # the top byte of the key, signed
             for i in tl.static_range(3):
                 shift = 16 - 8 * i
                 hist = tl.zeros([256], dtype=tl.int32)
-                for start in range(0, count, block_N):
+                for start in range(0, extent, block_N):
                     key = _keys(scores_ptr, cand_ptr, row, start + tl.arange(0, block_N), C, newest, GROUP,
                                 GROUP_P2, HAS_CANDIDATES)
                     match = ((key >> (shift + 8)) == prefix) & (key > -2139095041)
@@ -85,7 +94,7 @@ def _threshold(scores_ptr, cand_ptr, row, C, count, newest, K: tl.constexpr, GRO
                 d, need = _digit(hist, need)
                 prefix = prefix * 256 + d
             threshold, ties = prefix, need
-    return threshold, ties
+    return threshold, ties, extent
 
 
 @triton.jit
@@ -101,10 +110,10 @@ def topk_select_kernel(scores_ptr, cand_ptr, out_ptr, C, K: tl.constexpr, HAS_CA
                        block_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     width = K
-    threshold, ties = _threshold(scores_ptr, cand_ptr, row, C, C, -1, K, 1, 1, HAS_CANDIDATES, block_N)
+    threshold, ties, extent = _threshold(scores_ptr, cand_ptr, row, C, C, -1, K, 1, 1, HAS_CANDIDATES, block_N)
     taken = tl.full((), 0, tl.int32)
     tied = tl.full((), 0, tl.int32)
-    for start in range(0, C, block_N):
+    for start in range(0, extent, block_N):
         items = start + tl.arange(0, block_N)
         key = _keys(scores_ptr, cand_ptr, row, items, C, -1, 1, 1, HAS_CANDIDATES)
         kept, at = _kept(key, threshold, ties, tied)
@@ -128,8 +137,8 @@ def candidate_blocks_kernel(scores_ptr, pos_ptr, out_ptr, C, RATIO: tl.constexpr
     # reference's block layout: a block index past the last would otherwise land on the tile's padding items)
     newest = tl.where(visible > 0, (visible - 1) // BLOCK, -1)
     newest = tl.where(newest < count, newest, -1)
-    threshold, ties = _threshold(scores_ptr, scores_ptr, row, C, count, newest, TOPK_BLOCKS, BLOCK, BLOCK_P2, False,
-                                 block_N)
+    threshold, ties, _ = _threshold(scores_ptr, scores_ptr, row, C, count, newest, TOPK_BLOCKS, BLOCK, BLOCK_P2,
+                                    False, block_N)  # every block's mask is written: the last pass spans them all
     tied = tl.full((), 0, tl.int32)
     members = tl.arange(0, BLOCK_P2)
     for start in range(0, count, block_N):

@@ -110,6 +110,21 @@ def test_topk_select_of_no_rows_or_no_picks(device) -> None:
     assert topk_select(gen(3, 9, device=device), topk=0).shape == (3, 0)
     assert torch.equal(topk_select(gen(3, 0, device=device), topk=4), torch.full((3, 4), -1, device=device))
 
+@pytest.mark.parametrize("topk", [1, 8, 16])
+def test_topk_select_stops_at_the_last_finite_score(topk, device) -> None:
+    """Rows as a static step gives them: wide, finite up to what each token sees, -inf after. The passes after the
+    first stop at a row's last finite score, at or across a tile's edge (tiles of 16), with ties there too."""
+    width, visible = 100, [0, 1, 15, 16, 17, 31, 32, 33, 64, 99, 100]
+    scores = gen(len(visible), width, seed=topk, device=device)
+    scores = scores.masked_fill(torch.arange(width, device=device)[None, :] >= torch.tensor(visible, device=device)[
+        :, None], float("-inf"))
+    check_topk(scores, None, topk, SMALL)
+    check_topk(tied(scores), None, topk, SMALL)
+    holes = scores.clone()
+    holes[:, 1::3] = float("-inf")  # finite items apart, the last one anywhere in its tile
+    check_topk(holes, None, topk, SMALL)
+
+
 
 def check_candidates(scores: torch.Tensor, ctx: ForwardContext, ratio: int, block: int, topk_blocks: int,
                      config: dict | None, exact: bool) -> None:
