@@ -8,6 +8,14 @@ many tokens (`fp8_dequant_w`) the scales multiply W in registers instead and the
 When there are too few output tiles to fill the GPU, K is split into `split_k` fixed ranges written to a
 workspace and summed in a fixed order by a second kernel, so the result does not depend on the batch.
 `groups` runs a block-diagonal linear (wo_a): group g maps x[:, g*K:(g+1)*K] through rows g*N..(g+1)*N-1 of W.
+
+One token over fp8 weights (a batch-1 decode step) runs gemv.py's `gemv_kernel` instead: no tensor cores, whose
+smallest tile would pad the token to 16 rows and convert every code to bf16 on the way; each code goes to fp32 and
+meets the token's fp32 activation in one multiply-add, each 32 x 32 block's partial sum takes its scale once, and
+nothing is rounded to bf16 (so its sums are closer to the fp32 reference's than the tensor cores', with other bits).
+Its tiles follow the weight's shape alone (`gemv_config`). Configs with `gemv` False keep one token on the tensor
+cores: the batch-invariant ones (kernels/linear/lowering.py), where a row's bits may not depend on how many rows
+there are.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ import torch
 
 from kernels.lang import tl, triton
 from kernels.launch import launch
+from kernels.linear import gemv  # the module, not its kernel: this module's source hash keys the tuned configs
 
 SCALE_BLOCK = 32
 
@@ -154,7 +163,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, 
 
     x: float32 or bfloat16, contiguous. W: bfloat16 / float32, or float8_e4m3fn with `scale` float32
     [ceil(G*N/32), ceil(K/32)] (one power-of-two scale per 32 x 32 block). Accumulates in fp32; operands are
-    rounded to bf16 unless `dot_fp32` (fp32 products, for exactness checks).
+    rounded to bf16 unless `dot_fp32` (fp32 products, for exactness checks). One token over fp8 weights runs
+    `gemv_kernel` (fp32 throughout) unless `dot_fp32` or the config's `gemv` is False.
     """
     m = x.shape[0] if x.dim() == 2 else 0
     n, k = w.shape[0] // groups, w.shape[1]
@@ -164,11 +174,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, 
     out = torch.empty(m, groups * n, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return out
+    fp8 = w.dtype == torch.float8_e4m3fn
+    if m == 1 and fp8 and config.get("gemv", True) and not dot_fp32:
+        return _gemv(x, w, scale, groups, out)
     split, block_k = config["split_k"], config["block_K"]
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     ws = out if split == 1 else torch.empty(split, m, groups * n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, config["block_N"]), triton.cdiv(m, config["block_M"]), groups * split)
-    fp8 = w.dtype == torch.float8_e4m3fn
     launch(linear_kernel, grid, (x, w, scale if fp8 else w, ws, m),
            dict(N=n, K=k, GROUPS=groups, SCALE_COLS=scale.shape[1] if fp8 else 0, FP8=fp8,
                 FP8_DEQ_W=fp8 and config.get("fp8_dequant_w", False), DOT_FP32=dot_fp32,
@@ -181,4 +193,20 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, 
     return out
 
 
-__all__ = ["linear", "default_config", "linear_kernel", "splitk_reduce_kernel"]
+def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, groups: int, out: torch.Tensor) -> torch.Tensor:
+    """One token's out [1, G*N] over fp8 weights on `gemv_kernel`, its K splits summed by `splitk_reduce_kernel`."""
+    n, k = w.shape[0] // groups, w.shape[1]
+    config = gemv.gemv_config(n, k, groups)
+    split, block_k = config["split_k"], config["block_K"]
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    ws = out if split == 1 else torch.empty(split, groups * n, dtype=torch.float32, device=x.device)
+    launch(gemv.gemv_kernel, (triton.cdiv(n, config["block_N"]), groups * split), (x, w, scale, ws),
+           dict(N=n, K=k, GROUPS=groups, SCALE_COLS=scale.shape[1], SPLIT_K=split, K_PER_SPLIT=k_per_split,
+                block_N=config["block_N"], block_K=block_k), config["num_warps"], config["num_stages"])
+    if split > 1:
+        total = groups * n
+        launch(splitk_reduce_kernel, (triton.cdiv(total, 1024),), (ws, out, total), dict(SPLIT_K=split, block=1024))
+    return out
+
+
+__all__ = ["default_config", "linear", "linear_kernel", "splitk_reduce_kernel"]

@@ -7,7 +7,9 @@ tokens and output tiles; fp8 weights pay a bf16 copy a call there, 3 bytes a wei
 fp32; and, for fp8 weights in plans with fp8 activations (`fmt` "fp8_rows"), the fp8 GEMM (fp8.py), on rows a norm
 rounded already where the plan says so (`Variant.e4m3_in`). Both bf16 GEMMs give a row the same bits padded or not,
 so a bucket CUDA graphs capture may take either: where the switch sits is a speed question, measured per shape. The
-tuner searches the decode GEMM's configs; the prefill GEMM keeps its heuristic tiles.
+tuner searches the decode GEMM's configs; the prefill GEMM keeps its heuristic tiles. One token over fp8 weights runs
+the decode GEMM's one-row kernel (linear.py's `gemv_kernel`) except in batch-invariant configs (`gemv` False there:
+its bits are not the tensor cores'), so a decode bucket's trace records it too.
 """
 
 from __future__ import annotations
@@ -77,6 +79,17 @@ def gemm_config(gemm: str, tokens: int, n: int, k: int, groups: int, fmt: str) -
     return linear.default_config(tokens, n, k, groups, fmt == "fp8")
 
 
+def no_gemv(config: dict) -> dict:
+    """A decode config's batch-invariant form: one token on the tensor cores too (`gemv` False), as every count."""
+    return dict(config, gemv=False) if "split_k" in config else dict(config)  # the decode GEMM's (linear.py)
+
+
+def one_row(tokens: int, gemm: str) -> tuple[int, ...]:
+    """The token counts a trace of a bucket of `tokens` runs: the bucket's, and one token, which the decode GEMM
+    may run on another kernel (linear.py's `gemv_kernel`: the same launch for any bucket)."""
+    return (tokens, 1) if gemm == DECODE and tokens > 1 else (tokens,)
+
+
 def project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, gemm: str, config: dict, dot_fp32: bool,
             groups: int = 1) -> torch.Tensor:
     """x @ W.T (block-diagonal over `groups`) on the decode or the prefill GEMM."""
@@ -114,6 +127,9 @@ class Linear(Lowering):
                        gemms: tuple[str, ...] = (DECODE,)) -> dict:
         return gemm_config(gemms[0], tokens, static.n, static.k, static.groups, static.fmt)
 
+    def invariant(self, config: dict) -> dict:
+        return no_gemv(config)
+
     def run(self, call: Call) -> torch.Tensor:
         x, w, s = call.args[0], call.args[1], call.args[2]
         st = call.static
@@ -130,7 +146,8 @@ class Linear(Lowering):
             return
         w = meta(st.groups * st.n, st.k, dtype=weight_dtype(st.fmt, call.dot_fp32))
         s = meta(-(-st.groups * st.n // 32), -(-st.k // 32)) if st.fmt == "fp8" else None
-        project(meta(m, st.groups * st.k), w, s, call.gemms[0], call.config, call.dot_fp32, st.groups)
+        for rows in one_row(m, call.gemms[0]):
+            project(meta(rows, st.groups * st.k), w, s, call.gemms[0], call.config, call.dot_fp32, st.groups)
 
     def fp8_activations(self, static: LinearStatic) -> LinearStatic | None:
         return replace(static, fmt="fp8_rows") if static.fmt == "fp8" and static.groups == 1 else None
@@ -167,6 +184,9 @@ class Swiglu(Lowering):
         return {"up": gemm_config(gemms[0], tokens, static.inter, static.d, 1, static.fmt),
                 "down": gemm_config(gemms[1], tokens, static.d, static.inter, 1, static.fmt)}
 
+    def invariant(self, config: dict) -> dict:
+        return {part: no_gemv(c) for part, c in config.items()}
+
     def run(self, call: Call) -> torch.Tensor:
         x, w1, w2, w3, s1, s2, s3 = call.args
         (up, down), config, f = call.gemms, call.config, call.dot_fp32
@@ -179,7 +199,8 @@ class Swiglu(Lowering):
         for n, k, part, gemm in ((st.inter, st.d, "up", call.gemms[0]), (st.d, st.inter, "down", call.gemms[1])):
             w = meta(n, k, dtype=weight_dtype(st.fmt, call.dot_fp32))
             s = meta(-(-n // 32), -(-k // 32)) if st.fmt == "fp8" else None
-            project(meta(m, k), w, s, gemm, call.config[part], call.dot_fp32)
+            for rows in one_row(m, gemm):
+                project(meta(rows, k), w, s, gemm, call.config[part], call.dot_fp32)
         swiglu.swiglu(meta(m, st.inter), meta(m, st.inter), limit=call.attrs["limit"])
 
 

@@ -1,4 +1,5 @@
-"""The decode linear (plain and grouped; bf16, fp32 and fp8 32x32-block weights) against `dsl.ops.dense`."""
+"""The decode linear (plain and grouped; bf16, fp32 and fp8 32x32-block weights) against `dsl.ops.dense`, one token
+over fp8 weights on the one-row kernel (`gemv_kernel`, fp32 activations) and on the tensor cores (`gemv` False)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch
 from dsl.ops.dense import grouped_linear as ref_grouped_linear
 from dsl.ops.dense import linear as ref_linear
 from dsl.quant import quantize_fp8_block
+from kernels.linear.gemv import gemv_config
 from kernels.linear.linear import default_config, linear
+from kernels.linear.lowering import LINEAR, SWIGLU, LinearStatic, SwigluStatic
 from tests.kernels.cases import DECODE_TOKENS, V41_LINEARS, gen, rel_l2
 
 
@@ -34,7 +37,8 @@ def check(m: int, n: int, k: int, groups: int, fmt: str, device: str, config: di
     x = gen(m, groups * k, device=device, seed=m)
     out = linear(x, w, s, groups=groups, config=config, dot_fp32=dot_fp32)
     assert out.shape == (m, groups * n) and out.dtype == torch.float32
-    assert rel_l2(out, reference(x, w, s, groups, dot_fp32)) < tol
+    gemv = m == 1 and fmt == "fp8" and (config or {}).get("gemv", True)  # fp32 activations there
+    assert rel_l2(out, reference(x, w, s, groups, dot_fp32 or gemv)) < tol
 
 
 # (m, n, k, groups, fmt, config): K and N not multiples of the block, split-K, several M tiles.
@@ -54,6 +58,34 @@ CPU_CASES = [
 @pytest.mark.parametrize("m,n,k,groups,fmt,config", CPU_CASES)
 def test_linear_matches_reference(m, n, k, groups, fmt, config, device) -> None:
     check(m, n, k, groups, fmt, device, config, dot_fp32=fmt == "fp32", tol=1e-5 if fmt == "fp32" else 2e-5)
+
+
+# (n, k, groups): K under a stage and past it, N under a tile and past it, groups, split K (k >= 2048 at few tiles)
+GEMV_CASES = [(40, 96, 1), (96, 600, 1), (40, 2080, 1), (32, 96, 2), (64, 2100, 2)]
+
+
+@pytest.mark.parametrize("n,k,groups", GEMV_CASES)
+def test_one_token_over_fp8_weights_runs_in_fp32(n, k, groups, device) -> None:
+    """The one-row kernel sums fp32 products (the reference with fp32 activations, to rounding); `gemv` False keeps
+    the token on the tensor cores, whose activations are rounded to bf16 (the reference with bf16 ones)."""
+    w, s = make_weight(groups * n, k, "fp8", device, seed=n + k)
+    x = gen(1, groups * k, device=device, seed=k)
+    tiles = dict(block_M=16, block_N=32, block_K=32, split_k=1, num_warps=4, num_stages=2)
+    one_row = linear(x, w, s, groups=groups, config=tiles)
+    cores = linear(x, w, s, groups=groups, config=dict(tiles, gemv=False))
+    assert rel_l2(one_row, reference(x, w, s, groups, True)) < 1e-6
+    assert rel_l2(cores, reference(x, w, s, groups, False)) < 2e-5
+    assert not torch.equal(one_row, cores)
+    if k >= 2048:
+        assert gemv_config(n, k, groups)["split_k"] > 1
+
+
+def test_invariant_configs_keep_one_token_on_the_tensor_cores() -> None:
+    static = LinearStatic(n=512, k=5120, groups=1, fmt="fp8")
+    assert LINEAR.invariant(LINEAR.default_config(static, 64))["gemv"] is False
+    assert "gemv" not in LINEAR.default_config(static, 16)
+    shared = SWIGLU.invariant(SWIGLU.default_config(SwigluStatic(inter=2048, d=5120, fmt="fp8"), 64))
+    assert shared["up"]["gemv"] is False and shared["down"]["gemv"] is False
 
 
 def test_linear_empty_input_and_bad_shapes(device) -> None:

@@ -1,0 +1,98 @@
+"""One token through V4.1-Flash's fp8 decode linears: the one-row kernel (kernels/linear/gemv.py, what a batch-1 decode
+step runs) against the tensor-core decode GEMM with the plan's config for the smallest bucket (`gemv` False: what
+batch-invariant steps run), side by side in one process on one GPU.
+
+Each shape is checked first (both within 2e-5 of the fp64 reference of their own operands: fp32 activations for the
+one-row kernel, bf16 ones for the tensor cores), then timed from CUDA-graph replays (`autotune.tune.time_us`,
+medians), weights rotated past the L2. Bytes are the fp8 codes and fp32 block scales; TB/s against the H200's 4.28.
+
+    python bench/bench_gemv.py [--out results.json]
+
+Needs a CUDA GPU and Triton (it compiles its kernels there); no carried cubins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench_rows import HBM_TBS, cycler  # noqa: E402
+
+from autotune.cache import TuningCache, cache_key, template_hash  # noqa: E402
+from autotune.tune import time_us  # noqa: E402
+from dsl.quant import quantize_fp8_block  # noqa: E402
+from graphs.plan import bucket_of  # noqa: E402
+from kernels.linear.gemv import gemv_config  # noqa: E402
+from kernels.linear.linear import default_config, linear  # noqa: E402
+from kernels.tuning import rotation  # noqa: E402
+
+# (name, n, k, groups): the attention's projections, the shared expert's, the indexer's query
+SHAPES = [("wq_a", 1280, 5120, 1), ("wq_b", 32768, 1280, 1), ("wkv", 512, 5120, 1), ("wo_a", 1024, 4096, 8),
+          ("wo_b", 5120, 8192, 1), ("shared w1/w3", 2304, 5120, 1), ("shared w2", 5120, 2304, 1),
+          ("indexer wq_b", 4096, 1280, 1)]
+TUNED = Path(__file__).resolve().parent.parent / "autotune" / "tuned" / "sm90.json"
+
+
+def tensor_config(n: int, k: int, groups: int) -> tuple[dict, str]:
+    """The plan's config for one token: the H200's tuned one for the smallest bucket where there is one."""
+    static = {"n": n, "k": k, "groups": groups, "fmt": "fp8"}
+    key = cache_key("linear", static, bucket_of(1), "sm90", "NVIDIA H200", template_hash("linear"))
+    tuned = TuningCache(TUNED).get(key)
+    return (tuned, "tuned") if tuned else (default_config(1, n, k, groups, fp8=True), "heuristic")
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, groups: int) -> torch.Tensor:
+    n, k = q.shape[0] // groups, q.shape[1]
+    w = q.double() * s.double().repeat_interleave(32, 0)[: q.shape[0]].repeat_interleave(32, 1)[:, :k]
+    xs = x.double().view(groups, k)
+    return torch.stack([xs[g] @ w[g * n:(g + 1) * n].T for g in range(groups)]).reshape(1, -1)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", help="write the rows as JSON")
+    args = p.parse_args()
+    rows = []
+    print(f"{torch.cuda.get_device_name()}: one token, fp8 weights; µs medians of CUDA-graph replays")
+    print(f"{'shape':<14} {'n x k':>14} {'tensor µs':>10} {'one-row µs':>11} {'speedup':>8} {'TB/s':>6} {'% HBM':>6}"
+          "  tensor config / one-row split")
+    for name, n, k, groups in SHAPES:
+        w = torch.randn(groups * n, k, device="cuda") * k**-0.5
+        q, s = quantize_fp8_block(w)
+        del w
+        x = torch.randn(1, groups * k, device="cuda")
+        config, source = tensor_config(n, k, groups)
+        cores = dict(config, gemv=False)
+        want = reference(x, q, s, groups)
+        err_row = ((linear(x, q, s, groups=groups).double() - want).norm() / want.norm()).item()
+        err_cores = ((linear(x, q, s, groups=groups, config=cores).double()
+                      - reference(x.bfloat16().float(), q, s, groups)).norm() / want.norm()).item()
+        if not (err_row < 2e-5 and err_cores < 2e-5):
+            raise SystemExit(f"{name}: rel L2 {err_row:.1e} (one row), {err_cores:.1e} (tensor cores) over 2e-5")
+        weights = cycler(rotation(q))
+        tensor_us = time_us(lambda: linear(x, weights(), s, groups=groups, config=cores))
+        row_us = time_us(lambda: linear(x, weights(), s, groups=groups, config=config))
+        nbytes = q.numel() + s.numel() * 4
+        tbs = nbytes / row_us / 1e6
+        row = {"shape": name, "n": n, "k": k, "groups": groups, "bytes": nbytes, "tensor_us": tensor_us,
+               "tensor_config": config, "tensor_source": source, "one_row_us": row_us,
+               "one_row_split": gemv_config(n, k, groups)["split_k"], "speedup": tensor_us / row_us, "tbs": tbs}
+        rows.append(row)
+        print(f"{name:<14} {f'{groups}x{n}x{k}':>14} {tensor_us:>10.2f} {row_us:>11.2f} {tensor_us / row_us:>7.2f}x "
+              f"{tbs:>6.2f} {100 * tbs / HBM_TBS:>5.1f}  {source} {config} / split {row['one_row_split']}",
+              flush=True)
+    tensor, one_row = sum(r["tensor_us"] for r in rows), sum(r["one_row_us"] for r in rows)
+    print(f"all shapes once: tensor cores {tensor:.1f} µs, one-row kernel {one_row:.1f} µs ({tensor / one_row:.2f}x)")
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
