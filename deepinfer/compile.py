@@ -68,17 +68,24 @@ def _for_cpu(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _launches(graphs: list, plans: list, vocab_size: int, expert_parallel: bool = False) -> dict:
+    """Every kernel launch (by `Launch.key`) the plans of `graphs` (the main graph first) make: what `compile`
+    builds, and what `load` checks an artifact holds."""
+    from dsl.cache import CacheSpec
+    from graphs.aot import record_attention_launches, record_cache_launches, record_launches, record_sampling_launches
+
+    launches = record_sampling_launches(vocab_size)  # the engine's draws
+    for graph, plan in zip(graphs, plans, strict=True):  # the draft graph's launches mostly repeat the main one's
+        launches |= record_launches(plan, {i: node.attrs for i, node in enumerate(graph.nodes)}, expert_parallel)
+        launches |= record_cache_launches(CacheSpec.from_graph(graph))  # the pools' writer and reader
+        launches |= record_attention_launches(plan, graph, graphs[0])  # decode attention over the pools in place
+    return launches
+
+
 def _compile_plan(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets: tuple[int, ...] | None,
                   drafting: bool, fp8_activations: bool, expert_parallel: bool = False,
                   replay: bool = False) -> Compiled:
-    from dsl.cache import CacheSpec
-    from graphs.aot import (
-        build,
-        record_attention_launches,
-        record_cache_launches,
-        record_launches,
-        record_sampling_launches,
-    )
+    from graphs.aot import build
     from graphs.passes import make_plan
     from graphs.plan import BUCKETS
     from graphs.plan_runtime import PlanRuntime
@@ -89,12 +96,7 @@ def _compile_plan(model: DeepseekV41Flash, target: str, dot_fp32: bool, buckets:
     shards = model.shard.world_size if model.shard is not None else 1
     plans = [make_plan(g, params, target, tuple(buckets or BUCKETS), dot_fp32, fp8_activations=fp8_activations,
                        expert_shards=shards) for g in graphs]
-    launches = record_sampling_launches(model.config.vocab_size)  # the engine's draws
-    for graph, plan in zip(graphs, plans, strict=True):  # the draft graph's launches mostly repeat the main one's
-        launches |= record_launches(plan, {i: node.attrs for i, node in enumerate(graph.nodes)}, expert_parallel)
-        launches |= record_cache_launches(CacheSpec.from_graph(graph))  # the pools' writer and reader
-        launches |= record_attention_launches(plan, graph, graphs[0])  # decode attention over the pools in place
-    built = build(launches, target)
+    built = build(_launches(graphs, plans, model.config.vocab_size, expert_parallel), target)
     specs = {key: b.spec for key, b in built.items()}
     cubins = {key: b.cubin for key, b in built.items()}
     draft = (graphs[1], plans[1]) if drafting else None
@@ -123,6 +125,13 @@ def load(path: str | Path, model: DeepseekV41Flash | None = None) -> Compiled:
             plan.check_graph(g)
         except ValueError as e:
             raise artifact.ArtifactError(f"{Path(path) / name}: {e}") from None
+    graphs, plans = [graph] + ([draft[0]] if draft else []), [saved.plan] + ([draft[1]] if draft else [])
+    missing = sorted(set(_launches(graphs, plans, model.config.vocab_size)) - set(saved.specs))
+    if missing:  # saved by another version of these kernels or of their lowerings: it would fail mid-step
+        raise artifact.ArtifactError(
+            f"{Path(path) / 'plan.json'}: holds no kernel for {len(missing)} launch(es) this build of DeepInfer makes, "
+            f"{missing[0]}{' and more' if len(missing) > 1 else ''}: it was saved by another version; compile the "
+            "model again")
     runtime = PlanRuntime(graph, saved.plan, saved.specs, saved.cubins, model.params(), draft=draft)
     return CompiledModel(model.config, graph, saved.plan.target, runtime, None if draft is None else draft[0],
                          model.model_dir)

@@ -144,6 +144,16 @@ def test_a_plan_for_another_graph_is_refused_at_load(saved: Path, model) -> None
         deepinfer.load(saved, model)
 
 
+def test_an_artifact_lacking_a_kernel_this_build_runs_is_refused_at_load(saved: Path, model) -> None:
+    """As one saved by an older DeepInfer, before a kernel it would now launch existed: refused at load, naming the
+    launch, not mid-step."""
+    key, _ = first_kernel(saved)
+    edit_json(saved / "plan.json", lambda d: d["kernels"].pop(key))
+    with pytest.raises(ArtifactError, match=re.escape(f"plan.json: holds no kernel for 1 launch(es) this build of "
+                                                      f"DeepInfer makes, {key}: it was saved by another version")):
+        deepinfer.load(saved, model)
+
+
 @pytest.mark.parametrize("entry", ["../../elsewhere/x", "/tmp/x", "..", "", "a\\b"])
 def test_a_kernel_entry_naming_a_path_is_refused(saved: Path, entry: str) -> None:
     key, file_id = first_kernel(saved)
