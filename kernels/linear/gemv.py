@@ -39,7 +39,6 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, 
     tl.store(out_ptr + split * (GROUPS * N) + rows, acc, mask=mask_n)
 
 
-
 def gemv_config(n: int, k: int, groups: int = 1, num_sms: int = 132) -> dict:
     """`gemv_kernel`'s tiles for a weight of `groups` x [n, k]: 64 rows by 256 columns a stage, split-K until there
     are two programs per SM (the H100 sweep of bench/RESULTS.md's fp8 decode linear section)."""

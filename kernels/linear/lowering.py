@@ -8,7 +8,7 @@ fp32; and, for fp8 weights in plans with fp8 activations (`fmt` "fp8_rows"), the
 rounded already where the plan says so (`Variant.e4m3_in`). Both bf16 GEMMs give a row the same bits padded or not,
 so a bucket CUDA graphs capture may take either: where the switch sits is a speed question, measured per shape. The
 tuner searches the decode GEMM's configs; the prefill GEMM keeps its heuristic tiles. One token over fp8 weights runs
-the decode GEMM's one-row kernel (linear.py's `gemv_kernel`) except in batch-invariant configs (`gemv` False there:
+the decode GEMM's one-row kernel (gemv.py's `gemv_kernel`) except in batch-invariant configs (`gemv` False there:
 its bits are not the tensor cores'), so a decode bucket's trace records it too.
 """
 
@@ -86,7 +86,7 @@ def no_gemv(config: dict) -> dict:
 
 def one_row(tokens: int, gemm: str) -> tuple[int, ...]:
     """The token counts a trace of a bucket of `tokens` runs: the bucket's, and one token, which the decode GEMM
-    may run on another kernel (linear.py's `gemv_kernel`: the same launch for any bucket)."""
+    may run on another kernel (gemv.py's `gemv_kernel`: the same launch for any bucket)."""
     return (tokens, 1) if gemm == DECODE and tokens > 1 else (tokens,)
 
 
