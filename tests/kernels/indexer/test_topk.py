@@ -110,6 +110,7 @@ def test_topk_select_of_no_rows_or_no_picks(device) -> None:
     assert topk_select(gen(3, 9, device=device), topk=0).shape == (3, 0)
     assert torch.equal(topk_select(gen(3, 0, device=device), topk=4), torch.full((3, 4), -1, device=device))
 
+
 @pytest.mark.parametrize("topk", [1, 8, 16])
 def test_topk_select_stops_at_the_last_finite_score(topk, device) -> None:
     """Rows as a static step gives them: wide, finite up to what each token sees, -inf after. The passes after the
@@ -123,7 +124,6 @@ def test_topk_select_stops_at_the_last_finite_score(topk, device) -> None:
     holes = scores.clone()
     holes[:, 1::3] = float("-inf")  # finite items apart, the last one anywhere in its tile
     check_topk(holes, None, topk, SMALL)
-
 
 
 def check_candidates(scores: torch.Tensor, ctx: ForwardContext, ratio: int, block: int, topk_blocks: int,
