@@ -12,6 +12,11 @@
 #                                    (DSPARK_TARGET, DSPARK_BATCHES, DSPARK_TOKENS, DSPARK_PASSES, DSPARK_MODES,
 #                                    DSPARK_BUDGETS; DSPARK_INTERLEAVE=1: every mode's engine built once, the passes
 #                                    timed side by side) instead of the kernel benchmarks
+#   SIDE=1 bash bench/run_gpu.sh     the slice's decode steps of two trees side by side (bench/step_profile.py, each tree
+#                                    over its own artifact, alternating base and new, SIDE_ROUNDS times at each of
+#                                    SIDE_CONTEXTS, SIDE_BATCHES) instead of the kernel benchmarks; carry .base,
+#                                    artifacts/slice-sm90-base and artifacts/slice-sm90 (`python bench/prepare_gpu.py
+#                                    --base COMMIT`)
 #   PROFILE=1 bash bench/run_gpu.sh  where the slice's steps go (bench/step_profile.py): decode at PROFILE_BATCHES, and
 #                                    prefill at PROFILE_PREFILL tokens, with artifacts/slice-sm90-fp8 too when carried,
 #                                    instead of the kernel benchmarks (BENCH_KERNELS=1: both)
@@ -59,6 +64,26 @@ if [ "${DSPARK:-0}" = 1 ]; then
         ${DSPARK_MODES:+--modes "$DSPARK_MODES"} ${DSPARK_BUDGETS:+--budgets "$DSPARK_BUDGETS"} \
         $([ "${DSPARK_INTERLEAVE:-0}" = 1 ] && echo --interleave) --out "$OUT/dspark.json" > "$OUT/dspark.log" 2>&1
     echo "dspark: rc=$? in ${SECONDS}s"; grep -E "^(batch|median|paired|Traceback|[A-Za-z]*Error)" "$OUT/dspark.log"
+    [ "${BENCH_KERNELS:-0}" = 1 ] || exit 0
+fi
+if [ "${SIDE:-0}" = 1 ]; then
+    SECONDS=0
+    for need in .base artifacts/slice-sm90-base artifacts/slice-sm90; do
+        [ -d "$need" ] || { echo "SIDE=1: no $need here (python bench/prepare_gpu.py --base COMMIT, then carry it)"; exit 1; }
+    done
+    for ctx in ${SIDE_CONTEXTS:-1024 16384}; do
+        for round in $(seq "${SIDE_ROUNDS:-2}"); do
+            for tree in base new; do
+                if [ "$tree" = base ]; then dir=.base artifact=$PWD/artifacts/slice-sm90-base
+                else dir=. artifact=$PWD/artifacts/slice-sm90; fi
+                log="$OUT/side-$tree-$ctx-$round.log"
+                (cd "$dir" && PYTHONPATH=$PWD timeout 150 python3 bench/step_profile.py --artifact "$artifact" \
+                    --batches "${SIDE_BATCHES:-1,16,64}" --context "$ctx" --kernels 6 > "$log" 2>&1)
+                echo "$tree, ctx $ctx, round $round:"; grep -E "^decode|traced|Error" "$log" | cut -c1-110
+            done
+        done
+    done
+    echo "side by side: ${SECONDS}s"
     [ "${BENCH_KERNELS:-0}" = 1 ] || exit 0
 fi
 if [ "${PROFILE:-0}" = 1 ]; then
