@@ -26,10 +26,9 @@ from bench_rows import HBM_TBS, cycler  # noqa: E402
 
 from autotune.cache import TuningCache, cache_key, template_hash  # noqa: E402
 from autotune.tune import time_us  # noqa: E402
-from dsl.quant import quantize_fp8_block  # noqa: E402
+from dsl.quant import dequantize_fp8_block, quantize_fp8_block  # noqa: E402
 from graphs.plan import bucket_of  # noqa: E402
-from kernels.linear.gemv import gemv_config  # noqa: E402
-from kernels.linear.linear import default_config, linear  # noqa: E402
+from kernels.linear.linear import default_config, gemv_config, linear  # noqa: E402
 from kernels.tuning import rotation  # noqa: E402
 
 # (name, n, k, groups): the attention's projections, the shared expert's, the indexer's query
@@ -49,7 +48,7 @@ def tensor_config(n: int, k: int, groups: int) -> tuple[dict, str]:
 
 def reference(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, groups: int) -> torch.Tensor:
     n, k = q.shape[0] // groups, q.shape[1]
-    w = q.double() * s.double().repeat_interleave(32, 0)[: q.shape[0]].repeat_interleave(32, 1)[:, :k]
+    w = dequantize_fp8_block(q, s).double()
     xs = x.double().view(groups, k)
     return torch.stack([xs[g] @ w[g * n:(g + 1) * n].T for g in range(groups)]).reshape(1, -1)
 

@@ -1,7 +1,8 @@
 """The one-row kernel of the decode linear (linear.py): one token's out = x @ W.T over fp8 32 x 32-block weights on
 the CUDA cores, fp32 throughout. linear.py runs it for a single token unless the config keeps that token on the
 tensor cores (`gemv` False: batch-invariant configs). Its own module, so that linear.py's source hash, which keys
-the tuned configs of `linear_kernel`, covers that kernel alone; its tiles are a heuristic, not tuned.
+the tuned configs of `linear_kernel`, covers that kernel alone; its tiles are a heuristic (linear.py's
+`gemv_config`), not tuned.
 """
 
 from __future__ import annotations
@@ -39,15 +40,4 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, 
     tl.store(out_ptr + split * (GROUPS * N) + rows, acc, mask=mask_n)
 
 
-def gemv_config(n: int, k: int, groups: int = 1, num_sms: int = 132) -> dict:
-    """`gemv_kernel`'s tiles for a weight of `groups` x [n, k]: 64 rows by 256 columns a stage, split-K until there
-    are two programs per SM (the H100 sweep of bench/RESULTS.md's fp8 decode linear section)."""
-    block_n, block_k = 64, 256
-    tiles = triton.cdiv(n, block_n) * groups
-    split = 1
-    while tiles * split < 2 * num_sms and k // (split * 2) >= 2 * block_k:
-        split *= 2
-    return {"block_N": block_n, "block_K": block_k, "split_k": split, "num_warps": 4, "num_stages": 3}
-
-
-__all__ = ["gemv_config", "gemv_kernel"]
+__all__ = ["gemv_kernel"]

@@ -119,16 +119,29 @@ def default_config(m: int, n: int, k: int, groups: int = 1, fp8: bool = False, n
         block_k //= 2
     while stages * block_k * (block_n * w_bytes + block_m * x_bytes) > SMEM_BUDGET and stages > 2:
         stages -= 1
-    tiles = triton.cdiv(n, block_n) * groups * triton.cdiv(m, block_m)
-    split = 1
-    while tiles * split < 2 * num_sms and k // (split * 2) >= 2 * block_k:
-        split *= 2
+    split = split_k(triton.cdiv(n, block_n) * groups * triton.cdiv(m, block_m), k, block_k, num_sms)
     warps = 8 if fp8 and block_m >= 32 else 4  # fp8 keeps a scaled copy of x per scale block: spread it
     config = {"block_M": block_m, "block_N": block_n, "block_K": block_k, "split_k": split,
               "num_warps": warps, "num_stages": stages}
     if fp8 and m > 16:
         config["fp8_dequant_w"] = True  # W scaled in registers, one 2-D product: past 16 tokens, faster than x copies
     return config
+
+
+def split_k(tiles: int, k: int, block_k: int, num_sms: int = 132) -> int:
+    """K splits (a power of two) for `tiles` output tiles: doubled until there are two programs per SM, while each
+    split keeps two stages of `block_k` or more."""
+    split = 1
+    while tiles * split < 2 * num_sms and k // (split * 2) >= 2 * block_k:
+        split *= 2
+    return split
+
+
+def gemv_config(n: int, k: int, groups: int = 1, num_sms: int = 132) -> dict:
+    """gemv.py's `gemv_kernel` tiles for a weight of `groups` x [n, k]: 64 rows by 256 columns a stage, K split by
+    `split_k` (the H100 sweep of bench/RESULTS.md's fp8 decode linear section)."""
+    return {"block_N": 64, "block_K": 256, "split_k": split_k(triton.cdiv(n, 64) * groups, k, 256, num_sms),
+            "num_warps": 4, "num_stages": 3}
 
 
 def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, groups: int, config: dict) -> None:
@@ -187,26 +200,28 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, 
                 SPLIT_K=split, K_PER_SPLIT=k_per_split, block_M=config["block_M"], block_N=config["block_N"],
                 block_K=block_k),
            config["num_warps"], config["num_stages"])
-    if split > 1:
-        total = m * groups * n
-        launch(splitk_reduce_kernel, (triton.cdiv(total, 1024),), (ws, out, total), dict(SPLIT_K=split, block=1024))
-    return out
+    return _sum_splits(ws, out, split)
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, groups: int, out: torch.Tensor) -> torch.Tensor:
     """One token's out [1, G*N] over fp8 weights on `gemv_kernel`, its K splits summed by `splitk_reduce_kernel`."""
     n, k = w.shape[0] // groups, w.shape[1]
-    config = gemv.gemv_config(n, k, groups)
+    config = gemv_config(n, k, groups)
     split, block_k = config["split_k"], config["block_K"]
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     ws = out if split == 1 else torch.empty(split, groups * n, dtype=torch.float32, device=x.device)
     launch(gemv.gemv_kernel, (triton.cdiv(n, config["block_N"]), groups * split), (x, w, scale, ws),
            dict(N=n, K=k, GROUPS=groups, SCALE_COLS=scale.shape[1], SPLIT_K=split, K_PER_SPLIT=k_per_split,
                 block_N=config["block_N"], block_K=block_k), config["num_warps"], config["num_stages"])
+    return _sum_splits(ws, out, split)
+
+
+def _sum_splits(ws: torch.Tensor, out: torch.Tensor, split: int) -> torch.Tensor:
+    """`out` = the `split` partials of `ws` summed in split order (`splitk_reduce_kernel`); `ws` is `out` unsplit."""
     if split > 1:
-        total = groups * n
+        total = out.numel()
         launch(splitk_reduce_kernel, (triton.cdiv(total, 1024),), (ws, out, total), dict(SPLIT_K=split, block=1024))
     return out
 
 
-__all__ = ["default_config", "linear", "linear_kernel", "splitk_reduce_kernel"]
+__all__ = ["default_config", "gemv_config", "linear", "linear_kernel", "split_k", "splitk_reduce_kernel"]

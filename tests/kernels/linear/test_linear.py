@@ -9,8 +9,7 @@ import torch
 from dsl.ops.dense import grouped_linear as ref_grouped_linear
 from dsl.ops.dense import linear as ref_linear
 from dsl.quant import quantize_fp8_block
-from kernels.linear.gemv import gemv_config
-from kernels.linear.linear import default_config, linear
+from kernels.linear.linear import default_config, gemv_config, linear
 from kernels.linear.lowering import LINEAR, SWIGLU, LinearStatic, SwigluStatic
 from tests.kernels.cases import DECODE_TOKENS, V41_LINEARS, gen, rel_l2
 
