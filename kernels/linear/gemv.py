@@ -3,19 +3,30 @@ the CUDA cores, fp32 throughout. linear.py runs it for a single token unless the
 tensor cores (`gemv` False: batch-invariant configs). Its own module, so that linear.py's source hash, which keys
 the tuned configs of `linear_kernel`, covers that kernel alone; its tiles are a heuristic (linear.py's
 `gemv_config`), not tuned.
+
+Split K needs no second launch: each program writes its partial to a workspace and takes a ticket from its tile's
+counter; the program holding the last ticket sums the tile's partials in split order (the order of linear.py's
+`splitk_reduce_kernel`, so the same bits whichever program finishes last) and sets the counter back to zero for
+the next launch. The counters (`tile_counters`) are one zeroed int32 buffer a device, shared by every launch: the
+launches of a stream run one after another, and each leaves every counter at zero.
 """
 
 from __future__ import annotations
 
+import torch
+
 from kernels.lang import tl, triton
+
+COUNTERS = 4096  # tiles a split launch may have; split_k splits only launches of fewer than 2 programs per SM
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr,
-                SCALE_COLS: tl.constexpr, SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, block_N: tl.constexpr,
-                block_K: tl.constexpr):
-    """out[g*N + n] (+ split * G*N, a partial) = sum over the split's K range of W[g*N + n, k] * x[g*K + k]: fp8 codes
-    to fp32, summed per 32-column block, then times that block's scale; fp32 throughout."""
+def gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, count_ptr, N: tl.constexpr, K: tl.constexpr,
+                GROUPS: tl.constexpr, SCALE_COLS: tl.constexpr, SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+                block_N: tl.constexpr, block_K: tl.constexpr):
+    """out[g*N + n] = sum over k of W[g*N + n, k] * x[g*K + k]: fp8 codes to fp32, summed per 32-column block, then
+    times that block's scale; fp32 throughout. Split K: the split's partial goes to ws[split, g*N + n] and the
+    tile's last program to finish writes out."""
     pid_n = tl.program_id(0)
     pid_z = tl.program_id(1)
     g = pid_z // SPLIT_K
@@ -37,7 +48,32 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, 
         s = tl.load(s_ptr + (rows // 32)[:, None] * SCALE_COLS + kb[None, :],
                     mask=mask_n[:, None] & (kb < SCALE_COLS)[None, :], other=0.0)
         acc += tl.sum(part * s, axis=1)
-    tl.store(out_ptr + split * (GROUPS * N) + rows, acc, mask=mask_n)
+    if SPLIT_K == 1:
+        tl.store(out_ptr + rows, acc, mask=mask_n)
+    else:
+        tl.store(ws_ptr + split * (GROUPS * N) + rows, acc, mask=mask_n)
+        tl.debug_barrier()  # every thread's partial is written before the ticket (released at GPU scope) is taken
+        tile = g * tl.num_programs(0) + pid_n
+        ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if ticket == SPLIT_K - 1:  # the tile's other splits have all written theirs
+            total = tl.zeros([block_N], dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):  # fixed order: the sum does not depend on which program is last
+                total += tl.load(ws_ptr + s * (GROUPS * N) + rows, mask=mask_n, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + rows, total, mask=mask_n)
+            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
 
-__all__ = ["gemv_kernel"]
+_counters: dict[torch.device, torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device) -> torch.Tensor:
+    """The device's `COUNTERS` zeroed int32 tile counters for `gemv_kernel`'s split launches, made on first use.
+    Made during a CUDA graph's capture, they come from the graph's pool with a zeroing node: still zero at each
+    split launch, since every launch leaves them so."""
+    counters = _counters.get(device)
+    if counters is None:
+        counters = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    return counters
+
+
+__all__ = ["COUNTERS", "gemv_kernel", "tile_counters"]

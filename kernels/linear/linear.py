@@ -204,16 +204,17 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, 
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, groups: int, out: torch.Tensor) -> torch.Tensor:
-    """One token's out [1, G*N] over fp8 weights on `gemv_kernel`, its K splits summed by `splitk_reduce_kernel`."""
+    """One token's out [1, G*N] over fp8 weights on `gemv_kernel`, one launch: its K splits sum inside it."""
     n, k = w.shape[0] // groups, w.shape[1]
     config = gemv_config(n, k, groups)
-    split, block_k = config["split_k"], config["block_K"]
+    split, block_k, block_n = config["split_k"], config["block_K"], config["block_N"]
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     ws = out if split == 1 else torch.empty(split, groups * n, dtype=torch.float32, device=x.device)
-    launch(gemv.gemv_kernel, (triton.cdiv(n, config["block_N"]), groups * split), (x, w, scale, ws),
+    launch(gemv.gemv_kernel, (triton.cdiv(n, block_n), groups * split),
+           (x, w, scale, ws, out, gemv.tile_counters(x.device)),
            dict(N=n, K=k, GROUPS=groups, SCALE_COLS=scale.shape[1], SPLIT_K=split, K_PER_SPLIT=k_per_split,
-                block_N=config["block_N"], block_K=block_k), config["num_warps"], config["num_stages"])
-    return _sum_splits(ws, out, split)
+                block_N=block_n, block_K=block_k), config["num_warps"], config["num_stages"])
+    return out
 
 
 def _sum_splits(ws: torch.Tensor, out: torch.Tensor, split: int) -> torch.Tensor:

@@ -9,6 +9,9 @@ import torch
 from dsl.ops.dense import grouped_linear as ref_grouped_linear
 from dsl.ops.dense import linear as ref_linear
 from dsl.quant import quantize_fp8_block
+from kernels.lang import triton
+from kernels.launch import launch
+from kernels.linear import gemv
 from kernels.linear.linear import default_config, gemv_config, linear
 from kernels.linear.lowering import LINEAR, SWIGLU, LinearStatic, SwigluStatic
 from tests.kernels.cases import DECODE_TOKENS, V41_LINEARS, gen, rel_l2
@@ -77,6 +80,33 @@ def test_one_token_over_fp8_weights_runs_in_fp32(n, k, groups, device) -> None:
     assert not torch.equal(one_row, cores)
     if k >= 2048:
         assert gemv_config(n, k, groups)["split_k"] > 1
+
+
+@pytest.mark.parametrize("n,k,groups,split", [(40, 2080, 1, 4), (64, 2100, 2, 2), (96, 600, 1, 3)])
+def test_one_row_split_sums_in_split_order_inside_one_launch(n, k, groups, split, device) -> None:
+    """A split launch of `gemv_kernel` writes out as the last program sees it: its splits' partials summed in split
+    order (what `splitk_reduce_kernel` gives, the same bits whichever program is last), and leaves its tile counters
+    at zero for the next launch, which then gives the same bits."""
+    w, s = make_weight(groups * n, k, "fp8", device, seed=n + split)
+    x = gen(1, groups * k, device=device, seed=split)
+    block_n, block_k = 32, 64
+    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    counters = gemv.tile_counters(torch.device(device))
+    runs = []
+    for _ in range(2):
+        ws = torch.full((split, groups * n), float("nan"), device=device)
+        out = torch.full((1, groups * n), float("nan"), device=device)
+        launch(gemv.gemv_kernel, (triton.cdiv(n, block_n), groups * split), (x, w, s, ws, out, counters),
+               dict(N=n, K=k, GROUPS=groups, SCALE_COLS=s.shape[1], SPLIT_K=split, K_PER_SPLIT=k_per_split,
+                    block_N=block_n, block_K=block_k), 4, 2)
+        total = torch.zeros(groups * n, device=device)
+        for part in ws:
+            total += part
+        assert torch.equal(out[0], total)
+        assert not torch.any(counters)
+        runs.append(out)
+    assert torch.equal(runs[0], runs[1])
+    assert rel_l2(runs[0], reference(x, w, s, groups, True)) < 1e-6
 
 
 def test_invariant_configs_keep_one_token_on_the_tensor_cores() -> None:
