@@ -16,21 +16,16 @@ from __future__ import annotations
 import torch
 
 from kernels.lang import tl, triton
+from kernels.moe.experts import _swiglu
 
 COUNTERS = 4096  # tiles a split launch may have; split_k splits only launches of fewer than 2 programs per SM
 
 
 @triton.jit
-def gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, count_ptr, N: tl.constexpr, K: tl.constexpr,
-                GROUPS: tl.constexpr, SCALE_COLS: tl.constexpr, SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
-                block_N: tl.constexpr, block_K: tl.constexpr):
-    """out[g*N + n] = sum over k of W[g*N + n, k] * x[g*K + k]: fp8 codes to fp32, summed per 32-column block, then
-    times that block's scale; fp32 throughout. Split K: the split's partial goes to ws[split, g*N + n] and the
-    tile's last program to finish writes out."""
-    pid_n = tl.program_id(0)
-    pid_z = tl.program_id(1)
-    g = pid_z // SPLIT_K
-    split = pid_z % SPLIT_K
+def _row_sums(x_ptr, w_ptr, s_ptr, g, split, pid_n, N: tl.constexpr, K: tl.constexpr, SCALE_COLS: tl.constexpr,
+              K_PER_SPLIT: tl.constexpr, block_N: tl.constexpr, block_K: tl.constexpr):
+    """(rows, mask, sums [block_N]): sum over split `split`'s K range of W[g*N + n, k] * x[g*K + k] for the tile's
+    rows: fp8 codes to fp32, summed per 32-column block, then times that block's scale; fp32 throughout."""
     offs_n = pid_n * block_N + tl.arange(0, block_N)
     rows = g * N + offs_n
     mask_n = offs_n < N
@@ -48,19 +43,77 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, count_ptr, N: tl.constexpr
         s = tl.load(s_ptr + (rows // 32)[:, None] * SCALE_COLS + kb[None, :],
                     mask=mask_n[:, None] & (kb < SCALE_COLS)[None, :], other=0.0)
         acc += tl.sum(part * s, axis=1)
+    return rows, mask_n, acc
+
+
+@triton.jit
+def _last(count_ptr, tile, arrivals: tl.constexpr):
+    """Whether this program is the last of `arrivals` to take a ticket from counter `tile`, its partial already
+    stored; the last sets the counter back to zero (after reading the partials: see the callers)."""
+    tl.debug_barrier()  # every thread's partial is written before the ticket (released at GPU scope) is taken
+    return tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == arrivals - 1
+
+
+@triton.jit
+def _split_sum(ws_ptr, rows, mask_n, stride, SPLIT_K: tl.constexpr, block_N: tl.constexpr):
+    """The partials ws[s * stride + rows] summed in split order, as linear.py's `splitk_reduce_kernel` adds them (from
+    zero): the same bits whichever program is last. Read from L2 (.cg), where the other programs' stores went."""
+    total = tl.zeros([block_N], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        total += tl.load(ws_ptr + s * stride + rows, mask=mask_n, other=0.0, cache_modifier=".cg")
+    return total
+
+
+@triton.jit
+def gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, count_ptr, N: tl.constexpr, K: tl.constexpr,
+                GROUPS: tl.constexpr, SCALE_COLS: tl.constexpr, SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+                block_N: tl.constexpr, block_K: tl.constexpr):
+    """out[g*N + n] = sum over k of W[g*N + n, k] * x[g*K + k]. Split K: the split's partial goes to
+    ws[split, g*N + n] and the tile's last program to finish writes out."""
+    pid_n = tl.program_id(0)
+    pid_z = tl.program_id(1)
+    g = pid_z // SPLIT_K
+    split = pid_z % SPLIT_K
+    rows, mask_n, acc = _row_sums(x_ptr, w_ptr, s_ptr, g, split, pid_n, N, K, SCALE_COLS, K_PER_SPLIT, block_N,
+                                  block_K)
     if SPLIT_K == 1:
         tl.store(out_ptr + rows, acc, mask=mask_n)
     else:
         tl.store(ws_ptr + split * (GROUPS * N) + rows, acc, mask=mask_n)
-        tl.debug_barrier()  # every thread's partial is written before the ticket (released at GPU scope) is taken
         tile = g * tl.num_programs(0) + pid_n
-        ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if ticket == SPLIT_K - 1:  # the tile's other splits have all written theirs
-            total = tl.zeros([block_N], dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):  # fixed order: the sum does not depend on which program is last
-                total += tl.load(ws_ptr + s * (GROUPS * N) + rows, mask=mask_n, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + rows, total, mask=mask_n)
+        if _last(count_ptr, tile, SPLIT_K):
+            tl.store(out_ptr + rows, _split_sum(ws_ptr, rows, mask_n, GROUPS * N, SPLIT_K, block_N), mask=mask_n)
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+
+
+@triton.jit
+def gemv_swiglu_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ws_ptr, out_ptr, count_ptr, N: tl.constexpr,
+                       K: tl.constexpr, SCALE_COLS: tl.constexpr, SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+                       LIMIT: tl.constexpr, block_N: tl.constexpr, block_K: tl.constexpr):
+    """The shared expert's h = swiglu(x W1^T, x W3^T) for one token in one launch: grid (N tiles, 2 * SPLIT_K), the
+    first SPLIT_K programs of a tile on W1 (gate), the others on W3 (up), each writing its partial to
+    ws[part, split, n]; the tile's last program sums each part as `gemv_kernel` does (an unsplit part as it is) and
+    applies kernels/moe/experts.py's `_swiglu`, as swiglu.py's kernel does: h's bits are those of the three launches
+    it replaces."""
+    pid_n = tl.program_id(0)
+    pid_z = tl.program_id(1)
+    split = pid_z % SPLIT_K
+    if pid_z < SPLIT_K:
+        rows, mask_n, acc = _row_sums(x_ptr, w1_ptr, s1_ptr, 0, split, pid_n, N, K, SCALE_COLS, K_PER_SPLIT, block_N,
+                                      block_K)
+    else:
+        rows, mask_n, acc = _row_sums(x_ptr, w3_ptr, s3_ptr, 0, split, pid_n, N, K, SCALE_COLS, K_PER_SPLIT, block_N,
+                                      block_K)
+    tl.store(ws_ptr + pid_z * N + rows, acc, mask=mask_n)
+    if _last(count_ptr, pid_n, 2 * SPLIT_K):
+        if SPLIT_K == 1:
+            gate = tl.load(ws_ptr + rows, mask=mask_n, other=0.0, cache_modifier=".cg")
+            up = tl.load(ws_ptr + N + rows, mask=mask_n, other=0.0, cache_modifier=".cg")
+        else:
+            gate = _split_sum(ws_ptr, rows, mask_n, N, SPLIT_K, block_N)
+            up = _split_sum(ws_ptr + SPLIT_K * N, rows, mask_n, N, SPLIT_K, block_N)
+        tl.store(out_ptr + rows, _swiglu(gate, up, 1.0, LIMIT), mask=mask_n)
+        tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -76,4 +129,4 @@ def tile_counters(device: torch.device) -> torch.Tensor:
     return counters
 
 
-__all__ = ["COUNTERS", "gemv_kernel", "tile_counters"]
+__all__ = ["COUNTERS", "gemv_kernel", "gemv_swiglu_kernel", "tile_counters"]

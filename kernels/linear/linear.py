@@ -144,7 +144,7 @@ def gemv_config(n: int, k: int, groups: int = 1, num_sms: int = 132) -> dict:
             "num_warps": 4, "num_stages": 3}
 
 
-def _check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, groups: int, config: dict) -> None:
+def check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, groups: int, config: dict) -> None:
     if x.dim() != 2 or w.dim() != 2:
         raise ValueError(f"linear needs x [M, G*K] and w [G*N, K], got {list(x.shape)} and {list(w.shape)}")
     if w.shape[0] % groups or x.shape[1] != groups * w.shape[1]:
@@ -183,12 +183,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, 
     n, k = w.shape[0] // groups, w.shape[1]
     config = config or default_config(max(m, 1), n, k, groups, w.dtype == torch.float8_e4m3fn,
                                       w_bytes=w.element_size())
-    _check(x, w, scale, groups, config)
+    check(x, w, scale, groups, config)
     out = torch.empty(m, groups * n, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return out
     fp8 = w.dtype == torch.float8_e4m3fn
-    if m == 1 and fp8 and config.get("gemv", True) and not dot_fp32:
+    if on_one_row(m, w, config, dot_fp32):
         return _gemv(x, w, scale, groups, out)
     split, block_k = config["split_k"], config["block_K"]
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
@@ -201,6 +201,12 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, 
                 block_K=block_k),
            config["num_warps"], config["num_stages"])
     return _sum_splits(ws, out, split)
+
+
+def on_one_row(m: int, w: torch.Tensor, config: dict, dot_fp32: bool) -> bool:
+    """Whether `linear` runs `m` tokens over `w` with `config` on gemv.py's one-row kernels: one token over fp8
+    weights with bf16 products, unless the config keeps it on the tensor cores (`gemv` False)."""
+    return m == 1 and w.dtype == torch.float8_e4m3fn and config.get("gemv", True) and not dot_fp32
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, groups: int, out: torch.Tensor) -> torch.Tensor:
@@ -225,4 +231,5 @@ def _sum_splits(ws: torch.Tensor, out: torch.Tensor, split: int) -> torch.Tensor
     return out
 
 
-__all__ = ["default_config", "gemv_config", "linear", "linear_kernel", "split_k", "splitk_reduce_kernel"]
+__all__ = ["check", "default_config", "gemv_config", "linear", "linear_kernel", "on_one_row", "split_k",
+           "splitk_reduce_kernel"]

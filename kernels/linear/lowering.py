@@ -190,18 +190,30 @@ class Swiglu(Lowering):
     def run(self, call: Call) -> torch.Tensor:
         x, w1, w2, w3, s1, s2, s3 = call.args
         (up, down), config, f = call.gemms, call.config, call.dot_fp32
-        x = x.contiguous()
-        gate, value = project(x, w1, s1, up, config["up"], f), project(x, w3, s3, up, config["up"], f)
-        return project(swiglu.swiglu(gate, value, limit=call.attrs["limit"]), w2, s2, down, config["down"], f)
+        h = self._h(x.contiguous(), w1, s1, w3, s3, up, config["up"], f, call.attrs["limit"])
+        return project(h, w2, s2, down, config["down"], f)
+
+    @staticmethod
+    def _h(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor | None, w3: torch.Tensor, s3: torch.Tensor | None,
+           gemm: str, config: dict, dot_fp32: bool, limit: float) -> torch.Tensor:
+        """The activation h: one launch for a token on the one-row kernels (`swiglu_one_row`), else the gate and up
+        projections, then the clamped SwiGLU."""
+        if gemm == DECODE and linear.on_one_row(x.shape[0], w1, config, dot_fp32):
+            return swiglu.swiglu_one_row(x, w1, s1, w3, s3, limit=limit)
+        gate, value = project(x, w1, s1, gemm, config, dot_fp32), project(x, w3, s3, gemm, config, dot_fp32)
+        return swiglu.swiglu(gate, value, limit=limit)
 
     def trace(self, call: Call) -> None:
-        st, m = call.static, call.tokens
-        for n, k, part, gemm in ((st.inter, st.d, "up", call.gemms[0]), (st.d, st.inter, "down", call.gemms[1])):
-            w = meta(n, k, dtype=weight_dtype(st.fmt, call.dot_fp32))
-            s = meta(-(-n // 32), -(-k // 32)) if st.fmt == "fp8" else None
-            for rows in one_row(m, gemm, st.fmt, call.dot_fp32):
-                project(meta(rows, k), w, s, gemm, call.config[part], call.dot_fp32)
-        swiglu.swiglu(meta(m, st.inter), meta(m, st.inter), limit=call.attrs["limit"])
+        st, (up, down), f = call.static, call.gemms, call.dot_fp32
+
+        def weight(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return (meta(n, k, dtype=weight_dtype(st.fmt, f)),
+                    meta(-(-n // 32), -(-k // 32)) if st.fmt == "fp8" else None)
+        (w13, s13), (w2, s2) = weight(st.inter, st.d), weight(st.d, st.inter)
+        for rows in one_row(call.tokens, up, st.fmt, f):
+            self._h(meta(rows, st.d), w13, s13, w13, s13, up, call.config["up"], f, call.attrs["limit"])
+        for rows in one_row(call.tokens, down, st.fmt, f):
+            project(meta(rows, st.inter), w2, s2, down, call.config["down"], f)
 
 
 LINEAR, SWIGLU = Linear(), Swiglu()

@@ -3,6 +3,8 @@ silu is gate * sigmoid(gate)), and the `swiglu` lowering (projections, kernel, d
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -10,8 +12,10 @@ from dsl.ops.moe import clamped_swiglu
 from dsl.ops.moe import swiglu as ref_swiglu
 from dsl.quant import quantize_fp8_block
 from kernels.launch import use_launcher
+from kernels.linear import gemv
+from kernels.linear.linear import gemv_config, linear
 from kernels.linear.lowering import SWIGLU, SwigluStatic, project
-from kernels.linear.swiglu import swiglu
+from kernels.linear.swiglu import swiglu, swiglu_one_row
 from kernels.lowering import PLAIN, Call
 from tests.kernels.cases import DECODE_TOKENS, HIDDEN, MOE_INTER, gen, rel_l2
 
@@ -87,6 +91,35 @@ def test_the_lowering_is_the_op(limit, device) -> None:
         SWIGLU.trace(Call(static, PLAIN, call.config, {"limit": limit}, False, SWIGLU.gemms(static, 16, False),
                           tokens=16))
     assert "swiglu_kernel" in names
+
+
+# (d, inter): K under a stage and unsplit; K split (gemv_config splits k >= 2048 at few tiles), N past a tile
+@pytest.mark.parametrize("d,inter", [(96, 40), (2080, 40), (2100, 96)])
+@pytest.mark.parametrize("limit", [0.0, LIMIT])
+def test_one_token_shared_expert_in_one_launch(d, inter, limit, device) -> None:
+    """One token over fp8 weights: h in one launch (`swiglu_one_row`) is bitwise the two one-row projections and the
+    activation kernel, leaves the tile counters at zero, and the lowering runs it (two launches in all, with down)."""
+    x = gen(1, d, seed=d, scale=4.0, device=device)
+    w1, w2, w3, s1, s2, s3 = shared_expert(d, inter, "fp8", device)
+    separate = swiglu(linear(x, w1, s1), linear(x, w3, s3), limit=limit)
+    fused = swiglu_one_row(x, w1, s1, w3, s3, limit=limit)
+    assert torch.equal(fused, separate)
+    assert not torch.any(gemv.tile_counters(torch.device(device)))
+    if d >= 2048:
+        assert gemv_config(inter, d)["split_k"] > 1
+    static = SwigluStatic(inter, d, "fp8")
+    gemms = SWIGLU.gemms(static, 1, False)
+    call = Call(static, PLAIN, SWIGLU.default_config(static, 1, PLAIN, gemms), {"limit": limit}, False, gemms,
+                [x, w1, w2, w3, s1, s2, s3])
+    names = []
+    with use_launcher(lambda launched: names.append(launched.name)):
+        SWIGLU.trace(replace(call, args=(), tokens=1))
+    assert names == ["gemv_swiglu_kernel", "gemv_kernel"]
+    assert torch.equal(SWIGLU.run(call), linear(separate, w2, s2))
+    with pytest.raises(ValueError, match="one token"):
+        swiglu_one_row(x.expand(2, d).contiguous(), w1, s1, w3, s3, limit=limit)
+    with pytest.raises(ValueError, match="fp8"):
+        swiglu_one_row(x, w1, s1, w3.float(), s3, limit=limit)
 
 
 @pytest.mark.gpu
