@@ -18,7 +18,7 @@ import torch
 from kernels.lang import tl, triton
 from kernels.moe.experts import _swiglu
 
-COUNTERS = 4096  # tiles a split launch may have; split_k splits only launches of fewer than 2 programs per SM
+COUNTERS = 4096  # tiles a launch that sums inside may have (a split one has fewer than 2 programs per SM)
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def _row_sums(x_ptr, w_ptr, s_ptr, g, split, pid_n, N: tl.constexpr, K: tl.const
 @triton.jit
 def _last(count_ptr, tile, arrivals: tl.constexpr):
     """Whether this program is the last of `arrivals` to take a ticket from counter `tile`, its partial already
-    stored; the last sets the counter back to zero (after reading the partials: see the callers)."""
+    stored. The caller's last program sets the counter back to zero once it has read the partials."""
     tl.debug_barrier()  # every thread's partial is written before the ticket (released at GPU scope) is taken
     return tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == arrivals - 1
 
@@ -119,10 +119,12 @@ def gemv_swiglu_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ws_ptr, out_ptr, c
 _counters: dict[torch.device, torch.Tensor] = {}
 
 
-def tile_counters(device: torch.device) -> torch.Tensor:
-    """The device's `COUNTERS` zeroed int32 tile counters for `gemv_kernel`'s split launches, made on first use.
-    Made during a CUDA graph's capture, they come from the graph's pool with a zeroing node: still zero at each
-    split launch, since every launch leaves them so."""
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """The device's `COUNTERS` zeroed int32 tile counters, made on first use, for a launch of `tiles` tiles that sums
+    its partials inside (ValueError past `COUNTERS`). Made during a CUDA graph's capture, they come from the graph's
+    pool with a zeroing node: still zero at each launch, since every launch leaves them so."""
+    if tiles > COUNTERS:
+        raise ValueError(f"{tiles} output tiles summed in one launch: at most {COUNTERS} (gemv.COUNTERS)")
     counters = _counters.get(device)
     if counters is None:
         counters = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)

@@ -217,7 +217,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, groups: int, ou
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     ws = out if split == 1 else torch.empty(split, groups * n, dtype=torch.float32, device=x.device)
     launch(gemv.gemv_kernel, (triton.cdiv(n, block_n), groups * split),
-           (x, w, scale, ws, out, gemv.tile_counters(x.device)),
+           (x, w, scale, ws, out, gemv.tile_counters(x.device, groups * triton.cdiv(n, block_n) if split > 1 else 0)),
            dict(N=n, K=k, GROUPS=groups, SCALE_COLS=scale.shape[1], SPLIT_K=split, K_PER_SPLIT=k_per_split,
                 block_N=block_n, block_K=block_k), config["num_warps"], config["num_stages"])
     return out

@@ -73,7 +73,7 @@ def swiglu_one_row(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torc
     split, block_k, block_n = config["split_k"], config["block_K"], config["block_N"]
     ws = torch.empty(2, split, n, dtype=torch.float32, device=x.device)
     launch(gemv.gemv_swiglu_kernel, (triton.cdiv(n, block_n), 2 * split),
-           (x, w1, s1, w3, s3, ws, out, gemv.tile_counters(x.device)),
+           (x, w1, s1, w3, s3, ws, out, gemv.tile_counters(x.device, triton.cdiv(n, block_n))),
            dict(N=n, K=k, SCALE_COLS=s1.shape[1], SPLIT_K=split,
                 K_PER_SPLIT=triton.cdiv(triton.cdiv(k, split), block_k) * block_k, LIMIT=float(limit),
                 block_N=block_n, block_K=block_k), config["num_warps"], config["num_stages"])

@@ -91,7 +91,7 @@ def test_one_row_split_sums_in_split_order_inside_one_launch(n, k, groups, split
     x = gen(1, groups * k, device=device, seed=split)
     block_n, block_k = 32, 64
     k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
-    counters = gemv.tile_counters(torch.device(device))
+    counters = gemv.tile_counters(torch.device(device), triton.cdiv(n, block_n) * groups)
     runs = []
     for _ in range(2):
         ws = torch.full((split, groups * n), float("nan"), device=device)

@@ -104,7 +104,7 @@ def test_one_token_shared_expert_in_one_launch(d, inter, limit, device) -> None:
     separate = swiglu(linear(x, w1, s1), linear(x, w3, s3), limit=limit)
     fused = swiglu_one_row(x, w1, s1, w3, s3, limit=limit)
     assert torch.equal(fused, separate)
-    assert not torch.any(gemv.tile_counters(torch.device(device)))
+    assert not torch.any(gemv.tile_counters(torch.device(device), 1))
     if d >= 2048:
         assert gemv_config(inter, d)["split_k"] > 1
     static = SwigluStatic(inter, d, "fp8")
@@ -120,6 +120,15 @@ def test_one_token_shared_expert_in_one_launch(d, inter, limit, device) -> None:
         swiglu_one_row(x.expand(2, d).contiguous(), w1, s1, w3, s3, limit=limit)
     with pytest.raises(ValueError, match="fp8"):
         swiglu_one_row(x, w1, s1, w3.float(), s3, limit=limit)
+
+
+def test_one_token_shared_expert_past_the_counters_is_refused(device) -> None:
+    """More output tiles than tile counters: a clear error, nothing launched."""
+    n = (gemv.COUNTERS + 1) * gemv_config(1 << 20, 32)["block_N"]
+    w, s = quantize_fp8_block(torch.zeros(n, 32))
+    w, s = w.to(device), s.to(device)
+    with pytest.raises(ValueError, match="COUNTERS"):
+        swiglu_one_row(torch.zeros(1, 32, device=device), w, s, w, s, limit=LIMIT)
 
 
 @pytest.mark.gpu
