@@ -5,6 +5,9 @@ batch-invariant steps run), side by side in one process on one GPU.
 Each shape is checked first (both within 2e-5 of the fp64 reference of their own operands: fp32 activations for the
 one-row kernel, bf16 ones for the tensor cores), then timed from CUDA-graph replays (`autotune.tune.time_us`,
 medians), weights rotated past the L2. Bytes are the fp8 codes and fp32 block scales; TB/s against the H200's 4.28.
+Last, the shared expert's activation h for one token: gate, up and the clamped SwiGLU on the tensor cores (three
+launches), on two one-row launches and the activation kernel (three), and in one launch (`swiglu_one_row`, what a
+batch-1 step runs), the last two checked bitwise equal first.
 
     python bench/bench_gemv.py [--out results.json]
 
@@ -29,6 +32,7 @@ from autotune.tune import time_us  # noqa: E402
 from dsl.quant import dequantize_fp8_block, quantize_fp8_block  # noqa: E402
 from graphs.plan import bucket_of  # noqa: E402
 from kernels.linear.linear import default_config, gemv_config, linear  # noqa: E402
+from kernels.linear.swiglu import swiglu, swiglu_one_row  # noqa: E402
 from kernels.tuning import rotation  # noqa: E402
 
 # (name, n, k, groups): the attention's projections, the shared expert's, the indexer's query
@@ -88,9 +92,31 @@ def main() -> int:
               flush=True)
     tensor, one_row = sum(r["tensor_us"] for r in rows), sum(r["one_row_us"] for r in rows)
     print(f"all shapes once: tensor cores {tensor:.1f} µs, one-row kernel {one_row:.1f} µs ({tensor / one_row:.2f}x)")
+    rows.append(shared_activation())
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
     return 0
+
+
+def shared_activation(n: int = 2304, k: int = 5120, limit: float = 10.0) -> dict:
+    """The shared expert's h for one token three ways (module docstring), µs and TB/s over both weights."""
+    pair = [quantize_fp8_block(torch.randn(n, k, device="cuda") * (4 * k**-0.5)) for _ in range(2)]
+    x = torch.randn(1, k, device="cuda")
+    (q1, s1), (q3, s3) = pair
+    if not torch.equal(swiglu_one_row(x, q1, s1, q3, s3, limit=limit),
+                       swiglu(linear(x, q1, s1), linear(x, q3, s3), limit=limit)):
+        raise SystemExit("shared h: one launch is not bitwise the one-row projections and the activation kernel")
+    cores, _ = tensor_config(n, k, 1)
+    cores = dict(cores, gemv=False)
+    w1, w3 = cycler(rotation(q1)), cycler(rotation(q3))
+    us = {"tensor cores, 3 launches": time_us(lambda: swiglu(linear(x, w1(), s1, config=cores),
+                                                             linear(x, w3(), s3, config=cores), limit=limit)),
+          "one row, 3 launches": time_us(lambda: swiglu(linear(x, w1(), s1), linear(x, w3(), s3), limit=limit)),
+          "one row, 1 launch": time_us(lambda: swiglu_one_row(x, w1(), s1, w3(), s3, limit=limit))}
+    nbytes = 2 * (q1.numel() + s1.numel() * 4)
+    for way, t in us.items():
+        print(f"shared h {way:<25} {t:>8.2f} µs {nbytes / t / 1e6:>6.2f} TB/s")
+    return {"shape": "shared h", "n": n, "k": k, "bytes": nbytes, "us": us}
 
 
 if __name__ == "__main__":
