@@ -2,7 +2,8 @@
 the CUDA cores, fp32 throughout. linear.py runs it for a single token unless the config keeps that token on the
 tensor cores (`gemv` False: batch-invariant configs). Its own module, so that linear.py's source hash, which keys
 the tuned configs of `linear_kernel`, covers that kernel alone; its tiles are a heuristic (linear.py's
-`gemv_config`), not tuned.
+`gemv_config`), not tuned. `gemv_swiglu_kernel` runs the shared expert's gate and up projections for one token
+in one launch and applies the clamped SwiGLU (swiglu.py's `swiglu_one_row`).
 
 Split K needs no second launch: each program writes its partial to a workspace and takes a ticket from its tile's
 counter; the program holding the last ticket sums the tile's partials in split order (the order of linear.py's
