@@ -137,6 +137,11 @@ def split_k(tiles: int, k: int, block_k: int, num_sms: int = 132) -> int:
     return split
 
 
+def k_per_split(k: int, split: int, block_k: int) -> int:
+    """The K range one of `split` splits covers: whole stages of `block_k`."""
+    return triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+
+
 def gemv_config(n: int, k: int, groups: int = 1, num_sms: int = 132) -> dict:
     """gemv.py's `gemv_kernel` tiles for a weight of `groups` x [n, k]: 64 rows by 256 columns a stage, K split by
     `split_k` (the H100 sweep of bench/RESULTS.md's fp8 decode linear section)."""
@@ -191,14 +196,13 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, 
     if on_one_row(m, w, config, dot_fp32):
         return _gemv(x, w, scale, groups, out)
     split, block_k = config["split_k"], config["block_K"]
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     ws = out if split == 1 else torch.empty(split, m, groups * n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, config["block_N"]), triton.cdiv(m, config["block_M"]), groups * split)
     launch(linear_kernel, grid, (x, w, scale if fp8 else w, ws, m),
            dict(N=n, K=k, GROUPS=groups, SCALE_COLS=scale.shape[1] if fp8 else 0, FP8=fp8,
                 FP8_DEQ_W=fp8 and config.get("fp8_dequant_w", False), DOT_FP32=dot_fp32,
-                SPLIT_K=split, K_PER_SPLIT=k_per_split, block_M=config["block_M"], block_N=config["block_N"],
-                block_K=block_k),
+                SPLIT_K=split, K_PER_SPLIT=k_per_split(k, split, block_k), block_M=config["block_M"],
+                block_N=config["block_N"], block_K=block_k),
            config["num_warps"], config["num_stages"])
     return _sum_splits(ws, out, split)
 
@@ -214,12 +218,12 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, groups: int, ou
     n, k = w.shape[0] // groups, w.shape[1]
     config = gemv_config(n, k, groups)
     split, block_k, block_n = config["split_k"], config["block_K"], config["block_N"]
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     ws = out if split == 1 else torch.empty(split, groups * n, dtype=torch.float32, device=x.device)
     launch(gemv.gemv_kernel, (triton.cdiv(n, block_n), groups * split),
            (x, w, scale, ws, out, gemv.tile_counters(x.device, groups * triton.cdiv(n, block_n) if split > 1 else 0)),
-           dict(N=n, K=k, GROUPS=groups, SCALE_COLS=scale.shape[1], SPLIT_K=split, K_PER_SPLIT=k_per_split,
-                block_N=block_n, block_K=block_k), config["num_warps"], config["num_stages"])
+           dict(N=n, K=k, GROUPS=groups, SCALE_COLS=scale.shape[1], SPLIT_K=split,
+                K_PER_SPLIT=k_per_split(k, split, block_k), block_N=block_n, block_K=block_k),
+           config["num_warps"], config["num_stages"])
     return out
 
 
@@ -231,5 +235,5 @@ def _sum_splits(ws: torch.Tensor, out: torch.Tensor, split: int) -> torch.Tensor
     return out
 
 
-__all__ = ["check", "default_config", "gemv_config", "linear", "linear_kernel", "on_one_row", "split_k",
-           "splitk_reduce_kernel"]
+__all__ = ["check", "default_config", "gemv_config", "k_per_split", "linear", "linear_kernel", "on_one_row",
+           "split_k", "splitk_reduce_kernel"]

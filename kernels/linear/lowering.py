@@ -84,10 +84,10 @@ def no_gemv(config: dict) -> dict:
     return dict(config, gemv=False) if "split_k" in config else dict(config)  # the decode GEMM's (linear.py)
 
 
-def one_row(tokens: int, gemm: str, fmt: str, dot_fp32: bool) -> tuple[int, ...]:
-    """The token counts a trace of a bucket of `tokens` runs: the bucket's, and one token where the decode GEMM runs
-    it on another kernel (fp8 weights, bf16 products: gemv.py's `gemv_kernel`, the same launch for any bucket)."""
-    return (tokens, 1) if gemm == DECODE and fmt == "fp8" and not dot_fp32 and tokens > 1 else (tokens,)
+def one_row(tokens: int, gemm: str) -> tuple[int, ...]:
+    """The token counts a trace of a bucket of `tokens` runs: the bucket's, and one token on the decode GEMM, which
+    `linear` may run on another kernel (`linear.on_one_row`; elsewhere the one token's launch is the bucket's)."""
+    return (tokens, 1) if gemm == DECODE and tokens > 1 else (tokens,)
 
 
 def project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, gemm: str, config: dict, dot_fp32: bool,
@@ -146,7 +146,7 @@ class Linear(Lowering):
             return
         w = meta(st.groups * st.n, st.k, dtype=weight_dtype(st.fmt, call.dot_fp32))
         s = meta(-(-st.groups * st.n // 32), -(-st.k // 32)) if st.fmt == "fp8" else None
-        for rows in one_row(m, call.gemms[0], st.fmt, call.dot_fp32):
+        for rows in one_row(m, call.gemms[0]):
             project(meta(rows, st.groups * st.k), w, s, call.gemms[0], call.config, call.dot_fp32, st.groups)
 
     def fp8_activations(self, static: LinearStatic) -> LinearStatic | None:
@@ -210,9 +210,9 @@ class Swiglu(Lowering):
             return (meta(n, k, dtype=weight_dtype(st.fmt, f)),
                     meta(-(-n // 32), -(-k // 32)) if st.fmt == "fp8" else None)
         (w13, s13), (w2, s2) = weight(st.inter, st.d), weight(st.d, st.inter)
-        for rows in one_row(call.tokens, up, st.fmt, f):
+        for rows in one_row(call.tokens, up):
             self._h(meta(rows, st.d), w13, s13, w13, s13, up, call.config["up"], f, call.attrs["limit"])
-        for rows in one_row(call.tokens, down, st.fmt, f):
+        for rows in one_row(call.tokens, down):
             project(meta(rows, st.inter), w2, s2, down, call.config["down"], f)
 
 

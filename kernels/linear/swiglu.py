@@ -19,7 +19,7 @@ import torch
 from kernels.lang import tl, triton
 from kernels.launch import launch
 from kernels.linear import gemv
-from kernels.linear.linear import check, gemv_config
+from kernels.linear.linear import check, gemv_config, k_per_split
 from kernels.moe.experts import _swiglu
 
 BLOCK = 1024  # values a program
@@ -75,7 +75,7 @@ def swiglu_one_row(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torc
     launch(gemv.gemv_swiglu_kernel, (triton.cdiv(n, block_n), 2 * split),
            (x, w1, s1, w3, s3, ws, out, gemv.tile_counters(x.device, triton.cdiv(n, block_n))),
            dict(N=n, K=k, SCALE_COLS=s1.shape[1], SPLIT_K=split,
-                K_PER_SPLIT=triton.cdiv(triton.cdiv(k, split), block_k) * block_k, LIMIT=float(limit),
+                K_PER_SPLIT=k_per_split(k, split, block_k), LIMIT=float(limit),
                 block_N=block_n, block_K=block_k), config["num_warps"], config["num_stages"])
     return out
 

@@ -12,7 +12,7 @@ from dsl.quant import quantize_fp8_block
 from kernels.lang import triton
 from kernels.launch import launch
 from kernels.linear import gemv
-from kernels.linear.linear import default_config, gemv_config, linear
+from kernels.linear.linear import default_config, gemv_config, k_per_split, linear
 from kernels.linear.lowering import LINEAR, SWIGLU, LinearStatic, SwigluStatic
 from tests.kernels.cases import DECODE_TOKENS, V41_LINEARS, gen, rel_l2
 
@@ -90,15 +90,14 @@ def test_one_row_split_sums_in_split_order_inside_one_launch(n, k, groups, split
     w, s = make_weight(groups * n, k, "fp8", device, seed=n + split)
     x = gen(1, groups * k, device=device, seed=split)
     block_n, block_k = 32, 64
-    k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
     counters = gemv.tile_counters(torch.device(device), triton.cdiv(n, block_n) * groups)
     runs = []
     for _ in range(2):
         ws = torch.full((split, groups * n), float("nan"), device=device)
         out = torch.full((1, groups * n), float("nan"), device=device)
         launch(gemv.gemv_kernel, (triton.cdiv(n, block_n), groups * split), (x, w, s, ws, out, counters),
-               dict(N=n, K=k, GROUPS=groups, SCALE_COLS=s.shape[1], SPLIT_K=split, K_PER_SPLIT=k_per_split,
-                    block_N=block_n, block_K=block_k), 4, 2)
+               dict(N=n, K=k, GROUPS=groups, SCALE_COLS=s.shape[1], SPLIT_K=split,
+                    K_PER_SPLIT=k_per_split(k, split, block_k), block_N=block_n, block_K=block_k), 4, 2)
         total = torch.zeros(groups * n, device=device)
         for part in ws:
             total += part
