@@ -11,6 +11,7 @@ import json
 import os
 from pathlib import Path
 
+from kernels.lang import pdl_prologue
 from kernels.registry import TEMPLATES
 
 TUNED_DIR = Path(__file__).parent / "tuned"
@@ -18,11 +19,20 @@ TUNED_DIR = Path(__file__).parent / "tuned"
 
 def source_hash(module) -> str:
     """sha256 (16 hex) of the Triton kernels a module defines (their source, not the wrappers or heuristics):
-    an edit to a kernel invalidates its tuned configs; an edit to a heuristic does not."""
+    an edit to a kernel invalidates its tuned configs; an edit to a heuristic does not.
+
+    The launch-ordering prologue (`kernels.lang.pdl_prologue`, its call lines and the imported helper) is left out:
+    it decides when a kernel's blocks start, before any of the tile's work, so it does not change which config is
+    fastest."""
     kernels = sorted((name, getattr(obj, "fn", None)) for name, obj in vars(module).items()
-                     if callable(getattr(obj, "fn", None)) and hasattr(obj, "arg_names"))
-    text = "".join(inspect.getsource(fn) for _, fn in kernels) if kernels else inspect.getsource(module)
+                     if callable(getattr(obj, "fn", None)) and hasattr(obj, "arg_names") and obj is not pdl_prologue)
+    text = "".join(_without_prologue(inspect.getsource(fn)) for _, fn in kernels) if kernels \
+        else inspect.getsource(module)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _without_prologue(source: str) -> str:
+    return "".join(line for line in source.splitlines(keepends=True) if line.strip() != "pdl_prologue()")
 
 
 @functools.cache

@@ -17,6 +17,11 @@
 #                                    SIDE_CONTEXTS, SIDE_BATCHES) instead of the kernel benchmarks; carry .base,
 #                                    artifacts/slice-sm90-base and artifacts/slice-sm90 (`python bench/prepare_gpu.py
 #                                    --base COMMIT`)
+#   PDL=1 bash bench/run_gpu.sh      programmatic dependent launch off and on (DEEPINFER_PDL=0/1), alternating, over the
+#                                    same cubins: the slice's decode steps (bench/step_profile.py at SIDE_CONTEXTS,
+#                                    SIDE_BATCHES, SIDE_ROUNDS times; carry artifacts/slice-sm90) and, with .cubin-cache
+#                                    carried, end to end (bench/dspark_bench.py, drafting off, PDL_BATCHES, PDL_TOKENS)
+#                                    instead of the kernel benchmarks; every log in $OUT/pdl.log
 #   PROFILE=1 bash bench/run_gpu.sh  where the slice's steps go (bench/step_profile.py): decode at PROFILE_BATCHES, and
 #                                    prefill at PROFILE_PREFILL tokens, with artifacts/slice-sm90-fp8 too when carried,
 #                                    instead of the kernel benchmarks (BENCH_KERNELS=1: both)
@@ -84,6 +89,34 @@ if [ "${SIDE:-0}" = 1 ]; then
         done
     done
     echo "side by side: ${SECONDS}s"
+    [ "${BENCH_KERNELS:-0}" = 1 ] || exit 0
+fi
+if [ "${PDL:-0}" = 1 ]; then
+    SECONDS=0
+    for ctx in ${SIDE_CONTEXTS:-1024 16384}; do
+        for round in $(seq "${SIDE_ROUNDS:-2}"); do
+            for pdl in 0 1; do
+                echo "== slice PDL $pdl, ctx $ctx, round $round" >> "$OUT/pdl.log"
+                DEEPINFER_PDL=$pdl timeout 150 python3 bench/step_profile.py --artifact artifacts/slice-sm90 \
+                    --batches "${SIDE_BATCHES:-1,16,64}" --context "$ctx" --kernels 6 > "$OUT/pdl-step.log" 2>&1
+                cat "$OUT/pdl-step.log" >> "$OUT/pdl.log"
+                echo "PDL $pdl, ctx $ctx, round $round:"; grep -E "^decode|traced|Error" "$OUT/pdl-step.log" | cut -c1-110
+            done
+        done
+    done
+    if [ -d .cubin-cache ]; then
+        for round in $(seq "${SIDE_ROUNDS:-2}"); do
+            for pdl in 0 1; do
+                echo "== end to end PDL $pdl, round $round" >> "$OUT/pdl.log"
+                DEEPINFER_PDL=$pdl timeout 200 python3 bench/dspark_bench.py --target sm90 --batches "${PDL_BATCHES:-1,64}" \
+                    --max-tokens "${PDL_TOKENS:-128}" --modes off > "$OUT/pdl-e2e.log" 2>&1
+                cat "$OUT/pdl-e2e.log" >> "$OUT/pdl.log"
+                echo "end to end PDL $pdl, round $round:"; grep -E "^batch|Traceback|[A-Za-z]*Error" "$OUT/pdl-e2e.log"
+            done
+        done
+    fi
+    rm -f "$OUT/pdl-step.log" "$OUT/pdl-e2e.log"
+    echo "PDL off and on: ${SECONDS}s"
     [ "${BENCH_KERNELS:-0}" = 1 ] || exit 0
 fi
 if [ "${PROFILE:-0}" = 1 ]; then

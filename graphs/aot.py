@@ -16,6 +16,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -191,7 +192,7 @@ def compile_tilelang(call: Launch, target: str) -> Built:
     spec = {"id": _variant_id(call, target), "key": call.key(), "name": b.name, "target": target, "arch": arch,
             "backend": "tilelang", "signature": [types[i] for i in order], "arg_order": order,
             "constexprs": call.constexprs, "num_warps": call.num_warps, "num_stages": call.num_stages,
-            "threads": b.threads, "shared": b.shared, "tilelang": _tools(call),
+            "threads": b.threads, "shared": b.shared, "tilelang": _tools(call), "pdl": _waits_for_grid(b.ptx),
             "source_sha256": hashlib.sha256(kernel_source(call.kernel).encode()).hexdigest()}
     return Built(b.cubin, b.ptx, spec, b.source)
 
@@ -224,9 +225,31 @@ def compile_launch(call: Launch, target: str) -> Built:
             "num_warps": call.num_warps, "num_stages": call.num_stages, "shared": md.shared,
             "global_scratch_size": md.global_scratch_size, "global_scratch_align": md.global_scratch_align,
             "profile_scratch_size": md.profile_scratch_size, "profile_scratch_align": md.profile_scratch_align,
-            "triton": triton.__version__,
+            "triton": triton.__version__, "pdl": _waits_for_grid(k.asm["ptx"]),
             "source_sha256": hashlib.sha256(kernel_source(call.kernel).encode()).hexdigest()}
     return Built(k.asm["cubin"], k.asm["ptx"], spec, ttgir=k.asm["ttgir"])
+
+
+def _waits_for_grid(ptx: str) -> bool:
+    """Whether a kernel waits for the grids before it (`kernels.lang.pdl_prologue`) before it touches global memory:
+    only such a kernel may be launched with programmatic stream serialization (graphs/launcher.py). The body's
+    instructions are read in order up to the first `griddepcontrol.wait`; a load, store, atomic or copy that may reach
+    global memory before it (any but those of parameters, shared, local or constant memory), or no wait, says no."""
+    entry = ptx.find(".entry")
+    body = ptx[ptx.find("{", ptx.find(")", entry)) + 1:] if entry >= 0 else ""
+    for line in body.splitlines():
+        op = re.match(r"\s*(?:@!?%\w+\s+)?([a-z][\w.:]*)", line)
+        if op is None:
+            continue
+        if op[1] == "griddepcontrol.wait":
+            return True
+        if op[1].split(".")[0] in _MEMORY_OPS and not any(f".{space}" in op[1] for space in _ON_CHIP):
+            return False
+    return False
+
+
+_MEMORY_OPS = {"ld", "ldu", "st", "atom", "red", "cp", "prefetch", "prefetchu", "multimem"}
+_ON_CHIP = ("param", "shared", "local", "const")
 
 
 def _cache_dir() -> Path:

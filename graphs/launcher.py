@@ -5,11 +5,17 @@ types, constexprs, warps, stages) to a cubin built ahead of time, whose function
 cuModuleLoadData and launched with cuLaunchKernel on torch's current stream. A Triton kernel takes the launch's
 arguments then its two scratch pointers; a TileLang kernel (spec "backend": "tilelang") takes the arguments its spec's
 `arg_order` picks, in that order, with the spec's threads and dynamic shared memory.
+
+A kernel whose cubin begins with the launch-ordering prologue (`kernels.lang.pdl_prologue`; its spec's "pdl") is
+launched with cuLaunchKernelEx and programmatic stream serialization: its blocks may start while the kernel before it
+finishes, and wait in the prologue. Stream capture keeps the attribute as a programmatic edge of the CUDA graph.
+`DEEPINFER_PDL=0` launches every kernel in plain stream order; the results are the same bits either way.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import Any
 
 import torch
@@ -17,6 +23,21 @@ import torch
 from kernels.launch import Launch
 
 _MAX_DYNAMIC_SHARED = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("shared", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)), ("num_attrs", ctypes.c_uint)]
+
+
+def pdl_enabled() -> bool:
+    """Whether kernels with the prologue are launched with programmatic stream serialization (`DEEPINFER_PDL`)."""
+    return os.environ.get("DEEPINFER_PDL", "1") != "0"
 
 
 class CudaDriver:
@@ -26,6 +47,8 @@ class CudaDriver:
         self.lib = ctypes.CDLL("libcuda.so.1")
         self.lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
         self.lib.cuLaunchKernel.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [ctypes.c_void_p] * 3
+        self.lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig)] + [ctypes.c_void_p] * 3
+        self.serialization = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
         self.check(self.lib.cuInit(0), "cuInit")
 
     def check(self, code: int, what: str) -> None:
@@ -54,10 +77,17 @@ class CudaDriver:
         return fn
 
     def launch(self, fn: ctypes.c_void_p, grid: tuple[int, int, int], threads: int, shared: int, stream: int,
-               params: list[Any]) -> None:
+               params: list[Any], programmatic: bool = False) -> None:
+        """Launch `fn` on `stream`; `programmatic`: with programmatic stream serialization (the kernel must begin
+        with `pdl_prologue`)."""
         ptrs = (ctypes.c_void_p * len(params))(*[ctypes.addressof(p) for p in params])
-        self.check(self.lib.cuLaunchKernel(fn, *grid, threads, 1, 1, shared, ctypes.c_void_p(stream), ptrs, None),
-                   "cuLaunchKernel")
+        if not programmatic:
+            self.check(self.lib.cuLaunchKernel(fn, *grid, threads, 1, 1, shared, ctypes.c_void_p(stream), ptrs, None),
+                       "cuLaunchKernel")
+            return
+        config = _LaunchConfig((ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(threads, 1, 1), shared, stream,
+                               ctypes.pointer(self.serialization), 1)
+        self.check(self.lib.cuLaunchKernelEx(ctypes.byref(config), fn, ptrs, None), "cuLaunchKernelEx")
 
 
 class CubinLauncher:
@@ -69,6 +99,8 @@ class CubinLauncher:
         self.driver = CudaDriver()
         self.functions: dict[str, ctypes.c_void_p] = {}
         self.launches = 0
+        self.programmatic = 0  # of them, launched with programmatic stream serialization
+        self.pdl = pdl_enabled()
 
     def function(self, key: str) -> ctypes.c_void_p:
         if key not in self.functions:
@@ -104,8 +136,10 @@ class CubinLauncher:
                 params.append(ctypes.c_void_p(0))
         stream = torch.cuda.current_stream(self.device).cuda_stream
         threads = spec.get("threads", 32 * spec["num_warps"])
-        self.driver.launch(self.function(key), grid, threads, spec["shared"], stream, params)
+        programmatic = self.pdl and spec.get("pdl", False)
+        self.driver.launch(self.function(key), grid, threads, spec["shared"], stream, params, programmatic)
         self.launches += 1
+        self.programmatic += programmatic
 
 
-__all__ = ["CudaDriver", "CubinLauncher"]
+__all__ = ["CudaDriver", "CubinLauncher", "pdl_enabled"]

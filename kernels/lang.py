@@ -54,4 +54,31 @@ except ImportError:  # the artifact runtime
     tl = libdevice = None
     HAS_TRITON = False
 
-__all__ = ["triton", "tl", "libdevice", "HAS_TRITON", "NamedKernel"]
+if HAS_TRITON:
+    from triton import knobs
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    _PDL = tl.constexpr(not knobs.runtime.interpret)  # the interpreter runs no PTX
+
+    @triton.jit
+    def pdl_prologue():
+        """Every kernel's first statement: wait until the kernels before it on the stream have finished and their
+        writes are visible (`griddepcontrol.wait`), then let the next kernel launch (`launch_dependents`).
+
+        Launched with programmatic stream serialization (graphs/launcher.py), a kernel's blocks may then be placed on
+        the GPU while the one before it still runs its last wave, and they wait here instead of at the launch: the
+        launch's latency overlaps the previous kernel's tail. Launched without it, both instructions return at once.
+        Nothing is read or written before the wait, so a kernel's inputs and the buffers it overwrites are ordered
+        exactly as they are without the attribute; the trigger comes after the wait, so at most one kernel waits
+        ahead of the one running."""
+        if _PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+else:
+
+    @triton.jit
+    def pdl_prologue():
+        """Without Triton the kernels run as prebuilt cubins: this name keeps their modules importable."""
+
+
+__all__ = ["triton", "tl", "libdevice", "HAS_TRITON", "NamedKernel", "pdl_prologue"]

@@ -57,6 +57,7 @@ def test_compile_saves_an_artifact_without_a_gpu(target, arch, tmp_path) -> None
     for key, file_id in plan["kernels"].items():
         spec = json.loads((out / "kernels" / f"{file_id}.json").read_text())
         assert spec["key"] == key and spec["target"] == target
+        assert spec["pdl"], f"{key}: its code does not wait for the grids before it first (kernels.lang.pdl_prologue)"
         assert cubin_arch((out / "kernels" / f"{file_id}.cubin").read_bytes()) == arch
         assert f".target sm_{arch}a" in (out / "kernels" / f"{file_id}.ptx").read_text()
     assert {k.split("(")[0] for k in plan["kernels"]} >= {"gumbel_argmax_kernel", "argmax_partials_kernel"}  # sampling

@@ -26,7 +26,7 @@ from kernels.attention.paged_entries import (
     window_rows,
 )
 from kernels.attention.paged_ops import int32_index
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 
 
@@ -39,6 +39,7 @@ def block_attention_kernel(q_ptr, w_codes_ptr, w_scales_ptr, kv_ptr, slot_ptr, f
     the chunk's first, start[b], from first[b] on, read from ring row p % RING of slot slots[b], then every row of its
     chunk, rows[b] .. rows[b] + length[b] - 1 of kv [N, D] (its own keys, never stored), in that order: a window
     view's order (dsl/ops/attention.py `kv_window_block`). The chunk's rows run in as many blocks as it has."""
+    pdl_prologue()
     DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else tl.bfloat16
     LOG2E: tl.constexpr = 1.4426950408889634
     NW: tl.constexpr = (WINDOW + block_S - 1) // block_S

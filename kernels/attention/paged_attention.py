@@ -36,7 +36,7 @@ from kernels.attention.paged_entries import (
     pool_operands,
     window_rows,
 )
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 
 
@@ -71,6 +71,7 @@ def paged_attention_kernel(q_ptr, w_codes_ptr, w_scales_ptr, c_codes_ptr, c_scal
                            WINDOW: tl.constexpr, TOPK: tl.constexpr, W_KIND: tl.constexpr, W_BLOCK: tl.constexpr,
                            C_KIND: tl.constexpr, C_BLOCK: tl.constexpr, C_E4M3: tl.constexpr, SPLIT: tl.constexpr,
                            DOT_FP32: tl.constexpr, block_H: tl.constexpr, block_S: tl.constexpr):
+    pdl_prologue()
     DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else tl.bfloat16
     LOG2E: tl.constexpr = 1.4426950408889634
     NW: tl.constexpr = (WINDOW + block_S - 1) // block_S  # window blocks, then pick blocks
@@ -150,6 +151,7 @@ def paged_attention_kernel(q_ptr, w_codes_ptr, w_scales_ptr, c_codes_ptr, c_scal
 def paged_attention_combine_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, H: tl.constexpr, D: tl.constexpr,
                                    SPLIT: tl.constexpr, block_P: tl.constexpr):
     """out[t, h] from the SPLIT parts of token t, head h, in their order, with the sink's term (base 2)."""
+    pdl_prologue()
     LOG2E: tl.constexpr = 1.4426950408889634
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)

@@ -13,7 +13,7 @@ import torch
 
 from dsl.context import cast
 from dsl.ops.attention import visible_entries
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 
 
@@ -21,6 +21,7 @@ from kernels.launch import launch
 def sparse_attention_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, ml_ptr, S, S_PER_SPLIT, H: tl.constexpr,
                             D: tl.constexpr, SCALE: tl.constexpr, SPLIT: tl.constexpr, DOT_FP32: tl.constexpr,
                             block_H: tl.constexpr, block_D: tl.constexpr, block_S: tl.constexpr):
+    pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * block_H + tl.arange(0, block_H)
     split = tl.program_id(2)
@@ -73,6 +74,7 @@ def sparse_attention_kernel(q_ptr, kv_ptr, idx_ptr, sink_ptr, out_ptr, ml_ptr, S
 @triton.jit
 def sparse_attention_combine_kernel(part_ptr, ml_ptr, sink_ptr, out_ptr, H: tl.constexpr, D: tl.constexpr,
                                     SPLIT: tl.constexpr, block_D: tl.constexpr):
+    pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     offs_d = tl.arange(0, block_D)

@@ -20,7 +20,7 @@ import torch
 
 from dsl.cache import CacheSpec
 from dsl.cache_format import EntryFormat
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 
 KINDS = {"fp32": 0, "fp8": 1, "fp4": 2}
@@ -148,6 +148,7 @@ def _fp4_e4m3_scale(xe, xo, amax):
 def store_rows_kernel(x_ptr, major_ptr, minor_ptr, table_ptr, codes_ptr, scales_ptr, PER, TABLE_W, D: tl.constexpr,
                       KIND: tl.constexpr, BLOCK: tl.constexpr, E4M3_SCALE: tl.constexpr, HAS_TABLE: tl.constexpr,
                       block_B: tl.constexpr, block_C: tl.constexpr):
+    pdl_prologue()
     m = tl.program_id(0).to(tl.int64)
     dst, present = _pool_row(major_ptr, minor_ptr, table_ptr, m, PER, TABLE_W, HAS_TABLE)
     blocks = tl.arange(0, block_B)
@@ -186,6 +187,7 @@ def store_rows_kernel(x_ptr, major_ptr, minor_ptr, table_ptr, codes_ptr, scales_
 def load_rows_kernel(codes_ptr, scales_ptr, major_ptr, minor_ptr, table_ptr, out_ptr, PER, TABLE_W, D: tl.constexpr,
                      KIND: tl.constexpr, BLOCK: tl.constexpr, E4M3_SCALE: tl.constexpr, HAS_TABLE: tl.constexpr,
                      block_B: tl.constexpr, block_C: tl.constexpr):
+    pdl_prologue()
     m = tl.program_id(0).to(tl.int64)
     src, _ = _pool_row(major_ptr, minor_ptr, table_ptr, m, PER, TABLE_W, HAS_TABLE)
     blocks = tl.arange(0, block_B)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 
 
@@ -30,6 +30,7 @@ def _member(own_ptr, kept_ptr, r, N, cols, mask, D: tl.constexpr):
 @triton.jit(do_not_specialize=["N"])
 def pool_groups_kernel(kv_ptr, gate_ptr, kept_kv_ptr, kept_gate_ptr, source_ptr, out_ptr, N, D: tl.constexpr,
                        RATIO: tl.constexpr, block_D: tl.constexpr):
+    pdl_prologue()
     g = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * block_D + tl.arange(0, block_D)
     mask = cols < D

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 
 
 @triton.jit
 def engram_gate_kernel(h_ptr, kv_ptr, q_ptr, k_ptr, out_ptr, HC: tl.constexpr, D: tl.constexpr, EPS: tl.constexpr,
                        block_D: tl.constexpr):
+    pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     s = tl.program_id(1)
     offs = tl.arange(0, block_D)

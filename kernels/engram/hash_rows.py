@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 
 TABLE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
@@ -32,6 +32,7 @@ def engram_hash_rows_kernel(ngrams_ptr, table_ptr, scale_ptr, out_ptr, n_rows, N
                             HEADS: tl.constexpr, MULTIPLIERS: tl.constexpr, PRIMES: tl.constexpr,
                             OFFSETS: tl.constexpr, D: tl.constexpr, SCALED: tl.constexpr, block_M: tl.constexpr,
                             block_D: tl.constexpr):
+    pdl_prologue()
     COLS: tl.constexpr = len(PRIMES)
     SCALE_COLS: tl.constexpr = (D + 31) // 32
     rows = tl.program_id(0).to(tl.int64) * block_M + tl.arange(0, block_M)

@@ -26,6 +26,8 @@ def hc_collapse_rms_norm_tilelang(dtypes: dict[str, str], threads: int, *, HC: i
     def hc_collapse_rms_norm_tilelang(H: T.Tensor((n, HC, D), "float32"), Pre: T.Tensor((n, HC), "float32"),
                                       W: T.Tensor((D,), "float32"), Y: T.Tensor((n, D), "float32")):
         with T.Kernel(T.ceildiv(n, block_M), threads=threads) as bx:
+            T.pdl_sync()  # kernels.lang.pdl_prologue: wait for the kernels before, then let the next launch
+            T.pdl_trigger()
             pre = T.alloc_fragment((block_M, HC), "float32")
             h = T.alloc_fragment((block_M, block_D), "float32")
             x = T.alloc_fragment((block_M, block_D), "float32")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 
 
@@ -20,6 +20,7 @@ from kernels.launch import launch
 def hc_mixes_partial_kernel(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, KTOT: tl.constexpr, NOUT: tl.constexpr,
                             K_PER_SPLIT: tl.constexpr, block_O: tl.constexpr, block_M: tl.constexpr,
                             block_K: tl.constexpr):
+    pdl_prologue()
     pid_m = tl.program_id(0)
     split = tl.program_id(1)
     offs_m = pid_m * block_M + tl.arange(0, block_M)
@@ -47,6 +48,7 @@ def hc_mixes_partial_kernel(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, KTOT: tl.constexpr
 def hc_mixes_finish_kernel(ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, M,
                            HC: tl.constexpr, KTOT: tl.constexpr, SPLIT_K: tl.constexpr, ITERS: tl.constexpr,
                            EPS: tl.constexpr, NORM_EPS: tl.constexpr, block_O: tl.constexpr):
+    pdl_prologue()
     row = tl.program_id(0)
     i = tl.arange(0, HC)
     jk = tl.arange(0, HC)[:, None] * HC + tl.arange(0, HC)[None, :]  # comb[j, k] = m[2*HC + j*HC + k]
@@ -78,6 +80,7 @@ def hc_mixes_finish_kernel(ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_pt
 @triton.jit
 def hc_collapse_rms_norm_kernel(h_ptr, pre_ptr, w_ptr, out_ptr, HC: tl.constexpr, D: tl.constexpr,
                                 EPS: tl.constexpr, NORM: tl.constexpr, block_D: tl.constexpr):
+    pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, block_D)
     mask = offs < D
@@ -92,6 +95,7 @@ def hc_collapse_rms_norm_kernel(h_ptr, pre_ptr, w_ptr, out_ptr, HC: tl.constexpr
 @triton.jit
 def hc_expand_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, HC: tl.constexpr, D: tl.constexpr,
                      block_D: tl.constexpr):
+    pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * block_D + tl.arange(0, block_D)
     mask = offs < D

@@ -24,7 +24,7 @@ from dsl.context import cast
 from dsl.ops.static_entries import StaticCompressed
 from kernels.attention.paged_attention import supports
 from kernels.attention.paged_entries import decode_tile, index_operand, load_tile, pick_rows, pool_operands
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 
 
@@ -33,6 +33,7 @@ def index_scores_kernel(q_ptr, w_ptr, k_ptr, start_ptr, length_ptr, pos_ptr, out
                         D: tl.constexpr, RATIO: tl.constexpr, D_SCALE: tl.constexpr, H_SCALE: tl.constexpr,
                         DOT_FP32: tl.constexpr, block_H: tl.constexpr, block_D: tl.constexpr,
                         block_L: tl.constexpr):
+    pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * block_L
     offs_l = first + tl.arange(0, block_L)
@@ -70,6 +71,7 @@ def paged_index_scores_kernel(q_ptr, w_ptr, codes_ptr, scales_ptr, table_ptr, le
     """`index_scores_kernel` over keys read where the pool keeps them: entry e of token t's chunk (row_chunks) at
     row e % PER of block tables[chunk, e // PER], decoded in registers as even and odd columns (the q . k sum goes
     over the even columns, then the odd ones)."""
+    pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * block_L
     offs_l = first + tl.arange(0, block_L)

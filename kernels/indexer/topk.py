@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 
 
@@ -108,6 +108,7 @@ def _kept(key, threshold, ties, tied):
 @triton.jit(do_not_specialize=["C"])
 def topk_select_kernel(scores_ptr, cand_ptr, out_ptr, C, K: tl.constexpr, HAS_CANDIDATES: tl.constexpr,
                        block_N: tl.constexpr):
+    pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     width = K
     threshold, ties, extent = _threshold(scores_ptr, cand_ptr, row, C, C, -1, K, 1, 1, HAS_CANDIDATES, block_N)
@@ -130,6 +131,7 @@ def topk_select_kernel(scores_ptr, cand_ptr, out_ptr, C, K: tl.constexpr, HAS_CA
 @triton.jit(do_not_specialize=["C"])
 def candidate_blocks_kernel(scores_ptr, pos_ptr, out_ptr, C, RATIO: tl.constexpr, BLOCK: tl.constexpr,
                             BLOCK_P2: tl.constexpr, TOPK_BLOCKS: tl.constexpr, block_N: tl.constexpr):
+    pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     visible = (tl.load(pos_ptr + row) + 1) // RATIO
     count = tl.cdiv(C, BLOCK)

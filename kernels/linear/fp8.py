@@ -39,7 +39,7 @@ import torch
 
 from dsl.quant import BLOCK, FP8_AMAX_FLOOR, FP8_MAX, pow2_ceil, scale_to_float
 from kernels.cache.rows import _e4m3_bits
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 from kernels.tiles import grouped_tile, tile_dot
 
@@ -74,6 +74,7 @@ def store_e4m3_row(q_ptr, s_ptr, x, offs, ROW: tl.constexpr):
 
 @triton.jit
 def quantize_rows_kernel(x_ptr, q_ptr, s_ptr, K: tl.constexpr, block_K: tl.constexpr):
+    pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     x_row, q_row = x_ptr + row * K, q_ptr + row * K
     offs = tl.arange(0, block_K)
@@ -168,6 +169,7 @@ def linear_rowwise_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, M, N: tl.conste
                           stride_A: tl.constexpr, stride_SA: tl.constexpr, block_M: tl.constexpr,
                           block_N: tl.constexpr, block_K: tl.constexpr, group_M: tl.constexpr,
                           promote_K: tl.constexpr):
+    pdl_prologue()
     offs_m, offs_n = grouped_tile(M, N, block_M, block_N, group_M)
     acc = tile_dot(a_ptr, b_ptr, offs_m, offs_n, M, N, K, stride_A, block_M, block_N, block_K, promote_K)
     rows_a, rows_b = offs_m % M, offs_n % N

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.moe.experts import _swiglu
 
 COUNTERS = 4096  # tiles a launch that sums inside may have (a split one has fewer than 2 programs per SM)
@@ -71,6 +71,7 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, count_ptr, N: tl.constexpr
                 block_N: tl.constexpr, block_K: tl.constexpr):
     """out[g*N + n] = sum over k of W[g*N + n, k] * x[g*K + k]. Split K: the split's partial goes to
     ws[split, g*N + n] and the tile's last program to finish writes out."""
+    pdl_prologue()
     pid_n = tl.program_id(0)
     pid_z = tl.program_id(1)
     g = pid_z // SPLIT_K
@@ -96,6 +97,7 @@ def gemv_swiglu_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ws_ptr, out_ptr, c
     ws[part, split, n]; the tile's last program sums each part as `gemv_kernel` does (an unsplit part as it is) and
     applies kernels/moe/experts.py's `_swiglu`, as swiglu.py's kernel does: h's bits are those of the three launches
     it replaces."""
+    pdl_prologue()
     pid_n = tl.program_id(0)
     pid_z = tl.program_id(1)
     split = pid_z % SPLIT_K

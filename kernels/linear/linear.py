@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 from kernels.linear import gemv  # the module, not its kernel: this module's source hash keys the tuned configs
 
@@ -35,6 +35,7 @@ def linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M,
                   FP8: tl.constexpr, FP8_DEQ_W: tl.constexpr, DOT_FP32: tl.constexpr, SPLIT_K: tl.constexpr,
                   K_PER_SPLIT: tl.constexpr,
                   block_M: tl.constexpr, block_N: tl.constexpr, block_K: tl.constexpr):
+    pdl_prologue()
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_z = tl.program_id(2)
@@ -92,6 +93,7 @@ def linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M,
 
 @triton.jit(do_not_specialize=["total"])
 def splitk_reduce_kernel(ws_ptr, out_ptr, total, SPLIT_K: tl.constexpr, block: tl.constexpr):
+    pdl_prologue()
     offs = tl.program_id(0) * block + tl.arange(0, block)
     mask = offs < total
     acc = tl.zeros([block], dtype=tl.float32)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 from kernels.tiles import grouped_tile, tile_dot
 
@@ -50,6 +50,7 @@ DEQUANT_BLOCK_K = 256  # columns of W per dequantize program (its rows: one 32-r
 def dequantize_weight_kernel(w_ptr, s_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr, SCALE_COLS: tl.constexpr,
                              block_K: tl.constexpr):
     # one program: the 32 rows of one scale block, block_K columns of them
+    pdl_prologue()
     pid_n = tl.program_id(0)
     offs_n = pid_n * 32 + tl.arange(0, 32)
     offs_k = tl.program_id(1) * block_K + tl.arange(0, block_K)
@@ -64,6 +65,7 @@ def dequantize_weight_kernel(w_ptr, s_ptr, out_ptr, N: tl.constexpr, K: tl.const
 @triton.jit(do_not_specialize=["M"])
 def linear_prefill_kernel(a_ptr, b_ptr, out_ptr, M, N: tl.constexpr, K: tl.constexpr, block_M: tl.constexpr,
                           block_N: tl.constexpr, block_K: tl.constexpr, group_M: tl.constexpr):
+    pdl_prologue()
     offs_m, offs_n = grouped_tile(M, N, block_M, block_N, group_M)
     acc = tile_dot(a_ptr, b_ptr, offs_m, offs_n, M, N, K, K, block_M, block_N, block_K, 0)  # bf16 products, fp32 sums
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]

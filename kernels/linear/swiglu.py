@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 from kernels.linear import gemv
 from kernels.linear.linear import check, gemv_config, k_per_split
@@ -27,6 +27,7 @@ BLOCK = 1024  # values a program
 
 @triton.jit(do_not_specialize=["total"])
 def swiglu_kernel(gate_ptr, up_ptr, out_ptr, total, LIMIT: tl.constexpr, block: tl.constexpr):
+    pdl_prologue()
     offs = tl.program_id(0) * block + tl.arange(0, block)
     mask = offs < total
     gate = tl.load(gate_ptr + offs, mask=mask, other=0.0)

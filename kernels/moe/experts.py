@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from dsl.quant import scale_to_float
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 from kernels.moe.fragments import UNIT, fragment_products
 from kernels.moe.raw_codes import raw_products
@@ -83,6 +83,7 @@ def moe_gemm_kernel(a_ptr, rows_ptr, block_expert_ptr, w_ptr, s_ptr, w3_ptr, s3_
                     block_N: tl.constexpr, block_K: tl.constexpr):
     """One expert block's [block_M slots, block_N outputs] over one K split: GEMM 1 (GATED: w1 and w3, from the
     tokens' rows of x) or GEMM 2 (w2, from the pairs' rows of h)."""
+    pdl_prologue()
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -125,6 +126,7 @@ def moe_gemm_kernel(a_ptr, rows_ptr, block_expert_ptr, w_ptr, s_ptr, w3_ptr, s3_
 def moe_swiglu_kernel(ws_ptr, route_ptr, h_ptr, N: tl.constexpr, SPLIT_K: tl.constexpr, LIMIT: tl.constexpr,
                       FP4: tl.constexpr, block_N: tl.constexpr):
     """GEMM 1's split-K partials [P, SPLIT_K, 2, N] of one pair, added in split order, through the activation."""
+    pdl_prologue()
     pair = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * block_N + tl.arange(0, block_N)
     mask = offs < N
@@ -142,6 +144,7 @@ def moe_swiglu_kernel(ws_ptr, route_ptr, h_ptr, N: tl.constexpr, SPLIT_K: tl.con
 def moe_sum_kernel(y_ptr, out_ptr, D: tl.constexpr, TOPK: tl.constexpr, SPLIT_K: tl.constexpr,
                    block_D: tl.constexpr):
     """out[t] = the sum over slots, and within a slot over splits, of y [T*TOPK, SPLIT_K, D], in that order."""
+    pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * block_D + tl.arange(0, block_D)
     mask = offs < D

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lang import libdevice, tl, triton
+from kernels.lang import libdevice, pdl_prologue, tl, triton
 from kernels.launch import launch
 
 FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
@@ -63,6 +63,7 @@ def _scores(x, mask, FUNC: tl.constexpr, EXACT: tl.constexpr):
 def gate_topk_kernel(logits_ptr, bias_ptr, weights_ptr, experts_ptr, E: tl.constexpr, TOPK: tl.constexpr,
                      FUNC: tl.constexpr, INV_TEMP: tl.constexpr, NORMALIZE: tl.constexpr, SCALING: tl.constexpr,
                      EXACT: tl.constexpr, block_E: tl.constexpr, block_K: tl.constexpr):
+    pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     lanes = tl.arange(0, block_E)
     mask = lanes < E

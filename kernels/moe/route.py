@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 
 
 @triton.jit(do_not_specialize=["P"])
 def route_count_kernel(experts_ptr, counts_ptr, P, block_P: tl.constexpr):
+    pdl_prologue()
     e = tl.program_id(0)
     hits = tl.zeros([block_P], dtype=tl.int32)
     for start in range(0, P, block_P):
@@ -38,6 +39,7 @@ def route_count_kernel(experts_ptr, counts_ptr, P, block_P: tl.constexpr):
 @triton.jit(do_not_specialize=["P", "num_blocks"])
 def route_place_kernel(experts_ptr, counts_ptr, rows_ptr, block_expert_ptr, P, num_blocks, E: tl.constexpr,
                        block_M: tl.constexpr, block_E: tl.constexpr, block_P: tl.constexpr):
+    pdl_prologue()
     e = tl.program_id(0)
     ids = tl.arange(0, block_E)
     counts = tl.load(counts_ptr + ids, mask=ids < E, other=0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernels.hyper.hyper import _check_streams
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 from kernels.linear.fp8 import e4m3_rows, store_e4m3_row
 from kernels.norm.rms_norm import _normed, _rms, check_input, default_config
@@ -26,6 +26,7 @@ from kernels.norm.rms_norm import _normed, _rms, check_input, default_config
 def rms_norm_e4m3_kernel(x_ptr, w_ptr, q_ptr, s_ptr, D: tl.constexpr, EPS: tl.constexpr, HAS_W: tl.constexpr,
                          ROW: tl.constexpr, block_D: tl.constexpr):
     """Row r's codes to q_ptr + r * ROW (uint8), its scale to s_ptr + r * ROW / 4 (fp32): e4m3 rows of ROW bytes."""
+    pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     y = _normed(x_ptr, w_ptr, row, D, EPS, HAS_W, block_D)
     store_e4m3_row(q_ptr + row * ROW, s_ptr + row * (ROW // 4), y, tl.arange(0, block_D), ROW)
@@ -36,6 +37,7 @@ def hc_collapse_rms_norm_e4m3_kernel(h_ptr, pre_ptr, w_ptr, q_ptr, s_ptr, HC: tl
                                      EPS: tl.constexpr, ROW: tl.constexpr, block_D: tl.constexpr):
     """sum_k pre[r, k] * h[r, k] normed, as e4m3 rows of ROW bytes (as above). The sum is hyper.py's
     `hc_collapse_rms_norm_kernel`'s, written out here: hyper.py's source keys its tuned hc_mixes configs."""
+    pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, block_D)
     x = tl.zeros([block_D], dtype=tl.float32)

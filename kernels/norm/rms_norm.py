@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 
 
@@ -31,6 +31,7 @@ def _normed(x_ptr, w_ptr, row, D: tl.constexpr, EPS: tl.constexpr, HAS_W: tl.con
 @triton.jit
 def rms_norm_kernel(x_ptr, w_ptr, out_ptr, D: tl.constexpr, EPS: tl.constexpr, HAS_W: tl.constexpr,
                     block_D: tl.constexpr):
+    pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, block_D)
     tl.store(out_ptr + row * D + offs, _normed(x_ptr, w_ptr, row, D, EPS, HAS_W, block_D), mask=offs < D)

@@ -25,6 +25,8 @@ def rms_norm_tilelang(dtypes: dict[str, str], threads: int, *, D: int, EPS: floa
     def rms_norm_tilelang(X: T.Tensor((m, D), dtypes["X"]), W: T.Tensor((D,), dtypes["W"]),
                           Y: T.Tensor((m, D), "float32")):
         with T.Kernel(T.ceildiv(m, block_M), threads=threads) as bx:
+            T.pdl_sync()  # kernels.lang.pdl_prologue: wait for the kernels before, then let the next launch
+            T.pdl_trigger()
             x = T.alloc_fragment((block_M, block_D), "float32")
             sq = T.alloc_fragment((block_M, block_D), "float32")
             scale = T.alloc_fragment((block_M,), "float32")

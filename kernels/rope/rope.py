@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 
 
 @triton.jit(do_not_specialize=["R"])
 def rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, R, D: tl.constexpr, NOPE: tl.constexpr, MAGNITUDE: tl.constexpr,
                 INVERSE: tl.constexpr, block_R: tl.constexpr, block_D: tl.constexpr):
+    pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * block_R + tl.arange(0, block_R)
     cols = tl.arange(0, block_D)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from kernels.cache.rows import _aligned, _e2m1_codes, _e2m1_value, _e4m3_bits, _e4m3_value, _pow2_byte, _pow2_value
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 
 KERNEL_NAMES = ("fp8_round_kernel", "fp4_round_kernel")
@@ -48,6 +48,7 @@ def _store_blocks(out_ptr, offs, mask, y, nan_blocks):
 
 @triton.jit
 def fp8_round_kernel(x_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, block_R: tl.constexpr, block_C: tl.constexpr):
+    pdl_prologue()
     x, offs, mask, has_nan, has_inf = _load_blocks(x_ptr, n_blocks, BLOCK, block_R, block_C)
     nan_blocks = has_nan | has_inf
     x = tl.where(nan_blocks[:, None], 0.0, x)  # computed on zeros, written as NaN
@@ -62,6 +63,7 @@ def fp8_round_kernel(x_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, block_R: tl.
 @triton.jit
 def fp4_round_kernel(x_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, E4M3_SCALE: tl.constexpr, block_R: tl.constexpr,
                      block_C: tl.constexpr):
+    pdl_prologue()
     x, offs, mask, has_nan, has_inf = _load_blocks(x_ptr, n_blocks, BLOCK, block_R, block_C)
     if E4M3_SCALE:
         nan_blocks = has_nan

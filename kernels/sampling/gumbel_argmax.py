@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lang import tl, triton
+from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 
 KERNEL_NAMES = ("gumbel_argmax_kernel", "argmax_partials_kernel")
@@ -56,6 +56,7 @@ def _order(x):
 @triton.jit
 def gumbel_argmax_kernel(logits_ptr, factors_ptr, seeds_ptr, positions_ptr, keys_ptr, ids_ptr, row_stride,
                          V: tl.constexpr, block_V: tl.constexpr):
+    pdl_prologue()
     r = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     ids = b * block_V + tl.arange(0, block_V)  # [block_V]
@@ -82,6 +83,7 @@ def gumbel_argmax_kernel(logits_ptr, factors_ptr, seeds_ptr, positions_ptr, keys
 
 @triton.jit
 def argmax_partials_kernel(keys_ptr, ids_ptr, out_ptr, BLOCKS: tl.constexpr, block_B: tl.constexpr):
+    pdl_prologue()
     r = tl.program_id(0).to(tl.int64)
     j = tl.arange(0, block_B)
     valid = j < BLOCKS
