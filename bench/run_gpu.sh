@@ -19,9 +19,10 @@
 #                                    --base COMMIT`)
 #   PDL=1 bash bench/run_gpu.sh      programmatic dependent launch off and on (DEEPINFER_PDL=0/1), alternating, over the
 #                                    same cubins: the slice's decode steps (bench/step_profile.py at SIDE_CONTEXTS,
-#                                    SIDE_BATCHES, SIDE_ROUNDS times; carry artifacts/slice-sm90) and, with .cubin-cache
-#                                    carried, end to end (bench/dspark_bench.py, drafting off, PDL_BATCHES, PDL_TOKENS)
-#                                    instead of the kernel benchmarks; every log in $OUT/pdl.log
+#                                    SIDE_BATCHES, SIDE_ROUNDS times; carry artifacts/slice-sm90; PDL_VARIANTS lists
+#                                    "pdl:artifact" pairs to run instead of "0:artifacts/slice-sm90 1:artifacts/slice-sm90")
+#                                    and, with .cubin-cache carried, end to end (bench/dspark_bench.py, drafting off,
+#                                    PDL_BATCHES, PDL_TOKENS) instead of the kernel benchmarks; every log in $OUT/pdl.log
 #   PROFILE=1 bash bench/run_gpu.sh  where the slice's steps go (bench/step_profile.py): decode at PROFILE_BATCHES, and
 #                                    prefill at PROFILE_PREFILL tokens, with artifacts/slice-sm90-fp8 too when carried,
 #                                    instead of the kernel benchmarks (BENCH_KERNELS=1: both)
@@ -95,12 +96,14 @@ if [ "${PDL:-0}" = 1 ]; then
     SECONDS=0
     for ctx in ${SIDE_CONTEXTS:-1024 16384}; do
         for round in $(seq "${SIDE_ROUNDS:-2}"); do
-            for pdl in 0 1; do
-                echo "== slice PDL $pdl, ctx $ctx, round $round" >> "$OUT/pdl.log"
-                DEEPINFER_PDL=$pdl timeout 150 python3 bench/step_profile.py --artifact artifacts/slice-sm90 \
+            for variant in ${PDL_VARIANTS:-0:artifacts/slice-sm90 1:artifacts/slice-sm90}; do
+                pdl=${variant%%:*} artifact=${variant#*:}
+                echo "== slice PDL $pdl $artifact, ctx $ctx, round $round" >> "$OUT/pdl.log"
+                DEEPINFER_PDL=$pdl timeout 150 python3 bench/step_profile.py --artifact "$artifact" \
                     --batches "${SIDE_BATCHES:-1,16,64}" --context "$ctx" --kernels 6 > "$OUT/pdl-step.log" 2>&1
                 cat "$OUT/pdl-step.log" >> "$OUT/pdl.log"
-                echo "PDL $pdl, ctx $ctx, round $round:"; grep -E "^decode|traced|Error" "$OUT/pdl-step.log" | cut -c1-110
+                echo "PDL $pdl $artifact, ctx $ctx, round $round:"
+                grep -E "^decode|traced|Error" "$OUT/pdl-step.log" | cut -c1-110
             done
         done
     done

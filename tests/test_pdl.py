@@ -89,3 +89,42 @@ def test_a_global_access_before_the_wait_or_no_wait_is_not_marked(rope_ptx) -> N
     assert _waits_for_grid(ptx[:wait] + "\tld.param.u64 %rd9, [p];\n\tcvta.to.global.u64 %rd9, %rd9;\n" + ptx[wait:])
     assert not _waits_for_grid(ptx.replace("griddepcontrol.wait", "// no wait"))
     assert not _waits_for_grid("")
+
+
+LAYOUT = r"""
+#include <stdio.h>
+#include <stddef.h>
+#include <cuda.h>
+int main(void) {
+  printf("%zu %zu %d %zu %zu %zu %zu %zu\n", sizeof(CUlaunchAttribute), offsetof(CUlaunchAttribute, value),
+         (int)CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, sizeof(CUlaunchConfig),
+         offsetof(CUlaunchConfig, sharedMemBytes), offsetof(CUlaunchConfig, hStream), offsetof(CUlaunchConfig, attrs),
+         offsetof(CUlaunchConfig, numAttrs));
+  return 0;
+}
+"""
+
+
+def test_the_launch_structs_match_cuda_h(tmp_path: Path) -> None:
+    """graphs/launcher.py's ctypes CUlaunchConfig and CUlaunchAttribute against the driver header Triton ships."""
+    import ctypes
+    import os
+    import shutil
+    import subprocess
+
+    import triton
+
+    from graphs import launcher
+
+    include = Path(triton.__file__).parent / "backends" / "nvidia" / "include"
+    cc = os.environ.get("CC", "cc")
+    if shutil.which(cc) is None or not (include / "cuda.h").exists():
+        pytest.skip("no C compiler or no cuda.h")
+    (tmp_path / "layout.c").write_text(LAYOUT)
+    subprocess.run([cc, f"-I{include}", str(tmp_path / "layout.c"), "-o", str(tmp_path / "layout")], check=True)
+    got = subprocess.run([str(tmp_path / "layout")], capture_output=True, text=True, check=True).stdout.split()
+    attribute, config = launcher._LaunchAttribute, launcher._LaunchConfig
+    assert [int(v) for v in got] == [
+        ctypes.sizeof(attribute), attribute.value.offset, launcher._PROGRAMMATIC_STREAM_SERIALIZATION,
+        ctypes.sizeof(config), config.shared.offset, config.stream.offset, config.attrs.offset,
+        config.num_attrs.offset]
