@@ -44,13 +44,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, limit: float) -> torch.Tenso
         raise ValueError(f"swiglu needs contiguous float32 gate and up, got {gate.dtype} and {up.dtype}")
     if gate.device != up.device:
         raise ValueError(f"gate is on {gate.device}, up on {up.device}")
-    if not limit >= 0:
-        raise ValueError(f"limit must be >= 0 (0: no clamps), got {limit}")
+    _check_limit(limit)
     out = torch.empty_like(gate)
     total = gate.numel()
     launch(swiglu_kernel, (triton.cdiv(total, BLOCK),), (gate, up, out, total),
            {"LIMIT": float(limit), "block": BLOCK}, 4, 1)
     return out
+
+
+def _check_limit(limit: float) -> None:
+    if not limit >= 0:
+        raise ValueError(f"limit must be >= 0 (0: no clamps), got {limit}")
 
 
 def swiglu_one_row(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, *,
@@ -62,8 +66,7 @@ def swiglu_one_row(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torc
     if w1.shape != w3.shape or w1.dtype != torch.float8_e4m3fn or w3.dtype != torch.float8_e4m3fn:
         raise ValueError(f"swiglu_one_row needs fp8 W1 and W3 of one shape, got {w1.dtype} {list(w1.shape)} and "
                          f"{w3.dtype} {list(w3.shape)}")
-    if not limit >= 0:
-        raise ValueError(f"limit must be >= 0 (0: no clamps), got {limit}")
+    _check_limit(limit)
     n, k = w1.shape
     config = gemv_config(n, k)
     check(x, w1, s1, 1, config)
