@@ -14,8 +14,8 @@ positions (`StaticStep.fits`, dsl/step.py) is a *static step*: its segments (`fi
 the indexer, the attention, Engram's n-grams, the head's rows), which read the step's layout from one `StaticStep`
 per captured bucket, refreshed by one copy before the first segment runs, and never pass a cache view across a
 segment's edge: on the models here the whole step is one segment. Such a step's graphs read and write one set of
-pools (a forward over another drops every graph) and are kept per block-table width (`table_width`) as well as per
-bucket and mode.
+pools (a static step over other pools drops every static graph; the other steps' graphs read no pool and stay) and
+are kept per block-table width (`table_width`) as well as per bucket and mode.
 
 Token counts are padded to buckets (`GRAPH_BUCKETS`): a segment always runs over `bucket(N)` rows, the forward's N and
 padding rows after them (zeros, or whatever an earlier replay left there; every node in a segment works row by row,
@@ -100,10 +100,10 @@ class CudaGraphs:
         if n > self.max_tokens or not split.segments:
             return None
         width = 0
-        if static:  # graphs over other pools would write those: none kept
+        if static:  # static graphs over other pools would write those: none kept
             cache = ctx.chunks[0].state.cache
             if cache is not self.cache:
-                self.clear()
+                self.forget_static()
                 self.cache = cache
             width = table_width(max(len(c.state.block_table) for c in ctx.chunks))
         mode = (static, width, *mode)
@@ -142,12 +142,14 @@ class CudaGraphs:
                               or sum(s.bytes for s in self.steps.values()) >= self.max_bytes):
             self.steps.popitem(last=False)
 
-    def clear(self) -> None:
-        self.steps.clear()
-        self.seen.clear()
-        self.ahead_done.clear()
-        self.pool = None
-        self.cache = None
+    def forget_static(self) -> None:
+        """Drop the static steps' graphs, and forget their warm-up forwards and the modes captured ahead: they read
+        and write the pools of `self.cache`. The other steps' graphs read no pool, so they stay (with the memory
+        pool they share), and so do their warm-ups: the first static step (`self.cache` still None) must not send
+        the prompts' buckets back to an eager warm-up and a second capture."""
+        self.steps = OrderedDict((key, step) for key, step in self.steps.items() if not key[1])
+        self.seen = {key for key in self.seen if not key[1]}
+        self.ahead_done = {mode for mode in self.ahead_done if not mode[0]}
 
 
 __all__ = ["CONTEXT_TENSORS", "GRAPH_BUCKETS", "CudaGraphs", "Segment", "Split", "bucket", "capturable",

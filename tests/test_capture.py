@@ -190,3 +190,41 @@ def test_the_least_recently_used_token_counts_make_room() -> None:
     assert list(keep.steps) == [(1, False), (4, False)]
     keep.evict(room=2)  # buckets captured ahead beside a forward's: room for two, one goes
     assert list(keep.steps) == [(4, False)]
+
+
+def _step_context(tokens: int, cache=None, slot: int = 0):
+    """The fields of a `ForwardContext` that `CudaGraphs.begin` reads: one chunk of `tokens` tokens of a sequence in
+    `slot` of `cache` (None: a sequence without pools, whose steps are never static)."""
+    from types import SimpleNamespace
+
+    state = SimpleNamespace(cache=cache, slot=slot, block_table=[0, 1])
+    return SimpleNamespace(num_tokens=tokens, chunks=[SimpleNamespace(state=state)], lengths=[tokens],
+                           logit_rows=None, visible_from=None)
+
+
+def test_a_static_step_drops_only_the_static_steps_graphs() -> None:
+    """Static steps' graphs read and write one set of pools, so a static step over other pools drops them; the other
+    steps' graphs read no pool and stay, with their warm-ups. Were the first static step to forget them, a prompt's
+    bucket would run its eager warm-up again and capture every bucket ahead anew in the next `generate` call."""
+    from types import SimpleNamespace
+
+    from graphs.captured_step import CapturedStep
+
+    _, (graph,) = graphs("v41-smooth", False)
+    keep = CudaGraphs(graph, capture=False)
+    pools = [SimpleNamespace(spec=SimpleNamespace(spare=3)) for _ in range(2)]
+    prompt = (bucket(5), False, 0, True)  # (rows, static, table width, mode)
+    keep.begin(_step_context(5), (True,))  # a prompt's step: not static (no pools)
+    assert keep.seen == {prompt}
+    keep.steps[prompt] = CapturedStep()
+    keep.ahead_done.add(prompt[1:])
+    keep.begin(_step_context(1, pools[0]), (True,))  # the first static step
+    decode = (1, True, 8, True)
+    assert keep.seen == {prompt, decode} and list(keep.steps) == [prompt]
+    keep.steps[decode] = CapturedStep()
+    keep.ahead_done.add(decode[1:])
+    keep.begin(_step_context(1, pools[0]), (True,))  # the same pools: its graphs replay
+    assert list(keep.steps) == [prompt, decode]
+    keep.begin(_step_context(1, pools[1]), (True,))  # other pools: the static graphs go, the prompt's stay
+    assert list(keep.steps) == [prompt] and keep.ahead_done == {prompt[1:]}
+    assert keep.seen == {prompt, decode}  # the decode bucket's warm-up over the new pools, just now
