@@ -21,6 +21,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import kernels.attention.block_attention as block_attention
 import kernels.attention.paged_attention as paged_attention
@@ -139,9 +140,21 @@ def record_sampling_launches(vocab_size: int) -> dict[str, Launch]:
     return found
 
 
+_SOURCES: dict[int, tuple[Any, str]] = {}  # id(kernel) -> (kernel, its source): read once a process
+
+
 def kernel_source(kernel) -> str:
     """A kernel's source and, for a Triton kernel, the sources of the @triton.jit helpers it calls, transitively: an
-    edit to a helper (kernels/cache/rows.py's serve the rounding kernels too) must rebuild every kernel using it."""
+    edit to a helper (kernels/cache/rows.py's serve the rounding kernels too) must rebuild every kernel using it.
+    Read once per kernel object (a compile asks for each kernel's source once per variant: about 1,000 reads of
+    inspect.getsource, most of a compile's time when every cubin is in the cache)."""
+    held = _SOURCES.get(id(kernel))
+    if held is None or held[0] is not kernel:
+        held = _SOURCES[id(kernel)] = (kernel, _read_source(kernel))
+    return held[1]
+
+
+def _read_source(kernel) -> str:
     if not _is_jit(kernel):
         return inspect.getsource(getattr(kernel, "fn", kernel))
     found, todo = [], [kernel]

@@ -354,3 +354,23 @@ def test_batch_invariant_mode_swaps_no_reference_node(model_name) -> None:
     kv = torch.randn(5, 8)
     entries = compress_pool(kv, layer=0, ratio=1, ctx=ForwardContext([SequenceState()], [5]))
     assert entries.values is kv and entries.counts == [5]
+
+
+def test_recording_a_plans_launches_imports_no_dynamo() -> None:
+    """`compile` records every launch on meta tensors before it builds or loads anything; a meta kernel written in
+    Python (torch.cat's) imports torch._dynamo on its first call, most of a second of every `LLM()` on a GPU target.
+    The recording (the embedded checkpoint's main and draft graphs, and a fixture's) runs none."""
+    out = run_python("""
+import sys
+from deepinfer.compile import _launches
+from deepinfer.models import DeepseekV41Flash
+from dsl.passes import run_passes
+from graphs.passes import make_plan
+for name, drafting in (("deepinfer/checkpoints/v41-tiny-stdlib", True), ("tests/fixtures/v41-smooth", False)):
+    model = DeepseekV41Flash.from_pretrained(name)
+    graphs = [run_passes(model.graph(dspark=drafting))] + ([run_passes(model.draft_graph())] if drafting else [])
+    plans = [make_plan(g, model.params(), "sm90") for g in graphs]
+    print(len(_launches(graphs, plans, model.config.vocab_size)), "torch._dynamo" in sys.modules)
+""", DEEPINFER_TILELANG="0")
+    counts = [line.split() for line in out.strip().splitlines()]
+    assert len(counts) == 2 and all(int(n) > 50 and imported == "False" for n, imported in counts), out
