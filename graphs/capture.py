@@ -30,23 +30,22 @@ config the unpadded one would; with batch-invariant configs a padded step's rows
 All graphs share one memory pool. How a forward replays, captures or runs its segments eagerly, and why one pool
 serves every bucket's graphs: graphs/captured_step.py.
 
-Decode buckets are captured ahead, largest first (`ahead`: the most tokens a decode step of the engine runs): a static
-mode's first capture captures every bucket up to `bucket(ahead)` too, each segment from the largest bucket down, on
-static inputs of zeros (a segment's nodes compute the same whatever the rows hold; inputs another segment makes are
-that segment's outputs, as in a real forward), each after one eager run that loads its kernels. The largest bucket's
-temporaries are then free blocks the smaller ones fit into, and a decode step at any size replays from its first.
-Other steps (a prompt's chunks, steps mixing them with decodes) capture their own bucket only: their token counts
-follow the prompts, not the batch's decode sizes, and in an offline batch they mostly come in its first steps, so
-capturing the decode buckets for them would cost a fresh engine's first call an eager run and a capture a bucket
-for graphs that seldom replay.
+Decode buckets are captured ahead, largest first (`ahead`: the most tokens a decode step of the engine runs): a mode's
+first capture of a bucket up to `bucket(ahead)` captures every other bucket up to there too, each segment from the
+largest bucket down, on static inputs of zeros (a segment's nodes compute the same whatever the rows hold; inputs
+another segment makes are that segment's outputs, as in a real forward), each after one eager run that loads its
+kernels. The largest bucket's temporaries are then free blocks the smaller ones fit into, and a decode step at any
+size replays from its first. A capture of a larger bucket (a prompt's chunk) takes its own bucket only: in an
+offline batch such steps come in its first steps, and the decode buckets of their mode would cost a fresh engine's
+first call an eager run and a capture each, for graphs that seldom replay.
 
 A static step also draws the token after each of its rows inside its graph (graphs/draws.py: `DRAWN`, an output of
 the segment that makes the logits), so a step's tokens need no launch of their own.
 
 Forwards of more than `max_tokens` tokens (prefill chunks, GPU-bound already) run eagerly, unpadded; at most
 `max_steps` (bucket, mode) pairs keep graphs, holding at most about `max_bytes` of device memory (the least recently
-used are dropped). Static and other steps are modes of their own, and each static mode's first capture takes every
-decode bucket up to `ahead` (23 at most), so the default keeps two modes' buckets whole: an engine whose steps
+used are dropped). Static and other steps are modes of their own, and each mode's first decode-sized capture takes
+every decode bucket up to `ahead` (23 at most), so the default keeps two modes' buckets whole: an engine whose steps
 alternate between them would otherwise evict and capture again as it goes.
 """
 
@@ -120,9 +119,9 @@ class CudaGraphs:
             self.seen.add(key)
             return Forward(self, split, None, ctx, rows, width)
         ahead = []
-        if self.ahead and static and mode not in self.ahead_done:
+        top = bucket(min(self.ahead, self.max_tokens)) if self.ahead else 0
+        if rows <= top and mode not in self.ahead_done:  # a decode-sized step: the decode buckets beside it
             self.ahead_done.add(mode)
-            top = bucket(min(self.ahead, self.max_tokens))
             ahead = [b for b in GRAPH_BUCKETS if b <= top and b != rows and (b, *mode) not in self.steps]
             ahead = ahead[:self.max_steps - 1]  # the smallest, if max_steps cannot hold them all
         self.evict(1 + len(ahead))

@@ -230,16 +230,17 @@ def test_a_static_step_drops_only_the_static_steps_graphs() -> None:
     assert keep.seen == {prompt, decode}  # the decode bucket's warm-up over the new pools, just now
 
 
-def test_only_static_steps_capture_the_decode_buckets_ahead() -> None:
-    """A static mode's first capture takes every decode bucket up to `ahead` beside its own, largest first; a prompt's
-    step captures its own bucket only."""
+def test_only_decode_sized_steps_capture_the_decode_buckets_ahead() -> None:
+    """A mode's first capture of a bucket up to `ahead` takes every other such bucket beside its own, largest first,
+    static or not (sequences without pools decode through steps that are not static); a prompt's chunk past that
+    range captures its own bucket only."""
     from types import SimpleNamespace
 
     _, (graph,) = graphs("v41-smooth", False)
-    keep = CudaGraphs(graph, ahead=16)
-    keep.pool = object()  # no GPU here: the pool only goes to the captures, which these forwards never start
     pools = SimpleNamespace(spec=SimpleNamespace(spare=3))
-    for ctx, ahead in ((_step_context(5), []), (_step_context(1, pools), [16, 8, 4, 2])):
+    for ctx, ahead in ((_step_context(5), []), (_step_context(3), [2, 1]), (_step_context(1, pools), [4, 2])):
+        keep = CudaGraphs(graph, ahead=4)
+        keep.pool = object()  # no GPU here: the pool only goes to the captures, which these forwards never start
         assert not keep.begin(ctx, (True,)).capturing  # a bucket's first forward: the eager warm-up
         forward = keep.begin(ctx, (True,))
         assert forward.capturing and [rows for rows, _ in forward.others] == ahead
