@@ -122,6 +122,15 @@ def run_mode(model: str, speculative: dict | None, prompts: list[str], batch: in
     return timed_run(llm, params, prompts, cold, profile, timed_phases, kernels)
 
 
+def segment_captures(llm: LLM) -> int:
+    """CUDA-graph segments captured so far by the engine's executors (0 without graphs): a timed run that captures
+    measures the captures, not the steady state the warm-ups are there to reach."""
+    runtime = llm.compiled.runtime
+    if not isinstance(runtime, PlanRuntime):
+        return 0
+    return sum(e.cuda_graphs.captures for e in runtime.executors() if e is not None and e.cuda_graphs is not None)
+
+
 def timed_run(llm: LLM, params: SamplingParams, prompts: list[str], cold: float = 0.0, profile: int = 0,
               timed_phases: str | None = None, kernels: int = 0) -> dict:
     """One timed `generate` of the requests on a prepared engine, with its acceptance and outputs."""
@@ -130,10 +139,12 @@ def timed_run(llm: LLM, params: SamplingParams, prompts: list[str], cold: float 
     activity = torch.profiler.ProfilerActivity
     traced = torch.profiler.profile(activities=[activity.CUDA if torch.cuda.is_available() else activity.CPU]) \
         if kernels else None
+    captured = segment_captures(llm)
     start = time.perf_counter()
     with profiler or contextlib.nullcontext(), traced or contextlib.nullcontext():
         outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    captured = segment_captures(llm) - captured
     if traced is not None:
         key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         print(traced.key_averages().table(sort_by=key, row_limit=kernels, max_name_column_width=60))
@@ -160,7 +171,7 @@ def timed_run(llm: LLM, params: SamplingParams, prompts: list[str], cold: float 
             verified[i] += v
             accepted[i] += a
     steps = verified[0] if verified else 0
-    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed,
+    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "captured": captured,
             "cold_tokens_per_s": tokens / cold if cold else None,
             "acceptance": [a / v for a, v in zip(accepted, verified, strict=True) if v],
             "tokens_per_step": (steps + sum(accepted)) / steps if steps else 1.0,
@@ -247,7 +258,9 @@ def main() -> None:
                 cold = f"{r['cold_tokens_per_s']:6.1f}" if r["cold_tokens_per_s"] else "-"
                 print(f"batch {batch:3d}  {name:16s} {r['tokens_per_s']:8.1f} tok/s (cold {cold:>6s})  "
                       f"{r['tokens_per_step']:.2f} tok/step"
-                      f"  acceptance [{acc}]  same={r['same_as_off']}", flush=True)
+                      f"  acceptance [{acc}]  same={r['same_as_off']}"
+                      + (f"  (the timed run captured {r['captured']} graph segments)" if r["captured"] else ""),
+                      flush=True)
         if args.passes > 1:
             for name, _ in modes:
                 runs = sorted(r["tokens_per_s"] for r in results if r["batch"] == batch and r["mode"] == name)
