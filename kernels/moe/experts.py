@@ -156,18 +156,16 @@ def moe_sum_kernel(y_ptr, out_ptr, D: tl.constexpr, TOPK: tl.constexpr, SPLIT_K:
 
 
 def default_config(m: int, fp4: bool = True) -> dict:
-    """The heuristic tiles for a token count `m` (a bucket's upper end). Decode (m <= 64): 16 slots x 128 outputs x 128
+    """The heuristic tiles for a token count `m` (a bucket's upper end). Up to 512 tokens: 16 slots x 128 outputs x 128
     inputs, 8 warps, 3 stages, K unsplit: the fastest on fragment-order codes at 16 and 64 tokens of the H100 sweep
-    bench/RESULTS.md records (`bench/bench_moe_decode.py --sweep`), and faster than the split tiles it replaces at one
-    token. Splitting K put more programs in flight for the raw codes' slower loop (the H200's sweep chose 4/2 up to 16
-    tokens on those); on fragments, from 16 tokens every split measured slower than K whole, at one token a 2/1 split
-    was a little faster, and a fourth stage was slower in all but one pair. Prefill: up to 512 tokens 16 x 64 x 128
-    tiles of 4 warps, unsplit; beyond, 64 slots a block in 128 x 64 tiles with 8 warps, so each dequantized weight tile
-    serves four times the pairs."""
-    if m <= 64:
+    bench/RESULTS.md records (`bench/bench_moe_decode.py --sweep`), faster than the split tiles it replaces at one
+    token, and 1.04-1.09x the 16 x 64 tiles of 4 warps at 128 to 512 tokens. Splitting K put more programs in flight
+    for the raw codes' slower loop (the H200's sweep chose 4/2 up to 16 tokens on those); on fragments, from 16 tokens
+    every split measured slower than K whole, at one token a 2/1 split was a little faster, and a fourth stage was
+    slower in all but two pairs. Beyond 512 tokens (prefill), 64 slots a block in 128 x 64 tiles with 8 warps, so each
+    dequantized weight tile serves four times the pairs."""
+    if m <= 512:
         gemm = {"block_M": 16, "block_N": 128, "block_K": 128, "num_warps": 8, "num_stages": 3}
-    elif m <= 512:
-        gemm = {"block_M": 16, "block_N": 64, "block_K": 128, "num_warps": 4, "num_stages": 3}
     else:
         gemm = {"block_M": 64, "block_N": 128, "block_K": 64, "num_warps": 8, "num_stages": 3}
     return {"up": dict(gemm, split_k=1), "down": dict(gemm, split_k=1)}

@@ -145,11 +145,12 @@ def test_prescaled_is_exact_for_every_ue8m0_scale_up_to_2_64() -> None:
 
 
 def test_default_config_runs_decode_unsplit_in_wide_tiles() -> None:
-    """Decode buckets: 128 outputs a program over two warpgroups, K whole; prefill up to 512 tokens 64 outputs."""
+    """Every bucket: 128 outputs a program over two warpgroups, K whole; 16 slots a block up to 512 tokens, then 64."""
     for m in (1, 16, 64, 512, 8192):
         config = default_config(m)
         assert config["up"] == config["down"] and config["up"]["split_k"] == 1
-        assert (config["up"]["block_N"], config["up"]["num_warps"]) == ((128, 8) if m <= 64 or m > 512 else (64, 4))
+        assert (config["up"]["block_N"], config["up"]["num_warps"]) == (128, 8)
+        assert config["up"]["block_M"] == (16 if m <= 512 else 64)
 
 
 @pytest.mark.parametrize("bucket", [16, 64, 8192])
@@ -198,10 +199,12 @@ def test_moe_empty_input(device) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 7, 16, 64])
-@pytest.mark.parametrize("config", ["default", "unsplit"])
+@pytest.mark.parametrize("t", [1, 7, 16, 64, 256])
+@pytest.mark.parametrize("config", ["default", "narrow"])
 def test_moe_v41_shapes_fp4(t, config) -> None:
-    check(t, EXPERTS, MOE_INTER, HIDDEN, "fp4", "cuda", default_config(512) if config == "unsplit" else None, 5e-3)
+    narrow = {"block_M": 16, "block_N": 64, "block_K": 128, "num_warps": 4, "num_stages": 3, "split_k": 1}
+    check(t, EXPERTS, MOE_INTER, HIDDEN, "fp4", "cuda", {"up": narrow, "down": narrow} if config == "narrow" else None,
+          5e-3)
 
 
 @pytest.mark.gpu

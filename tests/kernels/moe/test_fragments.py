@@ -272,12 +272,12 @@ def test_the_sass_check_finds_a_write_to_an_operand_in_flight() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("t", [1, 7, 16, 64, 600])
+@pytest.mark.parametrize("t", [1, 7, 16, 64, 256, 600])
 @pytest.mark.parametrize("config", ["default", "unsplit", "split", "prefill", "narrow"])
 def test_v41_shapes_fragments_give_the_bits_of_raw_codes(t, config) -> None:
     """On the GPU (the asm decoding) at V4.1's shapes, under wgmma tiles and mma.sync ones, K whole or split: the
-    bits of the raw codes' kernel."""
-    chosen = {"default": None, "unsplit": default_config(512), "split": tiles(4, 2, 128, 64),
+    bits of the raw codes' kernel. 256 tokens run the 512-token bucket's default tiles."""
+    chosen = {"default": None, "unsplit": tiles(1, 1, 128, 64), "split": tiles(4, 2, 128, 64),
               "prefill": default_config(8192), "narrow": tiles(1, 1, 128, 32)}[config]
     raw, frag, _ = both_layouts(t, EXPERTS, MOE_INTER, HIDDEN, chosen, "cuda")
     assert torch.equal(frag, raw) and raw.abs().max() > 0
