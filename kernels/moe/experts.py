@@ -162,7 +162,7 @@ def default_config(m: int, fp4: bool = True) -> dict:
     token, and 1.04-1.09x the 16 x 64 tiles of 4 warps at 128 to 512 tokens. Splitting K put more programs in flight
     for the raw codes' slower loop (the H200's sweep chose 4/2 up to 16 tokens on those); on fragments, from 16 tokens
     every split measured slower than K whole, at one token a 2/1 split was a little faster, and a fourth stage was
-    slower in all but two pairs. Beyond 512 tokens (prefill), 64 slots a block in 128 x 64 tiles with 8 warps, so each
+    slower in all but one pair. Beyond 512 tokens (prefill), 64 slots a block in 128 x 64 tiles with 8 warps, so each
     dequantized weight tile serves four times the pairs."""
     if m <= 512:
         gemm = {"block_M": 16, "block_N": 128, "block_K": 128, "num_warps": 8, "num_stages": 3}
