@@ -9,6 +9,7 @@ the replays themselves."""
 from __future__ import annotations
 
 from itertools import pairwise
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -195,8 +196,6 @@ def test_the_least_recently_used_token_counts_make_room() -> None:
 def _step_context(tokens: int, cache=None, slot: int = 0):
     """The fields of a `ForwardContext` that `CudaGraphs.begin` reads: one chunk of `tokens` tokens of a sequence in
     `slot` of `cache` (None: a sequence without pools, whose steps are never static)."""
-    from types import SimpleNamespace
-
     state = SimpleNamespace(cache=cache, slot=slot, block_table=[0, 1])
     return SimpleNamespace(num_tokens=tokens, chunks=[SimpleNamespace(state=state)], lengths=[tokens],
                            logit_rows=None, visible_from=None)
@@ -206,8 +205,6 @@ def test_a_static_step_drops_only_the_static_steps_graphs() -> None:
     """Static steps' graphs read and write one set of pools, so a static step over other pools drops them; the other
     steps' graphs read no pool and stay, with their warm-ups. Were the first static step to forget them, a prompt's
     bucket would run its eager warm-up again and capture every bucket ahead anew in the next `generate` call."""
-    from types import SimpleNamespace
-
     from graphs.captured_step import CapturedStep
 
     _, (graph,) = graphs("v41-smooth", False)
@@ -234,8 +231,6 @@ def test_only_decode_sized_steps_capture_the_decode_buckets_ahead() -> None:
     """A mode's first capture of a bucket up to `ahead` takes every other such bucket beside its own, largest first,
     static or not (sequences without pools decode through steps that are not static); a prompt's chunk past that
     range captures its own bucket only."""
-    from types import SimpleNamespace
-
     _, (graph,) = graphs("v41-smooth", False)
     pools = SimpleNamespace(spec=SimpleNamespace(spare=3))
     for ctx, ahead in ((_step_context(5), []), (_step_context(3), [2, 1]), (_step_context(1, pools), [4, 2])):
