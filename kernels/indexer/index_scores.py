@@ -62,55 +62,86 @@ def index_scores_kernel(q_ptr, w_ptr, k_ptr, start_ptr, length_ptr, pos_ptr, out
     tl.store(out_ptr + t * C + offs_l, tl.where(keep, total, float("-inf")), mask=offs_l < C)
 
 
-@triton.jit(do_not_specialize=["C", "TABLE_W", "PER"])
+@triton.jit(do_not_specialize=["C", "TABLE_W", "PER", "STEPS"])
 def paged_index_scores_kernel(q_ptr, w_ptr, codes_ptr, scales_ptr, table_ptr, length_ptr, chunk_ptr, pos_ptr, out_ptr,
-                              C, TABLE_W, PER, H: tl.constexpr, D: tl.constexpr, RATIO: tl.constexpr,
+                              C, TABLE_W, PER, STEPS, H: tl.constexpr, D: tl.constexpr, RATIO: tl.constexpr,
                               D_SCALE: tl.constexpr, H_SCALE: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr,
                               E4M3: tl.constexpr, DOT_FP32: tl.constexpr, block_H: tl.constexpr,
                               block_L: tl.constexpr):
     """`index_scores_kernel` over keys read where the pool keeps them: entry e of token t's chunk (row_chunks) at
     row e % PER of block tables[chunk, e // PER], decoded in registers as even and odd columns (the q . k sum goes
-    over the even columns, then the odd ones)."""
+    over the even columns, then the odd ones). A program takes STEPS blocks of block_L entries in turn (those holding
+    visible entries, then writes -inf over the rest), loading the token's queries once where one head block holds
+    them all; an entry's score is the same for any STEPS."""
     pdl_prologue()
     t = tl.program_id(0).to(tl.int64)
-    first = tl.program_id(1) * block_L
-    offs_l = first + tl.arange(0, block_L)
+    base = tl.program_id(1) * STEPS * block_L
     chunk = tl.load(chunk_ptr + t).to(tl.int64)
     visible = tl.minimum((tl.load(pos_ptr + t) + 1) // RATIO, tl.load(length_ptr + chunk))
-    keep = offs_l < visible
-    total = tl.zeros([block_L], dtype=tl.float32)
-    if first < visible:  # blocks past the visible entries only write -inf
+    done = tl.maximum(tl.minimum(STEPS, tl.cdiv(visible - base, block_L)), 0)  # the steps holding visible entries
+    if done > 0:
         DTYPE: tl.constexpr = tl.float32 if DOT_FP32 else tl.bfloat16
-        rows, valid = pick_rows(offs_l, chunk, visible, table_ptr, TABLE_W, PER)
-        codes, scales = load_tile(codes_ptr, scales_ptr, rows, valid, D, KIND, BLOCK)
-        k_even, k_odd = decode_tile(codes, scales, KIND, BLOCK, E4M3, block_L, D, DTYPE)  # [block_L, D / 2]
+        ONE_BLOCK: tl.constexpr = block_H >= H
         half = tl.arange(0, D // 2)
-        for h0 in tl.static_range(0, H, block_H):
-            heads = h0 + tl.arange(0, block_H)
-            mask_h = heads < H
+        if ONE_BLOCK:  # every head in one block: the queries and weights stay in registers across the steps
+            heads = tl.arange(0, block_H)
             at = q_ptr + (t * H + heads)[:, None] * D + 2 * half[None, :]
-            q_even = tl.load(at, mask=mask_h[:, None], other=0.0).to(DTYPE)  # [block_H, D / 2]
-            q_odd = tl.load(at + 1, mask=mask_h[:, None], other=0.0).to(DTYPE)
-            acc = tl.zeros([block_H, block_L], dtype=tl.float32)
-            if DOT_FP32:
-                acc = tl.dot(q_even, tl.trans(k_even), acc, input_precision="ieee")
-                acc = tl.dot(q_odd, tl.trans(k_odd), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(q_even, tl.trans(k_even), acc)
-                acc = tl.dot(q_odd, tl.trans(k_odd), acc)
-            w = tl.load(w_ptr + t * H + heads, mask=mask_h, other=0.0) * H_SCALE  # [block_H]
-            total += tl.sum(tl.maximum(acc, 0.0) * D_SCALE * w[:, None], axis=0)
-    tl.store(out_ptr + t * C + offs_l, tl.where(keep, total, float("-inf")), mask=offs_l < C)
+            q_even = tl.load(at, mask=(heads < H)[:, None], other=0.0).to(DTYPE)  # [block_H, D / 2]
+            q_odd = tl.load(at + 1, mask=(heads < H)[:, None], other=0.0).to(DTYPE)
+            w = tl.load(w_ptr + t * H + heads, mask=heads < H, other=0.0) * H_SCALE  # [block_H]
+        for step in range(0, done):
+            offs_l = base + step * block_L + tl.arange(0, block_L)
+            keep = offs_l < visible
+            rows, valid = pick_rows(offs_l, chunk, visible, table_ptr, TABLE_W, PER)
+            codes, scales = load_tile(codes_ptr, scales_ptr, rows, valid, D, KIND, BLOCK)
+            k_even, k_odd = decode_tile(codes, scales, KIND, BLOCK, E4M3, block_L, D, DTYPE)  # [block_L, D / 2]
+            total = tl.zeros([block_L], dtype=tl.float32)
+            for h0 in tl.static_range(0, H, block_H):
+                if not ONE_BLOCK:
+                    heads = h0 + tl.arange(0, block_H)
+                    at = q_ptr + (t * H + heads)[:, None] * D + 2 * half[None, :]
+                    q_even = tl.load(at, mask=(heads < H)[:, None], other=0.0).to(DTYPE)
+                    q_odd = tl.load(at + 1, mask=(heads < H)[:, None], other=0.0).to(DTYPE)
+                    w = tl.load(w_ptr + t * H + heads, mask=heads < H, other=0.0) * H_SCALE
+                acc = tl.zeros([block_H, block_L], dtype=tl.float32)
+                if DOT_FP32:
+                    acc = tl.dot(q_even, tl.trans(k_even), acc, input_precision="ieee")
+                    acc = tl.dot(q_odd, tl.trans(k_odd), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(q_even, tl.trans(k_even), acc)
+                    acc = tl.dot(q_odd, tl.trans(k_odd), acc)
+                total += tl.sum(tl.maximum(acc, 0.0) * D_SCALE * w[:, None], axis=0)
+            tl.store(out_ptr + t * C + offs_l, tl.where(keep, total, float("-inf")), mask=offs_l < C)
+    for step in range(done, STEPS):
+        offs_l = base + step * block_L + tl.arange(0, block_L)
+        tl.store(out_ptr + t * C + offs_l, tl.full([block_L], float("-inf"), tl.float32), mask=offs_l < C)
+
+
+# A program's steps (`paged_index_scores_steps`): the most of these that still leaves this many programs a launch.
+STEP_CHOICES, MIN_PROGRAMS = (16, 4, 1), 256
+
+
+def paged_index_scores_steps(tokens: int, blocks: int) -> int:
+    """Blocks of entries a program of the in-place scores takes in turn, for `tokens` rows of `blocks` blocks each: the
+    most of STEP_CHOICES that leaves MIN_PROGRAMS programs (H100 sweep of `bench/bench_indexer_decode.py --sweep`,
+    bench/RESULTS.md: long rows of many tokens want 16, fewer programs starve the SMs, one token wants 1)."""
+    for steps in STEP_CHOICES:
+        if tokens * triton.cdiv(blocks, steps) >= MIN_PROGRAMS:
+            return steps
+    return 1
 
 
 def default_config(num_tokens: int, heads: int, dim: int) -> dict:
     """All heads (up to 64) in one tile and d in steps of up to 128, so a tile of keys is read once per head block;
-    prefill-sized batches take wider entry blocks. Any config is batch-invariant."""
+    blocks of 128 entries; prefill-sized batches over 8 warps. Decode and verification steps (the in-place kernel)
+    take 4 warps and no pipelining, the fastest in the H100 sweep of `bench/bench_indexer_decode.py --sweep` at 16 to
+    256 tokens (64-entry blocks were as fast at one token). Any config is batch-invariant, and the in-place kernel's
+    blocks of 64 and 128 entries, 4 or 8 warps, give the same bits."""
     block_h = max(16, min(64, triton.next_power_of_2(heads)))
     block_d = max(16, min(128, triton.next_power_of_2(dim)))
     wide = num_tokens >= 512
-    return {"block_H": block_h, "block_D": block_d, "block_L": 128 if wide else 64, "num_warps": 8 if wide else 4,
-            "num_stages": 2}
+    return {"block_H": block_h, "block_D": block_d, "block_L": 128, "num_warps": 8 if wide else 4,
+            "num_stages": 2 if wide else 1}
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, start: torch.Tensor,
@@ -176,9 +207,11 @@ def paged_index_scores(q: torch.Tensor, weights: torch.Tensor, *, fmt: EntryForm
     out = torch.empty(n, width, dtype=torch.float32, device=q.device)
     if n == 0 or width == 0:
         return out
-    launch(paged_index_scores_kernel, (n, triton.cdiv(width, config["block_L"])),
+    blocks = triton.cdiv(width, config["block_L"])
+    steps = config.get("steps") or paged_index_scores_steps(n, blocks)
+    launch(paged_index_scores_kernel, (n, triton.cdiv(blocks, steps)),
            (q, weights, codes, scales, tables_i, lengths_i, chunks_i, positions_i, out, width, tables.shape[1],
-            parts[0].shape[1]),
+            parts[0].shape[1], steps),
            {"H": h, "D": d, "RATIO": ratio, "D_SCALE": d**-0.5, "H_SCALE": h**-0.5, "KIND": consts["KIND"],
             "BLOCK": consts["BLOCK"], "E4M3": consts["E4M3"], "DOT_FP32": dot_fp32, "block_H": config["block_H"],
             "block_L": config["block_L"]},

@@ -95,6 +95,22 @@ def test_static_scores_are_the_eager_kernel_s(dot_fp32: bool, monkeypatch, devic
     assert torch.equal(static_gathered[:n, :width], gathered) and (static_gathered[:n, width:] == float("-inf")).all()
 
 
+@pytest.mark.parametrize("heads, block_h", [(4, 16), (32, 16)], ids=["one head block", "two head blocks"])
+def test_in_place_scores_are_the_same_for_any_steps(heads: int, block_h: int, device: str) -> None:
+    """A program of the in-place scores takes `steps` blocks of entries in turn: every entry's score is the one
+    program a block gives, bit for bit, over caches of 0 to 52 entries (one step, several, past the last)."""
+    step = make_step(chunks_holding([(0, 1), (3, 1), (150, 2), (201, 8)]), heads=2, dim=64, window=8, topk=6, spare=3,
+                     block_size=BLOCK, ratio=RATIO, device=device)
+    ctx, n = step["ctx"], step["ctx"].num_tokens
+    q, weights = gen(n, heads, 64, seed=3, device=device), gen(n, heads, seed=4, device=device)
+    config = {"block_H": block_h, "block_D": 32, "block_L": 16, "num_warps": 4, "num_stages": 1}
+    want = index_scores_op(q, weights, step["compressed"], ratio=RATIO, ctx=ctx, config=config)
+    assert want.shape == (n, 52) and (want[torch.isfinite(want)] != 0).sum() > 100
+    for steps in (2, 3, 5):
+        got = index_scores_op(q, weights, step["compressed"], ratio=RATIO, ctx=ctx, config=config | {"steps": steps})
+        assert torch.equal(got, want), steps
+
+
 def pools(dim: int, seed: int) -> tuple[PagedCache, list[SequenceState]]:
     """A compressor's pools: every chunk's sequence with its partial ring filled before its start, its table
     scattered; one more slot than sequences, unused."""
