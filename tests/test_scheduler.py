@@ -159,3 +159,16 @@ def test_a_running_sequence_is_never_held_back() -> None:
     land(s.schedule())
     is_ready["value"] = False
     assert plan(s.schedule()) == [(a.seq_id, 3, 1, True)]
+
+
+def test_token_ids_slice_prompt_outputs_and_the_tokens_in_flight() -> None:
+    """Every range of a sequence's tokens, the prompt's, the outputs' and the in-flight placeholders, across their
+    seams: what joining the prompt and the outputs would give, padded with PLACEHOLDER."""
+    a = seq(5)
+    a.output_token_ids += [7, 8, 9]
+    a.num_inflight = 1
+    known = a.prompt_token_ids + a.output_token_ids
+    for start in range(0, 10):
+        for length in range(0, 11 - start):
+            want = known[start:start + length] + [PLACEHOLDER] * max(0, start + length - len(known))
+            assert a.token_ids(start, length) == want, (start, length)

@@ -232,6 +232,7 @@ class LLMEngine:
         self.scheduler.cache_step(chunks, out.snapshots, failed=out.error is not None)
 
     def _finish_seq(self, seq) -> None:
+        self.output_processor.finish(seq)
         self.scheduler.finish(seq)
         self._finished_seqs.append(seq.seq_id)
         request = self.requests[seq.request_id]

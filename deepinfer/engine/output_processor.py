@@ -3,6 +3,10 @@
 A sequence stops ("stop") at eos (unless `ignore_eos`), at a stop token id, or once its text holds a stop string
 (trimmed there, or after it with `include_stop_str_in_output`); it ends ("length") at `max_tokens` or at the
 model length. Stop strings are sought only where the new token could have completed one, as vLLM does.
+
+A sequence with stop strings has its text decoded as it grows (each token may complete one); any other is decoded once,
+when it finishes (`finish`): decoding the whole output at every token costs O(length) a step, which long completions
+of many sequences would pay on the host each step.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ class OutputProcessor:
                 lp.decoded_token = self._token_text(tid)
             seq.logprobs.append(logprobs)
             seq.cumulative_logprob += logprobs[token].logprob
-        search_from = max(0, len(seq.text) - max((len(x) for x in params.stop), default=0) + 1)
-        seq.text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=params.skip_special_tokens)
+        if params.stop:  # the text as it grows: the new token may complete a stop string
+            search_from = max(0, len(seq.text) - max(len(x) for x in params.stop) + 1)
+            seq.text = self._decode(seq)
         if token in self.eos_token_ids and not params.ignore_eos:
             seq.finish_reason = "stop"
         elif token in params.stop_token_ids:
@@ -42,6 +47,14 @@ class OutputProcessor:
         elif len(seq.output_token_ids) >= seq.max_tokens:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
+
+    def finish(self, seq: Sequence) -> None:
+        """`seq` is done: its text, decoded once here where no stop string had it decoded as it grew."""
+        if not seq.params.stop:
+            seq.text = self._decode(seq)
+
+    def _decode(self, seq: Sequence) -> str:
+        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
 
     @staticmethod
     def _find_stop(seq: Sequence, start: int) -> bool:

@@ -95,11 +95,10 @@ class PrefixCache:
 
     def keys(self, seq: Sequence, num_blocks: int) -> list[bytes]:
         """The keys of the first `num_blocks` blocks of `seq` (its known tokens must cover them), kept on it."""
-        tokens = seq.prompt_token_ids + seq.output_token_ids
         bs = self.block_size
-        while len(seq.block_keys) < num_blocks:
+        while len(seq.block_keys) < num_blocks:  # the tokens sliced where a key is missing, not copied whole a call
             i = len(seq.block_keys)
-            seq.block_keys.append(chain_key(seq.block_keys[-1] if i else b"", tokens[i * bs:(i + 1) * bs]))
+            seq.block_keys.append(chain_key(seq.block_keys[-1] if i else b"", seq.token_ids(i * bs, bs)))
         return seq.block_keys[:num_blocks]
 
     def lookup(self, seq: Sequence) -> Hit | None:

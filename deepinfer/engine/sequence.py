@@ -83,9 +83,13 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     def token_ids(self, start: int, length: int) -> list[int]:
-        """Tokens start .. start + length - 1, PLACEHOLDER where still in flight."""
-        known = self.prompt_token_ids + self.output_token_ids
-        return known[start : start + length] + [PLACEHOLDER] * max(0, start + length - len(known))
+        """Tokens start .. start + length - 1, PLACEHOLDER where still in flight. Slices the prompt and the outputs
+        where the range lies, never copying either whole (a decode step asks for one token of a long sequence)."""
+        end, prompt = start + length, len(self.prompt_token_ids)
+        out = self.prompt_token_ids[start:end] if start < prompt else []
+        if end > prompt:
+            out += self.output_token_ids[max(0, start - prompt) : end - prompt]
+        return out + [PLACEHOLDER] * max(0, end - prompt - len(self.output_token_ids))
 
     def __repr__(self) -> str:
         return (f"Sequence({self.seq_id}, request {self.request_id}#{self.index}, {self.status.name}, "
