@@ -13,9 +13,9 @@ import importlib
 import importlib.util
 import logging
 import pkgutil
+from pathlib import Path
 from types import ModuleType
 
-import kernels
 from kernels.lowering import TILELANG, Lowering
 from kernels.tuning import Tuning
 
@@ -23,8 +23,11 @@ logger = logging.getLogger(__name__)
 
 
 def families() -> list[str]:
-    """The names of the kernel families, in alphabetical order: the packages of kernels/ with a lowering.py."""
-    return [m.name for m in pkgutil.iter_modules(kernels.__path__) if m.ispkg
+    """The names of the kernel families, in alphabetical order: the packages of kernels/ with a lowering.py. Listed
+    from this file's folder, not from the `kernels` module: outside this repository an editable install can leave
+    another distribution's top-level `kernels` in that name (Hugging Face's, which transformers requires), while each
+    `kernels.<family>` still imports from here."""
+    return [m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if m.ispkg
             and importlib.util.find_spec(f"kernels.{m.name}.lowering") is not None]
 
 

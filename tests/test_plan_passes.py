@@ -4,8 +4,12 @@ one that cannot build here (said once); the registry holds every family's loweri
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import pkgutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -59,6 +63,18 @@ def test_the_backend_is_the_targets_rule_and_one_that_cannot_build_is_said_once(
     with caplog.at_level(logging.WARNING, logger="kernels.registry"):
         assert backend_for(collapse, "sm90") == TRITON and backend_for(collapse, "sm100") == TRITON
     assert [r.getMessage().startswith("TileLang kernels cannot be built here") for r in caplog.records] == [True]
+
+
+def test_the_registry_finds_every_family_from_outside_the_repository(tmp_path) -> None:
+    """Run from another folder, where `import kernels` may give another distribution's top-level package (Hugging
+    Face's, which transformers requires) while `kernels.<family>` still imports from here: the same families and
+    lowerings as in this process."""
+    code = ("import json; from kernels import registry; "
+            "print(json.dumps([registry.families(), sorted(registry.LOWERINGS)]))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert json.loads(out) == [registry.families(), sorted(registry.LOWERINGS)]
 
 
 def test_the_registry_holds_every_family_and_only_known_ops() -> None:
