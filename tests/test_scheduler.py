@@ -3,9 +3,11 @@ sequences held back until ready (a grammar compiling)."""
 
 from __future__ import annotations
 
+import pytest
+
 from deepinfer.engine.block_manager import BlockManager, CacheLayout
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from deepinfer.engine.sequence import PLACEHOLDER, Outputs, Sequence, SequenceStatus
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -172,3 +174,19 @@ def test_token_ids_slice_prompt_outputs_and_the_tokens_in_flight() -> None:
         for length in range(0, 11 - start):
             want = known[start:start + length] + [PLACEHOLDER] * max(0, start + length - len(known))
             assert a.token_ids(start, length) == want, (start, length)
+
+
+def test_outputs_read_in_place_stay_what_they_were_as_the_list_grows() -> None:
+    """A step's sampling rows read their sequence's outputs in place (`Outputs`): the first `count`, then extra
+    tokens, as a list of them would be, whatever the CPU side appends meanwhile."""
+    items = [5, 6, 7]
+    view = Outputs(items, 2).then(9)
+    items += [8, 8]  # the next step's tokens landing
+    assert list(view) == [5, 6, 9] and len(view) == 3 and view == [5, 6, 9] and view.tolist() == [5, 6, 9]
+    assert (view[0], view[-1], view[-3], view[1:]) == (5, 9, 5, [6, 9])
+    assert view + [1] == [5, 6, 9, 1] and [0] + view == [0, 5, 6, 9]
+    for bad in (3, -4):
+        with pytest.raises(IndexError):
+            view[bad]
+    with pytest.raises(ValueError, match="count 6"):
+        Outputs(items, 6)

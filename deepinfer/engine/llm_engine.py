@@ -31,7 +31,7 @@ from deepinfer.engine.prefix_cache import PrefixCache
 from deepinfer.engine.request import Request, RequestError, check_prompt
 from deepinfer.engine.sampler import SampleRow
 from deepinfer.engine.scheduler import ScheduledChunk, Scheduler
-from deepinfer.engine.sequence import SequenceStatus
+from deepinfer.engine.sequence import Outputs, SequenceStatus
 from deepinfer.engine.speculator import Speculator
 from deepinfer.engine.token_constraint import TokenConstraint
 from deepinfer.inputs import PromptType, parse_prompt
@@ -180,7 +180,8 @@ class LLMEngine:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
             sample = SampleRow(seq.seq_id, seq.request_id, seq.index, seq.params, seq.seed, seq.prompt_token_ids,
-                               list(seq.output_token_ids), seq.num_inflight - 1) if c.samples else None
+                               Outputs(seq.output_token_ids, len(seq.output_token_ids)), seq.num_inflight - 1) \
+                if c.samples else None
             tokens = seq.token_ids(c.start, c.length - len(c.drafts)) + c.drafts
             rows.append(RowInput(seq.seq_id, seq.slot, list(seq.block_table), c.start, tokens, sample, len(c.drafts),
                                  c.restore, c.snapshot, self._replay_from(c)))

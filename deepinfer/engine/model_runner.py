@@ -214,7 +214,7 @@ class ModelRunner:
                 # the token the step before sampled is this step's last input before the drafts (PLACEHOLDER where a
                 # plain step takes it on the device: only the outputs' count is read then)
                 pending = tokens[len(tokens) - row.num_drafts - 1]
-                outputs = s.output_token_ids + [pending] if s.num_pending else s.output_token_ids
+                outputs = s.output_token_ids.then(pending) if s.num_pending else s.output_token_ids
                 draws.append(Draw(s, outputs, row.token_ids[len(row.token_ids) - row.num_drafts:], first, state))
             first += 1 + row.num_drafts
         return draws

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from deepinfer.engine.sequence import Outputs
 from deepinfer.outputs import Logprob
 from deepinfer.sampler import plain_greedy, plain_sampled, sample, sample_plain, top_logprobs
 from deepinfer.sampling_params import SamplingParams
@@ -31,8 +32,9 @@ Tokens = tuple[list[int], list[dict[int, Logprob] | None]]
 
 @dataclass
 class SampleRow:
-    """What sampling one row needs. `output_token_ids` are the outputs seen on the CPU when the step was scheduled;
-    the one the previous step sampled follows them when `num_pending` is 1."""
+    """What sampling one row needs. `output_token_ids` are the outputs seen on the CPU when the step was scheduled
+    (read in place: deepinfer.engine.sequence.Outputs; a list given is taken whole); the one the previous step sampled
+    follows them when `num_pending` is 1."""
 
     seq_id: int
     request_id: str
@@ -40,8 +42,13 @@ class SampleRow:
     params: SamplingParams
     seed: int
     prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    output_token_ids: Outputs
     num_pending: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.output_token_ids, Outputs):
+            tokens = list(self.output_token_ids)
+            self.output_token_ids = Outputs(tokens, len(tokens))
 
 
 @dataclass(slots=True)
@@ -51,7 +58,7 @@ class Draw:
     logits (1 + len(drafts) rows: after its last token, then after each draft) and its `state` after the forward."""
 
     row: SampleRow
-    outputs: list[int]
+    outputs: Outputs
     drafts: list[int]
     first: int
     state: SequenceState

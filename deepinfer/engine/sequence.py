@@ -7,8 +7,10 @@ now running (asynchronous scheduling feeds them to the next step as placeholders
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from collections.abc import Sequence as SequenceABC
 from enum import Enum, auto
-from itertools import count
+from itertools import count, islice
 from typing import TYPE_CHECKING
 
 from deepinfer.outputs import Logprob
@@ -18,6 +20,60 @@ if TYPE_CHECKING:
     from deepinfer.engine.speculator import Proposal
 
 PLACEHOLDER = -1  # an input token still being sampled by the step in flight
+
+
+class Outputs(SequenceABC):
+    """The first `count` outputs of a sequence read in place from its list of outputs, then `extra` tokens. That list
+    only grows (the CPU side appends to it while a step scheduled before runs), so its first `count` stay as they
+    were: a step's sampling rows hold this instead of a copy, which would cost each row O(length) a step. `+` gives a
+    list."""
+
+    __slots__ = ("_items", "_count", "_extra")
+
+    def __init__(self, items: list[int], count: int, extra: tuple[int, ...] = ()) -> None:
+        if not 0 <= count <= len(items):
+            raise ValueError(f"count {count} outside the {len(items)} outputs")
+        self._items, self._count, self._extra = items, count, tuple(extra)
+
+    def __len__(self) -> int:
+        return self._count + len(self._extra)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return self.tolist()[i]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"output {i} of {n}")
+        return self._items[i] if i < self._count else self._extra[i - self._count]
+
+    def __iter__(self) -> Iterator[int]:
+        yield from islice(self._items, self._count)
+        yield from self._extra
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (Outputs, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+        return NotImplemented
+
+    __hash__ = None
+
+    def __add__(self, other) -> list[int]:
+        return self.tolist() + list(other)
+
+    def __radd__(self, other) -> list[int]:
+        return list(other) + self.tolist()
+
+    def tolist(self) -> list[int]:
+        return self._items[: self._count] + list(self._extra)
+
+    def then(self, *tokens: int) -> Outputs:
+        """These outputs followed by `tokens`, still read in place."""
+        return Outputs(self._items, self._count, self._extra + tokens)
+
+    def __repr__(self) -> str:
+        return f"Outputs({self.tolist()})"
 
 
 class SequenceStatus(Enum):
