@@ -122,6 +122,11 @@ def measure(batch: int, context: int, a: dict, sweep: bool) -> dict:
     return row
 
 
+def ranked(row: dict) -> list[tuple[dict, float, str]]:
+    """The sweep's timed configs of a case, fastest first."""
+    return sorted((t for t in row["trials"] if t[1] is not None), key=lambda t: t[1])
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,16,64,256")
@@ -139,8 +144,7 @@ def main() -> int:
         torch.cuda.empty_cache()
         r = rows[-1]
         print(f"B={batch} ctx={context} ratio {a['ratio']}: rel err {r['err']:.1e}", flush=True)
-        ranked = sorted((t for t in r["trials"] if t[1] is not None), key=lambda t: t[1])
-        for config, us, _ in ranked[: args.top]:
+        for config, us, _ in ranked(r)[: args.top]:
             print(f"    {us:9.1f} us  {r['key_bytes'] / us / 1e3:7.0f} GB/s  {config}")
         for config, _, why in (t for t in r["trials"] if t[1] is None):
             print(f"    failed: {why}  {config}")
@@ -150,14 +154,14 @@ def main() -> int:
         if not r["ok"]:
             print(f"{r['B']:4d} {r['ctx']:6d} FAILED the check: rel err {r['err']:.2e}")
             continue
-        ranked = sorted((t for t in r["trials"] if t[1] is not None), key=lambda t: t[1])
-        best = ranked[0][1] if ranked else r["heuristic_us"]
+        fastest = ranked(r)
+        best = fastest[0][1] if fastest else r["heuristic_us"]
         blocks = f"{r['blocks_us']:9.1f}" if "blocks_us" in r else f"{'':>9s}"
         print(f"{r['B']:4d} {r['ctx']:6d} {r['ratio']:5d} {r['entries']:7d} {r['heuristic_us']:9.1f} "
               f"{r['key_bytes'] / r['heuristic_us'] / 1e3:6.0f} {r['flops'] / r['heuristic_us'] / 1e6:7.1f} "
               f"{best:8.1f} {r['heuristic_us'] / best:6.2f} {r['topk_us']:8.1f} {blocks}")
-        if ranked:
-            print(f"{'':>12s} best: {ranked[0][0]}")
+        if fastest:
+            print(f"{'':>12s} best: {fastest[0][0]}")
     return 0 if all(r["ok"] for r in rows) else 1
 
 

@@ -179,9 +179,9 @@ class LLMEngine:
             seq, request = c.seq, self.requests[c.seq.request_id]
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
+            outputs = Outputs(seq.output_token_ids, len(seq.output_token_ids))  # read in place, not copied
             sample = SampleRow(seq.seq_id, seq.request_id, seq.index, seq.params, seq.seed, seq.prompt_token_ids,
-                               Outputs(seq.output_token_ids, len(seq.output_token_ids)), seq.num_inflight - 1) \
-                if c.samples else None
+                               outputs, seq.num_inflight - 1) if c.samples else None
             tokens = seq.token_ids(c.start, c.length - len(c.drafts)) + c.drafts
             rows.append(RowInput(seq.seq_id, seq.slot, list(seq.block_table), c.start, tokens, sample, len(c.drafts),
                                  c.restore, c.snapshot, self._replay_from(c)))

@@ -187,7 +187,8 @@ def paged_index_scores(q: torch.Tensor, weights: torch.Tensor, *, fmt: EntryForm
     """`index_scores` over keys read in place: scores fp32 [N, width] of token t against entries 0 .. of its chunk
     row_chunks[t] ([N]), entry e in pool `parts` ([blocks, PER, ...] in `fmt`) at block tables[chunk, e // PER]
     ([B, W]), -inf from min((positions[t] + 1) // ratio, lengths[chunk]) ([B]) on. q [N, H, d] float32/bfloat16
-    (bf16 products unless `dot_fp32`), weights [N, H] float32; index tensors of any integer type."""
+    (bf16 products unless `dot_fp32`), weights [N, H] float32; index tensors of any integer type. A program takes
+    config["steps"] blocks of entries where the config names a count, else `paged_index_scores_steps`'s."""
     if q.dim() != 3 or q.dtype not in (torch.float32, torch.bfloat16) or not q.is_contiguous():
         raise ValueError(f"q must be contiguous float32/bfloat16 [N, H, d], got {q.dtype} {list(q.shape)}")
     n, h, d = q.shape
@@ -209,6 +210,8 @@ def paged_index_scores(q: torch.Tensor, weights: torch.Tensor, *, fmt: EntryForm
         return out
     blocks = triton.cdiv(width, config["block_L"])
     steps = config.get("steps") or paged_index_scores_steps(n, blocks)
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"the in-place scores' steps must be a positive int, got {steps!r}")
     launch(paged_index_scores_kernel, (n, triton.cdiv(blocks, steps)),
            (q, weights, codes, scales, tables_i, lengths_i, chunks_i, positions_i, out, width, tables.shape[1],
             parts[0].shape[1], steps),

@@ -109,6 +109,8 @@ def test_in_place_scores_are_the_same_for_any_steps(heads: int, block_h: int, de
     for steps in (2, 3, 5):
         got = index_scores_op(q, weights, step["compressed"], ratio=RATIO, ctx=ctx, config=config | {"steps": steps})
         assert torch.equal(got, want), steps
+    with pytest.raises(ValueError, match="positive int"):
+        index_scores_op(q, weights, step["compressed"], ratio=RATIO, ctx=ctx, config=config | {"steps": -1})
 
 
 def pools(dim: int, seed: int) -> tuple[PagedCache, list[SequenceState]]:
