@@ -97,7 +97,8 @@ def measure(batch: int, context: int, a: dict, sweep: bool) -> dict:
     s = make_pool(batch, context // a["ratio"], a)
     heuristic = default_config(batch, a["heads"], a["dim"])
     want = scores(s, a, heuristic)
-    err = float((want.double() - reference(s, a)).norm() / reference(s, a).norm())
+    ref = reference(s, a)
+    err = float((want.double() - ref).norm() / ref.norm())
     key_bytes = batch * s["entries"] * a["fmt"].entry_bytes(a["dim"])
     flops = 2 * batch * s["entries"] * a["heads"] * a["dim"]
     row = dict(B=batch, ctx=context, ratio=a["ratio"], entries=s["entries"], err=err, ok=err < TOLERANCE,

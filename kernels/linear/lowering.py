@@ -100,12 +100,11 @@ def project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, gemm: str,
     n, k = w.shape[0] // groups, w.shape[1]  # fp8 groups hold whole 32-row scale blocks (`weight_format`)
     # each group's product copied into its columns: the values of a `torch.cat`, whose meta kernel (what
     # `deepinfer.compile`'s launch recording runs) would import torch._dynamo, most of a second
-    out = None
+    out = torch.empty(x.shape[0], groups * n, dtype=torch.float32, device=x.device)  # linear_prefill's fp32
     for g in range(groups):
-        y = prefill.linear_prefill(x[:, g * k:(g + 1) * k].contiguous(), w[g * n:(g + 1) * n],
-                                   None if s is None else s[g * n // 32:(g + 1) * n // 32], config=config)
-        out = y.new_empty(y.shape[0], groups * n) if out is None else out
-        out[:, g * n:(g + 1) * n] = y
+        out[:, g * n:(g + 1) * n] = prefill.linear_prefill(
+            x[:, g * k:(g + 1) * k].contiguous(), w[g * n:(g + 1) * n],
+            None if s is None else s[g * n // 32:(g + 1) * n // 32], config=config)
     return out
 
 
