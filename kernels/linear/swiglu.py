@@ -7,9 +7,9 @@ the same order (both clamps, then silu(gate) times up) through the routed expert
 reference, not bitwise (finite inputs; a NaN gate is clamped to L here). Elementwise, so a row's result does not
 depend on the others.
 
-`swiglu_one_row` is the whole of h for one token over fp8 weights (a batch-1 decode step off the batch-invariant
-configs): gate, up and the activation in one launch of gemv.py's `gemv_swiglu_kernel`, bitwise what the two one-row
-projections and this module's kernel give.
+`swiglu_one_row` is the whole of h for one token (a batch-1 decode step off the batch-invariant configs): gate, up and
+the activation in one launch of gemv.py's `gemv_swiglu_kernel`, bitwise what the two one-row projections and this
+module's kernel give.
 """
 
 from __future__ import annotations
@@ -57,18 +57,20 @@ def _check_limit(limit: float) -> None:
         raise ValueError(f"limit must be >= 0 (0: no clamps), got {limit}")
 
 
-def swiglu_one_row(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor, s3: torch.Tensor, *,
-                   limit: float) -> torch.Tensor:
+def swiglu_one_row(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor | None, w3: torch.Tensor,
+                   s3: torch.Tensor | None, *, limit: float) -> torch.Tensor:
     """h fp32 [1, N] = swiglu(x W1^T, x W3^T) with `limit` (as `swiglu`) for one token x [1, K] (fp32 or bf16) over
-    fp8 32 x 32-block weights W1 and W3 [N, K] with their float32 scales, in one launch."""
+    W1 and W3 [N, K] of one dtype: fp8 32 x 32-block weights with their float32 scales, or plain (bf16, fp32) ones
+    without; in one launch."""
     if x.dim() != 2 or x.shape[0] != 1:
         raise ValueError(f"swiglu_one_row takes one token x [1, K], got {list(x.shape)}")
-    if w1.shape != w3.shape or w1.dtype != torch.float8_e4m3fn or w3.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"swiglu_one_row needs fp8 W1 and W3 of one shape, got {w1.dtype} {list(w1.shape)} and "
-                         f"{w3.dtype} {list(w3.shape)}")
+    if w1.shape != w3.shape or w1.dtype != w3.dtype:
+        raise ValueError(f"swiglu_one_row needs W1 and W3 of one shape and dtype, got {w1.dtype} {list(w1.shape)} "
+                         f"and {w3.dtype} {list(w3.shape)}")
     _check_limit(limit)
     n, k = w1.shape
-    config = gemv_config(n, k)
+    fp8 = w1.dtype == torch.float8_e4m3fn
+    config = gemv_config(n, k, w_bytes=w1.element_size())
     check(x, w1, s1, 1, config)
     check(x, w3, s3, 1, config)
     out = torch.empty(1, n, dtype=torch.float32, device=x.device)
@@ -77,8 +79,9 @@ def swiglu_one_row(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torc
     split, block_k, block_n = config["split_k"], config["block_K"], config["block_N"]
     ws = torch.empty(2, split, n, dtype=torch.float32, device=x.device)
     launch(gemv.gemv_swiglu_kernel, (triton.cdiv(n, block_n), 2 * split),
-           (x, w1, s1, w3, s3, ws, out, gemv.tile_counters(x.device, triton.cdiv(n, block_n))),
-           dict(N=n, K=k, SCALE_COLS=s1.shape[1], SPLIT_K=split,
+           (x, w1, s1 if fp8 else w1, w3, s3 if fp8 else w3, ws, out,
+            gemv.tile_counters(x.device, triton.cdiv(n, block_n))),
+           dict(N=n, K=k, SCALE_COLS=s1.shape[1] if fp8 else 0, FP8=fp8, SPLIT_K=split,
                 K_PER_SPLIT=k_per_split(k, split, block_k), LIMIT=float(limit),
                 block_N=block_n, block_K=block_k), config["num_warps"], config["num_stages"])
     return out

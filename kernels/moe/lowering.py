@@ -1,6 +1,6 @@
 """The MoE family's lowerings: the routed experts (experts.py, fp4 or float weights) and the gate (`moe_gate`: its
-projection on the linear family's decode GEMM in fp32 products, as the reference, since routing is discrete; then
-its scores and top-k on gate.py)."""
+projection on the linear family's decode GEMM in fp32 products, as the reference, since routing is discrete, one
+token on its one-row kernel outside batch-invariant configs; then its scores and top-k on gate.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import kernels.moe.experts as experts
 import kernels.moe.fragments as fragments
 import kernels.moe.gate as gate
 from dsl.graph import Node
-from kernels.linear.lowering import weight_format
+from kernels.linear.lowering import no_gemv, weight_format
 from kernels.lowering import PLAIN, Call, Lowering, Params, Static, Variant, meta, over_tokens, param, weight_dtype
 from kernels.moe.expert_parallel_kernel import ConfigFor, ParallelMoeKernel, serve_pairs, wire_splits
 from kernels.targets import Target
@@ -132,13 +132,17 @@ class MoeGate(Lowering):
                        gemms: tuple[str, ...] = ()) -> dict:
         return linear.default_config(tokens, static.e, static.d, w_bytes=4)
 
+    def invariant(self, config: dict) -> dict:
+        return no_gemv(config)
+
     def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
         x, w, bias = call.args
         return self._gate(x.contiguous(), w, bias, call)
 
     def trace(self, call: Call) -> None:
         st = call.static
-        self._gate(meta(call.tokens, st.d), meta(st.e, st.d), meta(st.e), call)
+        for rows in (call.tokens, 1) if call.tokens > 1 else (1,):  # one token on the one-row kernel too
+            self._gate(meta(rows, st.d), meta(st.e, st.d), meta(st.e), call)
 
     @staticmethod
     def _gate(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.Tensor]:

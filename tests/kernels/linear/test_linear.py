@@ -1,5 +1,5 @@
 """The decode linear (plain and grouped; bf16, fp32 and fp8 32x32-block weights) against `dsl.ops.dense`, one token
-over fp8 weights on the one-row kernel (`gemv_kernel`, fp32 activations) and on the tensor cores (`gemv` False)."""
+on the one-row kernel (`gemv_kernel`, fp32 activations) and on the tensor cores (`gemv` False)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from dsl.ops.dense import grouped_linear as ref_grouped_linear
 from dsl.ops.dense import linear as ref_linear
 from dsl.quant import quantize_fp8_block
 from kernels.lang import triton
-from kernels.launch import launch
+from kernels.launch import jit_launch, launch, use_launcher
 from kernels.linear import gemv
-from kernels.linear.linear import default_config, gemv_config, k_per_split, linear
+from kernels.linear.linear import ROWS_MAX, default_config, gemv_config, k_per_split, linear, on_rows, rows_config
 from kernels.linear.lowering import LINEAR, SWIGLU, LinearStatic, SwigluStatic
 from tests.kernels.cases import DECODE_TOKENS, V41_LINEARS, gen, rel_l2
 
@@ -39,7 +39,7 @@ def check(m: int, n: int, k: int, groups: int, fmt: str, device: str, config: di
     x = gen(m, groups * k, device=device, seed=m)
     out = linear(x, w, s, groups=groups, config=config, dot_fp32=dot_fp32)
     assert out.shape == (m, groups * n) and out.dtype == torch.float32
-    gemv = m == 1 and fmt == "fp8" and (config or {}).get("gemv", True)  # fp32 activations there
+    gemv = m == 1 and (config or {}).get("gemv", True)  # the one-row kernel: fp32 activations
     assert rel_l2(out, reference(x, w, s, groups, dot_fp32 or gemv)) < tol
 
 
@@ -66,28 +66,35 @@ def test_linear_matches_reference(m, n, k, groups, fmt, config, device) -> None:
 GEMV_CASES = [(40, 96, 1), (96, 600, 1), (40, 2080, 1), (32, 96, 2), (64, 2100, 2)]
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "bf16", "fp32"])
 @pytest.mark.parametrize("n,k,groups", GEMV_CASES)
-def test_one_token_over_fp8_weights_runs_in_fp32(n, k, groups, device) -> None:
-    """The one-row kernel sums fp32 products (the reference with fp32 activations, to rounding); `gemv` False keeps
-    the token on the tensor cores, whose activations are rounded to bf16 (the reference with bf16 ones)."""
-    w, s = make_weight(groups * n, k, "fp8", device, seed=n + k)
+def test_one_token_runs_in_fp32(n, k, groups, fmt, device) -> None:
+    """The one-row kernel sums fp32 products (the reference with fp32 activations, to rounding), with `dot_fp32` or
+    without; `gemv` False keeps the token on the tensor cores, whose operands are rounded to bf16 (the reference with
+    bf16 activations), or multiplied in fp32 where fp32 weights ask for `dot_fp32`, as the gate's do."""
+    w, s = make_weight(groups * n, k, fmt, device, seed=n + k)
     x = gen(1, groups * k, device=device, seed=k)
     tiles = dict(block_M=16, block_N=32, block_K=32, split_k=1, num_warps=4, num_stages=2)
+    exact = fmt == "fp32"
     one_row = linear(x, w, s, groups=groups, config=tiles)
-    cores = linear(x, w, s, groups=groups, config=dict(tiles, gemv=False))
+    cores = linear(x, w, s, groups=groups, config=dict(tiles, gemv=False), dot_fp32=exact)
     assert rel_l2(one_row, reference(x, w, s, groups, True)) < 1e-6
-    assert rel_l2(cores, reference(x, w, s, groups, False)) < 2e-5
-    assert not torch.equal(one_row, cores)
+    assert rel_l2(cores, reference(x, w, s, groups, exact)) < (1e-6 if exact else 2e-5)
+    if fmt != "fp8":  # fp32 products whether asked for or not: one kernel, the same bits
+        assert torch.equal(linear(x, w, s, groups=groups, config=tiles, dot_fp32=True), one_row)
+    if not exact:
+        assert not torch.equal(one_row, cores)
     if k >= 2048:
         assert gemv_config(n, k, groups)["split_k"] > 1
 
 
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
 @pytest.mark.parametrize("n,k,groups,split", [(40, 2080, 1, 4), (64, 2100, 2, 2), (96, 600, 1, 3)])
-def test_one_row_split_sums_in_split_order_inside_one_launch(n, k, groups, split, device) -> None:
+def test_one_row_split_sums_in_split_order_inside_one_launch(n, k, groups, split, fmt, device) -> None:
     """A split launch of `gemv_kernel` writes out as the last program sees it: its splits' partials summed in split
     order (what `splitk_reduce_kernel` gives, the same bits whichever program is last), and leaves its tile counters
     at zero for the next launch, which then gives the same bits."""
-    w, s = make_weight(groups * n, k, "fp8", device, seed=n + split)
+    w, s = make_weight(groups * n, k, fmt, device, seed=n + split)
     x = gen(1, groups * k, device=device, seed=split)
     block_n, block_k = 32, 64
     counters = gemv.tile_counters(torch.device(device), triton.cdiv(n, block_n) * groups)
@@ -95,9 +102,11 @@ def test_one_row_split_sums_in_split_order_inside_one_launch(n, k, groups, split
     for _ in range(2):
         ws = torch.full((split, groups * n), float("nan"), device=device)
         out = torch.full((1, groups * n), float("nan"), device=device)
-        launch(gemv.gemv_kernel, (triton.cdiv(n, block_n), groups * split), (x, w, s, ws, out, counters),
-               dict(N=n, K=k, GROUPS=groups, SCALE_COLS=s.shape[1], SPLIT_K=split,
-                    K_PER_SPLIT=k_per_split(k, split, block_k), block_N=block_n, block_K=block_k), 4, 2)
+        scales = w if s is None else s  # unread without FP8
+        launch(gemv.gemv_kernel, (triton.cdiv(n, block_n), groups * split), (x, w, scales, ws, out, counters),
+               dict(N=n, K=k, GROUPS=groups, SCALE_COLS=0 if s is None else s.shape[1], FP8=s is not None,
+                    SPLIT_K=split, K_PER_SPLIT=k_per_split(k, split, block_k), block_N=block_n, block_K=block_k),
+               4, 2)
         total = torch.zeros(groups * n, device=device)
         for part in ws:
             total += part
@@ -106,6 +115,30 @@ def test_one_row_split_sums_in_split_order_inside_one_launch(n, k, groups, split
         runs.append(out)
     assert torch.equal(runs[0], runs[1])
     assert rel_l2(runs[0], reference(x, w, s, groups, True)) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", [(40, 96), (24, 2100), (70, 600)])
+def test_few_rows_in_fp32_products_on_the_cuda_cores(n, k, dtype, device) -> None:
+    """2 to ROWS_MAX tokens over plain weights with fp32 products (the router's) run `gemv_rows_kernel`: the fp64
+    reference to fp32 rounding; a row the same bits in a call of 2, 17 or 64 rows (its tile is the shape's, never
+    the count's); its K splits summed inside, counters left at zero; `gemv` False keeps them on the tensor cores."""
+    w = gen(n, k, seed=n, scale=k**-0.5).to(dtype).to(device)
+    x = gen(ROWS_MAX, k, device=device, seed=k)
+    tiles = dict(block_M=16, block_N=32, block_K=32, split_k=1, num_warps=4, num_stages=2)
+    launched = []
+    with use_launcher(lambda call: (launched.append(call.name), jit_launch(call))):
+        full = linear(x, w, config=tiles, dot_fp32=True)
+    assert launched == ["gemv_rows_kernel"]
+    assert rel_l2(full, reference(x, w, None, 1, True)) < 1e-6
+    assert not torch.any(gemv.tile_counters(torch.device(device), 1))
+    for m in (2, 17):
+        assert torch.equal(linear(x[-m:].contiguous(), w, config=tiles, dot_fp32=True), full[-m:])
+    cores = linear(x, w, config=dict(tiles, gemv=False), dot_fp32=True)
+    assert rel_l2(cores, reference(x, w, None, 1, True)) < 1e-6 and not torch.equal(cores, full)
+    if k >= 2048:
+        assert rows_config(n, k)["split_k"] > 1
+    assert not on_rows(ROWS_MAX + 1, w, 1, tiles, True) and not on_rows(8, w, 1, tiles, False)
 
 
 def test_invariant_configs_keep_one_token_on_the_tensor_cores() -> None:

@@ -65,11 +65,12 @@ def test_swiglu_rejects_bad_input(device) -> None:
 
 
 def shared_expert(d: int, inter: int, fmt: str, device: str) -> list:
-    """w1, w2, w3 and their scales: fp32 weights, or fp8 32x32 blocks as the checkpoint stores the shared expert."""
+    """w1, w2, w3 and their scales: fp32 or bf16 weights, or fp8 32x32 blocks as the checkpoint stores the shared
+    expert."""
     ws, ss = [], []
     for i, (o, k) in enumerate([(inter, d), (d, inter), (inter, d)]):
         w = gen(o, k, seed=10 + i, scale=4 * k**-0.5)  # w1 x and w3 x reach the clamps
-        w, s = quantize_fp8_block(w) if fmt == "fp8" else (w, None)
+        w, s = quantize_fp8_block(w) if fmt == "fp8" else (w.to(torch.bfloat16) if fmt == "bf16" else w, None)
         ws.append(w.to(device))
         ss.append(None if s is None else s.to(device))
     return ws + ss
@@ -94,20 +95,22 @@ def test_the_lowering_is_the_op(limit, device) -> None:
 
 
 # (d, inter): K under a stage and unsplit; K split (gemv_config splits k >= 2048 at few tiles), N past a tile
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
 @pytest.mark.parametrize("d,inter", [(96, 40), (2080, 40), (2100, 96)])
 @pytest.mark.parametrize("limit", [0.0, LIMIT])
-def test_one_token_shared_expert_in_one_launch(d, inter, limit, device) -> None:
-    """One token over fp8 weights: h in one launch (`swiglu_one_row`) is bitwise the two one-row projections and the
-    activation kernel, leaves the tile counters at zero, and the lowering runs it (two launches in all, with down)."""
+def test_one_token_shared_expert_in_one_launch(d, inter, limit, fmt, device) -> None:
+    """One token over fp8 or plain weights: h in one launch (`swiglu_one_row`) is bitwise the two one-row projections
+    and the activation kernel, leaves the tile counters at zero, and the lowering runs it (two launches in all, with
+    down)."""
     x = gen(1, d, seed=d, scale=4.0, device=device)
-    w1, w2, w3, s1, s2, s3 = shared_expert(d, inter, "fp8", device)
+    w1, w2, w3, s1, s2, s3 = shared_expert(d, inter, fmt, device)
     separate = swiglu(linear(x, w1, s1), linear(x, w3, s3), limit=limit)
     fused = swiglu_one_row(x, w1, s1, w3, s3, limit=limit)
     assert torch.equal(fused, separate)
     assert not torch.any(gemv.tile_counters(torch.device(device), 1))
     if d >= 2048:
         assert gemv_config(inter, d)["split_k"] > 1
-    static = SwigluStatic(inter, d, "fp8")
+    static = SwigluStatic(inter, d, "fp8" if fmt == "fp8" else "plain")
     gemms = SWIGLU.gemms(static, 1, False)
     call = Call(static, PLAIN, SWIGLU.default_config(static, 1, PLAIN, gemms), {"limit": limit}, False, gemms,
                 [x, w1, w2, w3, s1, s2, s3])
@@ -118,8 +121,8 @@ def test_one_token_shared_expert_in_one_launch(d, inter, limit, device) -> None:
     assert torch.equal(SWIGLU.run(call), linear(separate, w2, s2))
     with pytest.raises(ValueError, match="one token"):
         swiglu_one_row(x.expand(2, d).contiguous(), w1, s1, w3, s3, limit=limit)
-    with pytest.raises(ValueError, match="fp8"):
-        swiglu_one_row(x, w1, s1, w3.float(), s3, limit=limit)
+    with pytest.raises(ValueError, match="one shape and dtype"):
+        swiglu_one_row(x, w1, s1, w3.to(torch.float16), s3, limit=limit)
 
 
 def test_one_token_shared_expert_past_the_counters_is_refused(device) -> None:

@@ -85,15 +85,37 @@ def test_bad_arguments_name_the_argument(device) -> None:
 
 
 def test_aot_trace_records_the_projection_and_the_top_k() -> None:
-    """MOE_GATE's trace runs both wrappers on meta tensors: the projection's launch, then the top-k's, with
-    libdevice's functions (the GPU's)."""
-    calls = []
-    with use_launcher(calls.append):
-        static = GateStatic(EXPERTS, HIDDEN)
-        MOE_GATE.trace(Call(static, PLAIN, MOE_GATE.default_config(static, 16), attrs(TOPK, "sqrtsoftplus"),
-                            tokens=16))
-    assert calls[-1].name == "gate_topk_kernel" and len(calls) >= 2
-    assert calls[-1].grid == (16,) and calls[-1].constexprs["EXACT"] and calls[-1].constexprs["E"] == EXPERTS
+    """MOE_GATE's trace runs both wrappers on meta tensors, for the bucket's tokens and for one: the projection's
+    launches (one token's on the one-row kernel, the tensor cores' in batch-invariant configs), then the top-k's,
+    with libdevice's functions (the GPU's)."""
+    static = GateStatic(EXPERTS, HIDDEN)
+    for invariant in (False, True):
+        config = MOE_GATE.default_config(static, 16)
+        calls = []
+        with use_launcher(calls.append):
+            MOE_GATE.trace(Call(static, PLAIN, MOE_GATE.invariant(config) if invariant else config,
+                                attrs(TOPK, "sqrtsoftplus"), tokens=16))
+        tops = [c for c in calls if c.name == "gate_topk_kernel"]
+        assert [c.grid for c in tops] == [(16,), (1,)] and calls[-1] is tops[-1]
+        assert all(c.constexprs["EXACT"] and c.constexprs["E"] == EXPERTS for c in tops)
+        assert ("gemv_kernel" in [c.name for c in calls]) is not invariant
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_one_token_gate_projection_in_fp32(invariant, device) -> None:
+    """One token's projection on the one-row kernel (or, invariant, the tensor cores' fp32 products): the reference's
+    logits to fp32 rounding, so its experts."""
+    e, d = 24, 2100  # K split on the one-row kernel
+    x, w, bias = gen(1, d, device=device, seed=1), gen(e, d, device=device, seed=2, scale=2 * d**-0.5), \
+        gen(e, device=device, seed=3, scale=0.3)
+    static = GateStatic(e, d)
+    config = MOE_GATE.default_config(static, 16)
+    kw = attrs(4, "sqrtsoftplus")
+    got = MOE_GATE.run(Call(static, PLAIN, MOE_GATE.invariant(config) if invariant else config, kw, True, (),
+                            [x, w, bias], tokens=1))
+    want = moe_gate(x.cpu().double(), w.cpu().double(), bias.cpu().double(), **kw)
+    assert torch.equal(got[1].cpu(), want[1])
+    torch.testing.assert_close(got[0].cpu().double(), want[0].double(), rtol=1e-5, atol=0)
 
 
 @pytest.mark.gpu
