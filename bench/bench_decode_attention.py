@@ -13,7 +13,9 @@ in-place kernel replayed from a CUDA graph too (`graphed`), which the gathered p
 a token must move, over the graphed time: its window's and picks' codes and scales, its pick ids, q (bf16) and the
 output (fp32); `of HBM` is that over the H200's 4.28 TB/s. FlashMLA's decode reaches about 3,000 GB/s on an H800.
 
-    python bench/bench_decode_attention.py [--batches 1,16,64,256] [--contexts 1024,16384]
+    python bench/bench_decode_attention.py [--batches 1,16,64,256] [--contexts 1024,16384] [--splits 1,2,4,8,16]
+
+--splits also times the in-place kernel (graphed) at each of those parts a token (`split_kv`), each checked first.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b).norm() / b.norm())
 
 
-def measure(batch: int, context: int) -> list[dict]:
+def measure(batch: int, context: int, splits: tuple[int, ...] = ()) -> list[dict]:
     s = make_step(batch, context)
     common = dict(window_size=WINDOW, scale=DIM**-0.5, ctx=s["ctx"])
     args = (s["q"], s["in_place"], s["sink"], s["compressed"], s["topk"])
@@ -102,6 +104,7 @@ def measure(batch: int, context: int) -> list[dict]:
     rows = []
     invariant = SPARSE_ATTENTION.invariant(heuristic)
     modes = [("heuristic", heuristic)] + ([("invariant", invariant)] if invariant != heuristic else [])
+    modes += [(f"split {n}", dict(heuristic, split_kv=n)) for n in splits if n != heuristic["split_kv"]]
     for mode, config in modes:  # the heuristic's row serves both where they are the same config
         def gather(config=config):  # the window gathered from its ring each call, as each layer's append does
             view = kv_window_block(s["kv"], layer=0, window=WINDOW, ctx=s["ctx"])
@@ -114,9 +117,12 @@ def measure(batch: int, context: int) -> list[dict]:
         errors = {name: rel_l2(fn(), want) for name, fn in (("new", new), ("gathered", gather))}
         row = dict(B=batch, ctx=context, mode=mode, split=config["split_kv"], errors=errors,
                    ok=all(e < TOLERANCE for e in errors.values()))
-        if row["ok"]:
+        if row["ok"] and mode.startswith("split"):  # the in-place kernel's parts alone
+            row |= dict(new_us=float("nan"), graphed_us=time_us(new), gather_us=float("nan"))
+        elif row["ok"]:
             row |= dict(new_us=time_us(new, graph=False), graphed_us=time_us(new),
                         gather_us=time_us(gather, graph=False))
+        if row["ok"]:
             row["gbs"] = batch * token_bytes() / row["graphed_us"] / 1e3
         rows.append(row)
         print({k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
@@ -127,13 +133,15 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--batches", default="1,16,64,256")
     p.add_argument("--contexts", default="1024,16384")
+    p.add_argument("--splits", default="", help="also time the in-place kernel at these parts a token")
     args = p.parse_args()
+    splits = tuple(int(n) for n in args.splits.split(",") if n)
     torch.manual_seed(0)
     print(f"device: {torch.cuda.get_device_name()}; {token_bytes()} bytes a token", flush=True)
     rows = []
     for context in map(int, args.contexts.split(",")):
         for batch in map(int, args.batches.split(",")):
-            rows += measure(batch, context)
+            rows += measure(batch, context, splits)
             torch.cuda.empty_cache()
     print(f"\n{'B':>4s} {'ctx':>6s} {'config':>9s} {'split':>5s} {'in place':>8s} {'graphed':>8s} "
           f"{'gather us':>9s} {'GB/s':>6s} {'of HBM':>6s} {'x gather':>8s} {'rel err':>8s}")

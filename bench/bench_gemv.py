@@ -2,8 +2,7 @@
 step runs) against the tensor-core decode GEMM with the plan's config for the smallest bucket (`gemv` False: what
 batch-invariant steps run), side by side in one process on one GPU. First the fp8 projections, then the plain ones:
 the compressors' and the indexer's bf16 projections, the router's fp32 one (fp32 products on the tensor-core
-kernel, as `moe_gate` asks) and the bf16 head; then the router's projection for 16 and 64 tokens, on the tensor
-cores and on the few-row kernel (`gemv_rows_kernel`).
+kernel, as `moe_gate` asks) and the bf16 head.
 
 Each shape is checked first (both within 2e-5 of the fp64 reference of their own operands: fp32 activations for the
 one-row kernel, bf16 ones for the tensor cores, fp32 ones for fp32 products), then timed from CUDA-graph replays
@@ -35,7 +34,7 @@ from autotune.cache import TuningCache, cache_key, template_hash  # noqa: E402
 from autotune.tune import time_us  # noqa: E402
 from dsl.quant import dequantize_fp8_block, quantize_fp8_block  # noqa: E402
 from graphs.plan import bucket_of  # noqa: E402
-from kernels.linear.linear import default_config, gemv_config, linear, rows_config  # noqa: E402
+from kernels.linear.linear import default_config, gemv_config, linear  # noqa: E402
 from kernels.linear.swiglu import swiglu, swiglu_one_row  # noqa: E402
 from kernels.tuning import rotation  # noqa: E402
 
@@ -102,7 +101,6 @@ def main() -> int:
     tensor, one_row = sum(r["tensor_us"] for r in rows), sum(r["one_row_us"] for r in rows)
     print(f"all shapes once: tensor cores {tensor:.1f} µs, one-row kernel {one_row:.1f} µs ({tensor / one_row:.2f}x)")
     rows += [plain_row(*shape) for shape in PLAIN]
-    rows += [router_rows(m) for m in (16, 64)]
     rows.append(shared_activation())
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1))
@@ -135,28 +133,6 @@ def plain_row(name: str, n: int, k: int, dtype: torch.dtype) -> dict:
     return {"shape": name, "n": n, "k": k, "dtype": str(dtype), "bytes": nbytes, "tensor_us": tensor_us,
             "tensor_config": config, "tensor_source": source, "one_row_us": row_us, "one_row_split": split,
             "speedup": tensor_us / row_us, "tbs": tbs}
-
-
-def router_rows(m: int, n: int = 384, k: int = 5120) -> dict:
-    """The router's projection for `m` tokens (fp32 weights and products): the tensor-core kernel with the plan's
-    config for m's bucket against `gemv_rows_kernel`, each checked within 1e-6 of the fp64 reference first."""
-    w, x = torch.randn(n, k, device="cuda") * k**-0.5, torch.randn(m, k, device="cuda")
-    static = {"e": n, "d": k}
-    key = cache_key("moe_gate", static, bucket_of(m), "sm90", "NVIDIA H200", template_hash("moe_gate"))
-    config = TuningCache(TUNED).get(key) or default_config(m, n, k, w_bytes=4)
-    cores = dict(config, gemv=False)
-    want = x.double() @ w.double().T
-    for way, c in (("rows", config), ("tensor cores", cores)):
-        err = ((linear(x, w, config=c, dot_fp32=True).double() - want).norm() / want.norm()).item()
-        if not err < 1e-6:
-            raise SystemExit(f"router at {m} tokens ({way}): rel L2 {err:.1e} over 1e-6")
-    weights = cycler(rotation(w))
-    tensor_us = time_us(lambda: linear(x, weights(), config=cores, dot_fp32=True))
-    rows_us = time_us(lambda: linear(x, weights(), config=config, dot_fp32=True))
-    print(f"router x{m:<7} {f'{n}x{k} float32':>14} {tensor_us:>10.2f} {rows_us:>11.2f} {tensor_us / rows_us:>7.2f}x "
-          f"{w.numel() * 4 / rows_us / 1e6:>6.2f}  {config} / rows {rows_config(n, k)}", flush=True)
-    return {"shape": f"router x{m}", "n": n, "k": k, "tokens": m, "tensor_us": tensor_us, "tensor_config": config,
-            "rows_us": rows_us, "speedup": tensor_us / rows_us}
 
 
 def shared_activation(n: int = 2304, k: int = 5120, limit: float = 10.0) -> dict:

@@ -60,11 +60,10 @@ def _last(count_ptr, tile, arrivals: tl.constexpr):
 
 
 @triton.jit
-def _split_sum(ws_ptr, rows, mask_n, stride, SPLIT_K: tl.constexpr):
-    """The partials ws[s * stride + rows] (`rows` offsets of any shape) summed in split order, as linear.py's
-    `splitk_reduce_kernel` adds them (from zero): the same bits whichever program is last. Read from L2 (.cg), where
-    the other programs' stores went."""
-    total = tl.zeros(rows.shape, dtype=tl.float32)
+def _split_sum(ws_ptr, rows, mask_n, stride, SPLIT_K: tl.constexpr, block_N: tl.constexpr):
+    """The partials ws[s * stride + rows] summed in split order, as linear.py's `splitk_reduce_kernel` adds them (from
+    zero): the same bits whichever program is last. Read from L2 (.cg), where the other programs' stores went."""
+    total = tl.zeros([block_N], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         total += tl.load(ws_ptr + s * stride + rows, mask=mask_n, other=0.0, cache_modifier=".cg")
     return total
@@ -90,7 +89,7 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, count_ptr, N: tl.constexpr
         tl.store(ws_ptr + split * (GROUPS * N) + rows, acc, mask=mask_n)
         tile = g * tl.num_programs(0) + pid_n
         if _last(count_ptr, tile, SPLIT_K):
-            tl.store(out_ptr + rows, _split_sum(ws_ptr, rows, mask_n, GROUPS * N, SPLIT_K), mask=mask_n)
+            tl.store(out_ptr + rows, _split_sum(ws_ptr, rows, mask_n, GROUPS * N, SPLIT_K, block_N), mask=mask_n)
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
 
@@ -119,46 +118,10 @@ def gemv_swiglu_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ws_ptr, out_ptr, c
             gate = tl.load(ws_ptr + rows, mask=mask_n, other=0.0, cache_modifier=".cg")
             up = tl.load(ws_ptr + N + rows, mask=mask_n, other=0.0, cache_modifier=".cg")
         else:
-            gate = _split_sum(ws_ptr, rows, mask_n, N, SPLIT_K)
-            up = _split_sum(ws_ptr + SPLIT_K * N, rows, mask_n, N, SPLIT_K)
+            gate = _split_sum(ws_ptr, rows, mask_n, N, SPLIT_K, block_N)
+            up = _split_sum(ws_ptr + SPLIT_K * N, rows, mask_n, N, SPLIT_K, block_N)
         tl.store(out_ptr + rows, _swiglu(gate, up, 1.0, LIMIT), mask=mask_n)
         tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
-
-
-@triton.jit(do_not_specialize=["M"])
-def gemv_rows_kernel(x_ptr, w_ptr, ws_ptr, out_ptr, count_ptr, M, N: tl.constexpr, K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, block_M: tl.constexpr, block_N: tl.constexpr,
-                     block_K: tl.constexpr):
-    """out[m, n] = sum over k of W[n, k] * x[m, k] for a few rows x [M, K] over plain weights, fp32 products and sums
-    on the CUDA cores: a program's [block_M, block_N] tile reads its weights once for its rows, and each row's sum
-    runs over the same lanes whatever M is (the tile's shape is the config's), so a row's bits are its own. Split K
-    sums inside, as `gemv_kernel` does, ws [SPLIT_K, M, N]."""
-    pdl_prologue()
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    split = tl.program_id(2)
-    offs_n = pid_n * block_N + tl.arange(0, block_N)
-    offs_m = pid_m * block_M + tl.arange(0, block_M)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    acc = tl.zeros([block_M, block_N], dtype=tl.float32)
-    k_begin = split * K_PER_SPLIT
-    for k0 in range(0, K_PER_SPLIT, block_K):
-        ks = k_begin + k0 + tl.arange(0, block_K)
-        mask_k = ks < K
-        w = tl.load(w_ptr + offs_n[:, None].to(tl.int64) * K + ks[None, :],
-                    mask=(offs_n < N)[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [block_N, block_K]
-        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * K + ks[None, :],
-                    mask=(offs_m < M)[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [block_M, block_K]
-        acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
-    at = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(out_ptr + at, acc, mask=mask)
-    else:
-        tl.store(ws_ptr + split * M * N + at, acc, mask=mask)
-        tile = pid_m * tl.num_programs(0) + pid_n
-        if _last(count_ptr, tile, SPLIT_K):
-            tl.store(out_ptr + at, _split_sum(ws_ptr, at, mask, M * N, SPLIT_K), mask=mask)
-            tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
 
 _counters: dict[torch.device, torch.Tensor] = {}
@@ -176,4 +139,4 @@ def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return counters
 
 
-__all__ = ["COUNTERS", "gemv_kernel", "gemv_rows_kernel", "gemv_swiglu_kernel", "tile_counters"]
+__all__ = ["COUNTERS", "gemv_kernel", "gemv_swiglu_kernel", "tile_counters"]

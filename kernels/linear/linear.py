@@ -14,11 +14,8 @@ pad the token to 16 rows (and convert every fp8 code to bf16 on the way), and no
 weight goes to fp32 and meets the token's fp32 activation in one multiply-add; an fp8 32 x 32 block's partial sum
 takes its scale once; nothing is rounded to bf16 (so its sums are closer to the fp32 reference's than the tensor
 cores', with other bits), and `dot_fp32`'s fp32 products are what it computes anyway for plain weights. Its tiles
-follow the weight's shape alone (`gemv_config`). Up to `ROWS_MAX` tokens over plain weights multiplied in fp32
-(`dot_fp32`: the router's projection, `moe_gate`) run gemv.py's `gemv_rows_kernel` likewise: the tensor cores' fp32
-products are emulated multiply-adds over tiles of at least 16 rows, slower than the CUDA cores' own. Configs with
-`gemv` False keep these tokens on the tensor cores: the batch-invariant ones (kernels/linear/lowering.py), where a
-row's bits may not depend on how many rows there are.
+follow the weight's shape alone (`gemv_config`). Configs with `gemv` False keep one token on the tensor cores: the
+batch-invariant ones (kernels/linear/lowering.py), where a row's bits may not depend on how many rows there are.
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ from kernels.launch import launch
 from kernels.linear import gemv  # the module, not its kernel: this module's source hash keys the tuned configs
 
 SCALE_BLOCK = 32
-ROWS_MAX = 64  # tokens `gemv_rows_kernel` takes: the decode buckets
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -149,20 +145,12 @@ def k_per_split(k: int, split: int, block_k: int) -> int:
 
 
 def gemv_config(n: int, k: int, groups: int = 1, num_sms: int = 132, w_bytes: int = 1) -> dict:
-    """gemv.py's `gemv_kernel` tiles for a weight of `groups` x [n, k] of `w_bytes` a value: 64 rows by 256 columns
-    a stage (the H100 sweep of bench/RESULTS.md's fp8 decode linear section; 128 columns for fp32 weights, so a
-    stage stays at 32 KB), K split by `split_k`."""
-    block_k = 256 if w_bytes <= 2 else 128
+    """gemv.py's `gemv_kernel` tiles for a weight of `groups` x [n, k] of `w_bytes` a value: 64 rows by 256 fp8
+    columns a stage (the H100 sweep of bench/RESULTS.md's fp8 decode linear section), the same 16 KB of bf16 or fp32
+    weights (128 or 64 columns), K split by `split_k`."""
+    block_k = 256 // w_bytes
     return {"block_N": 64, "block_K": block_k, "split_k": split_k(triton.cdiv(n, 64) * groups, k, block_k, num_sms),
             "num_warps": 4, "num_stages": 3}
-
-
-def rows_config(n: int, k: int, num_sms: int = 132) -> dict:
-    """gemv.py's `gemv_rows_kernel` tiles for a weight [n, k]: 16 rows by 32 outputs by 32 columns a stage (a 16K-value
-    product tile over 8 warps), K split by `split_k`. The shape's alone, never the token count's: a row's bits then
-    do not depend on how many rows a call has."""
-    return {"block_M": 16, "block_N": 32, "block_K": 32, "split_k": split_k(triton.cdiv(n, 32), k, 32, num_sms),
-            "num_warps": 8, "num_stages": 3}
 
 
 def check(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, groups: int, config: dict) -> None:
@@ -198,8 +186,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, 
     x: float32 or bfloat16, contiguous. W: bfloat16 / float32, or float8_e4m3fn with `scale` float32
     [ceil(G*N/32), ceil(K/32)] (one power-of-two scale per 32 x 32 block). Accumulates in fp32; operands are
     rounded to bf16 unless `dot_fp32` (fp32 products, for exactness checks). One token runs `gemv_kernel` (fp32
-    throughout) unless the config's `gemv` is False, or `dot_fp32` over fp8 weights; up to `ROWS_MAX` tokens over
-    plain weights with `dot_fp32` run `gemv_rows_kernel` unless `gemv` is False.
+    throughout) unless the config's `gemv` is False, or `dot_fp32` over fp8 weights.
     """
     m = x.shape[0] if x.dim() == 2 else 0
     n, k = w.shape[0] // groups, w.shape[1]
@@ -212,8 +199,6 @@ def linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None = None, 
     fp8 = w.dtype == torch.float8_e4m3fn
     if on_one_row(m, w, config, dot_fp32):
         return _gemv(x, w, scale, groups, out)
-    if on_rows(m, w, groups, config, dot_fp32):
-        return _rows(x, w, out)
     split, block_k = config["split_k"], config["block_K"]
     ws = out if split == 1 else torch.empty(split, m, groups * n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, config["block_N"]), triton.cdiv(m, config["block_M"]), groups * split)
@@ -232,27 +217,6 @@ def on_one_row(m: int, w: torch.Tensor, config: dict, dot_fp32: bool) -> bool:
     one-row kernel gives plain weights anyway)."""
     fp8 = w.dtype == torch.float8_e4m3fn
     return m == 1 and config.get("gemv", True) and not (fp8 and dot_fp32)
-
-
-def on_rows(m: int, w: torch.Tensor, groups: int, config: dict, dot_fp32: bool) -> bool:
-    """Whether `linear` runs `m` tokens on gemv.py's `gemv_rows_kernel`: 2 to `ROWS_MAX` of them over one group of
-    plain weights multiplied in fp32, unless the config keeps them on the tensor cores (`gemv` False)."""
-    plain = w.dtype != torch.float8_e4m3fn
-    return 1 < m <= ROWS_MAX and plain and groups == 1 and dot_fp32 and config.get("gemv", True)
-
-
-def _rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """A few tokens' out [M, N] over plain weights on `gemv_rows_kernel`, one launch: its K splits sum inside it."""
-    (m, k), n = x.shape, w.shape[0]
-    config = rows_config(n, k)
-    split, block_k, block_m, block_n = config["split_k"], config["block_K"], config["block_M"], config["block_N"]
-    ws = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    launch(gemv.gemv_rows_kernel, (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split),
-           (x, w, ws, out, gemv.tile_counters(x.device, tiles if split > 1 else 0), m),
-           dict(N=n, K=k, SPLIT_K=split, K_PER_SPLIT=k_per_split(k, split, block_k), block_M=block_m, block_N=block_n,
-                block_K=block_k), config["num_warps"], config["num_stages"])
-    return out
 
 
 def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, groups: int,
@@ -280,5 +244,5 @@ def _sum_splits(ws: torch.Tensor, out: torch.Tensor, split: int) -> torch.Tensor
     return out
 
 
-__all__ = ["ROWS_MAX", "check", "default_config", "gemv_config", "k_per_split", "linear", "linear_kernel",
-           "on_one_row", "on_rows", "rows_config", "split_k", "splitk_reduce_kernel"]
+__all__ = ["check", "default_config", "gemv_config", "k_per_split", "linear", "linear_kernel", "on_one_row",
+           "split_k", "splitk_reduce_kernel"]

@@ -10,9 +10,9 @@ from dsl.ops.dense import grouped_linear as ref_grouped_linear
 from dsl.ops.dense import linear as ref_linear
 from dsl.quant import quantize_fp8_block
 from kernels.lang import triton
-from kernels.launch import jit_launch, launch, use_launcher
+from kernels.launch import launch
 from kernels.linear import gemv
-from kernels.linear.linear import ROWS_MAX, default_config, gemv_config, k_per_split, linear, on_rows, rows_config
+from kernels.linear.linear import default_config, gemv_config, k_per_split, linear
 from kernels.linear.lowering import LINEAR, SWIGLU, LinearStatic, SwigluStatic
 from tests.kernels.cases import DECODE_TOKENS, V41_LINEARS, gen, rel_l2
 
@@ -115,30 +115,6 @@ def test_one_row_split_sums_in_split_order_inside_one_launch(n, k, groups, split
         runs.append(out)
     assert torch.equal(runs[0], runs[1])
     assert rel_l2(runs[0], reference(x, w, s, groups, True)) < 1e-6
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n,k", [(40, 96), (24, 2100), (70, 600)])
-def test_few_rows_in_fp32_products_on_the_cuda_cores(n, k, dtype, device) -> None:
-    """2 to ROWS_MAX tokens over plain weights with fp32 products (the router's) run `gemv_rows_kernel`: the fp64
-    reference to fp32 rounding; a row the same bits in a call of 2, 17 or 64 rows (its tile is the shape's, never
-    the count's); its K splits summed inside, counters left at zero; `gemv` False keeps them on the tensor cores."""
-    w = gen(n, k, seed=n, scale=k**-0.5).to(dtype).to(device)
-    x = gen(ROWS_MAX, k, device=device, seed=k)
-    tiles = dict(block_M=16, block_N=32, block_K=32, split_k=1, num_warps=4, num_stages=2)
-    launched = []
-    with use_launcher(lambda call: (launched.append(call.name), jit_launch(call))):
-        full = linear(x, w, config=tiles, dot_fp32=True)
-    assert launched == ["gemv_rows_kernel"]
-    assert rel_l2(full, reference(x, w, None, 1, True)) < 1e-6
-    assert not torch.any(gemv.tile_counters(torch.device(device), 1))
-    for m in (2, 17):
-        assert torch.equal(linear(x[-m:].contiguous(), w, config=tiles, dot_fp32=True), full[-m:])
-    cores = linear(x, w, config=dict(tiles, gemv=False), dot_fp32=True)
-    assert rel_l2(cores, reference(x, w, None, 1, True)) < 1e-6 and not torch.equal(cores, full)
-    if k >= 2048:
-        assert rows_config(n, k)["split_k"] > 1
-    assert not on_rows(ROWS_MAX + 1, w, 1, tiles, True) and not on_rows(8, w, 1, tiles, False)
 
 
 def test_invariant_configs_keep_one_token_on_the_tensor_cores() -> None:
