@@ -5,9 +5,10 @@ A lowering reads a node and the weights to decide whether its kernel applies and
 its family's frozen dataclass of the dims the weights fix; `on_target` adapts them to a target where the kernel's
 form follows it), names the weight formats the kernel wants (`formats`), says
 which of its GEMMs serve a bucket (`gemms`: the linear family's decode, prefill or fp8-rows GEMM; nothing for the
-others), gives its heuristic config for a bucket (`default_config`), runs the kernel on a node's runtime arguments
-(`run`), calls its wrappers on meta tensors of a bucket's token count for the ahead-of-time builder (`trace`), and
-turns a config into its batch-invariant form (`invariant`). A call takes one record, `Call`. Nodes over compressed
+others), gives its heuristic config for a bucket (`default_config`) and fills in a chosen config's keys the tuner does
+not search (`complete`), runs the kernel on a node's runtime arguments (`run`), calls its wrappers on meta tensors of
+a bucket's token count for the ahead-of-time builder (`trace`), and turns a config into its batch-invariant form
+(`invariant`). A call takes one record, `Call`. Nodes over compressed
 entries (a `Ragged`, flat over E) run on their rows, or get the `Ragged` itself where `ragged` is set.
 """
 
@@ -110,6 +111,11 @@ class Lowering:
 
     def trace(self, call: Call) -> None:
         raise NotImplementedError
+
+    def complete(self, config: dict, static: Any, tokens: int) -> dict:
+        """A config the plan chose for a bucket of `tokens` (tuned or heuristic) with the keys the tuner does not
+        search filled from the heuristic; the base has none, so returns it as it is."""
+        return config
 
     def invariant(self, config: dict) -> dict:
         """A config's batch-invariant form. Any fixed config of these kernels is invariant (fixed tiles, split-K counts

@@ -11,6 +11,7 @@ import kernels.attention.paged_ops as paged
 import kernels.attention.sparse_attention as attention
 from dsl.graph import Node
 from dsl.ops.static_attention import StaticBlock, StaticWindow
+from kernels.attention.paged_attention import bucket_parts
 from kernels.lowering import PLAIN, Call, Lowering, Params, Static, Variant, meta, param, token_planes
 
 
@@ -34,7 +35,13 @@ class SparseAttention(Lowering):
 
     def default_config(self, static: HeadsStatic, tokens: int, variant: Variant = PLAIN,
                        gemms: tuple[str, ...] = ()) -> dict:
-        return attention.default_config(tokens, static.h, static.d)
+        """The gathered kernel's heuristic (sparse_attention.py, the tuner's search), and the in-place kernel's parts
+        (`parts`: paged_attention.py's `bucket_parts`)."""
+        return self.complete(attention.default_config(tokens, static.h, static.d), static, tokens)
+
+    def complete(self, config: dict, static: HeadsStatic, tokens: int) -> dict:
+        """The in-place kernel's parts beside a config of the gathered kernel's (the tuned ones hold none)."""
+        return config if "parts" in config else dict(config, parts=bucket_parts(tokens, static.h))
 
     def run(self, call: Call) -> torch.Tensor:
         """A static step's attention (dsl/step.py) reads the caches in place. Elsewhere, where `paged.IN_PLACE`, the
@@ -88,7 +95,7 @@ class SparseAttention(Lowering):
         token's part boundaries (and the combine's sum) would move with its neighbours; whole, a token's entries run
         in blocks of block_S from its first, and the blocks past its own entries are masked out exactly. The in-place
         kernel takes as many parts (kernels/attention/paged_attention.py: `tiles`): one."""
-        return dict(config, split_kv=1)
+        return dict(config, split_kv=1, parts=1)
 
 
 def _rows_apart(ctx, chunks: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -181,12 +181,24 @@ def default_split(num_tokens: int, heads: int, num_sms: int = 132) -> int:
     return split
 
 
+def bucket_parts(tokens: int, heads: int, num_sms: int = 132) -> int:
+    """The parts a bucket of up to `tokens` tokens runs: the most (a power of two, at most 16) whose programs at the
+    bucket's top still fit one wave, a program an SM (its 128 KB of shared memory allow no second). A program's time
+    grows with its part's blocks, and a second wave costs a whole program's time: V4.1's 640 entries a token are 10
+    blocks, so the 16-token bucket takes 8 parts (2 blocks each), the 64-token one 2 (5 each), larger ones 1."""
+    programs, parts = tokens * triton.cdiv(heads, 64), 1
+    while programs * parts * 2 <= num_sms and parts < 16:
+        parts *= 2
+    return parts
+
+
 def tiles(config: dict | None, num_tokens: int, heads: int, head_dim: int, dot_fp32: bool) -> dict:
     """The kernel's config from a plan's sparse_attention config, or None (then `default_split` for `num_tokens`):
     all of a token's heads in one program (up to 64: wgmma's M), blocks of 64 entries, 8 warps at V4.1's 512 dims;
     fp32 products (FMA dots, a test mode) take 16 heads and 16 entries. A plan's config gives the parts: its
-    `split_kv`, a count its bucket fixes (1 in batch-invariant runs), never the batch in it."""
-    split = default_split(num_tokens, heads) if config is None else config.get("split_kv", 1)
+    `parts` (`bucket_parts` of its bucket; `split_kv`, the gathered kernel's, in plans made before it), a count its
+    bucket fixes (1 in batch-invariant runs), never the batch in it."""
+    split = default_split(num_tokens, heads) if config is None else config.get("parts", config.get("split_kv", 1))
     if dot_fp32:
         return {"block_H": 16, "block_S": 16, "num_warps": 4, "num_stages": 1, "split": split}
     block_h = min(64, max(16, triton.next_power_of_2(heads)))
@@ -269,5 +281,5 @@ def paged_attention(q: torch.Tensor, sink: torch.Tensor, *, window_fmt: EntryFor
     return out
 
 
-__all__ = ["check_queries", "default_split", "paged_attention", "paged_attention_combine_kernel",
+__all__ = ["bucket_parts", "check_queries", "default_split", "paged_attention", "paged_attention_combine_kernel",
            "paged_attention_kernel", "supports", "tiles"]

@@ -18,7 +18,7 @@ from dsl.ops.cache_view import CacheView, PagedEntries
 from dsl.ops.rounding import fp4_round, fp8_round
 from dsl.transfer import to_device
 from kernels.attention.lowering import SPARSE_ATTENTION, HeadsStatic
-from kernels.attention.paged_attention import tiles
+from kernels.attention.paged_attention import bucket_parts, tiles
 from kernels.attention.paged_ops import in_place_chunks, paged_attention_op
 from kernels.attention.sparse_attention import sparse_attention_op
 from kernels.lowering import PLAIN, Call
@@ -228,6 +228,22 @@ def test_long_chunks_read_a_snapshot_of_their_view(device) -> None:
     seen = view.snapshot.fmt.decode(*[p[0, torch.arange(3, 15, device=device) % 12] for p in snap.parts])
     assert snap.slots.tolist() == [0, 0] and torch.equal(seen, view.keys[0])
     assert not any(in_place_chunks(step["eager"], step["compressed"], step["topk"], causal=True))  # a draft block's
+
+
+def test_a_bucket_s_parts_fill_one_wave_at_its_top() -> None:
+    """The in-place kernel's parts a bucket runs (`bucket_parts`): at V4.1's 64 heads the 16-token bucket takes 8
+    (128 programs at its top), the 64-token one 2, larger ones 1; the plan's configs carry them, tuned or not, and the
+    batch-invariant one takes 1 (a token's entries whole)."""
+    assert [bucket_parts(t, 64) for t in (1, 16, 64, 512, 8192)] == [16, 8, 2, 1, 1]
+    assert bucket_parts(16, 128) == 4 and bucket_parts(64, 64, num_sms=264) == 4
+    static = HeadsStatic(64, 512)
+    for tokens, parts in ((16, 8), (64, 2), (512, 1)):
+        config = SPARSE_ATTENTION.default_config(static, tokens)
+        assert config["parts"] == parts and tiles(config, 1, 64, 512, False)["split"] == parts
+        tuned = {k: v for k, v in config.items() if k != "parts"}  # the tuned configs hold the gathered kernel's
+        assert SPARSE_ATTENTION.complete(tuned, static, tokens)["parts"] == parts
+        assert SPARSE_ATTENTION.invariant(config)["parts"] == 1
+    assert tiles({"split_kv": 4}, 1, 64, 512, False)["split"] == 4  # a plan made before parts: the split it had
 
 
 def test_bad_pool_names_itself(device) -> None:
