@@ -8,8 +8,8 @@ which of its GEMMs serve a bucket (`gemms`: the linear family's decode, prefill 
 others), gives its heuristic config for a bucket (`default_config`) and fills in a chosen config's keys the tuner does
 not search (`complete`), runs the kernel on a node's runtime arguments (`run`), calls its wrappers on meta tensors of
 a bucket's token count for the ahead-of-time builder (`trace`), and turns a config into its batch-invariant form
-(`invariant`). A call takes one record, `Call`. Nodes over compressed
-entries (a `Ragged`, flat over E) run on their rows, or get the `Ragged` itself where `ragged` is set.
+(`invariant`). A call takes one record, `Call`. Nodes over compressed entries (a `Ragged`, flat over E) run on their
+rows, or get the `Ragged` itself where `ragged` is set.
 """
 
 from __future__ import annotations
