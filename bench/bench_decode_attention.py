@@ -104,7 +104,7 @@ def measure(batch: int, context: int, splits: tuple[int, ...] = ()) -> list[dict
     rows = []
     invariant = SPARSE_ATTENTION.invariant(heuristic)
     modes = [("heuristic", heuristic)] + ([("invariant", invariant)] if invariant != heuristic else [])
-    modes += [(f"split {n}", dict(heuristic, split_kv=n)) for n in splits if n != heuristic["split_kv"]]
+    modes += [(f"split {n}", dict(heuristic, split_kv=n, parts=n)) for n in splits]
     for mode, config in modes:  # the heuristic's row serves both where they are the same config
         def gather(config=config):  # the window gathered from its ring each call, as each layer's append does
             view = kv_window_block(s["kv"], layer=0, window=WINDOW, ctx=s["ctx"])

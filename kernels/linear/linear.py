@@ -146,9 +146,11 @@ def k_per_split(k: int, split: int, block_k: int) -> int:
 
 def gemv_config(n: int, k: int, groups: int = 1, num_sms: int = 132, w_bytes: int = 1) -> dict:
     """gemv.py's `gemv_kernel` tiles for a weight of `groups` x [n, k] of `w_bytes` a value: 64 rows by 256 fp8
-    columns a stage (the H100 sweep of bench/RESULTS.md's fp8 decode linear section), the same 16 KB of bf16 or fp32
-    weights (128 or 64 columns), K split by `split_k`."""
-    block_k = 256 // w_bytes
+    columns a stage (the H100 sweep of bench/RESULTS.md's fp8 decode linear section) or 128 plain (bf16, fp32) ones,
+    K split by `split_k`. The plain width is bench/RESULTS.md's (one-row kernel section): 128 bf16 columns against
+    256 at the compressors' shape, 128 fp32 columns against 64 at the router's, each as its ratio to the tensor
+    cores in its own call."""
+    block_k = 256 if w_bytes == 1 else 128
     return {"block_N": 64, "block_K": block_k, "split_k": split_k(triton.cdiv(n, 64) * groups, k, block_k, num_sms),
             "num_warps": 4, "num_stages": 3}
 
