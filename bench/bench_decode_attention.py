@@ -15,7 +15,7 @@ output (fp32); `of HBM` is that over the H200's 4.28 TB/s. FlashMLA's decode rea
 
     python bench/bench_decode_attention.py [--batches 1,16,64,256] [--contexts 1024,16384] [--splits 1,2,4,8,16]
 
---splits also times the in-place kernel (graphed) at each of those parts a token (`split_kv`), each checked first.
+--splits also times the in-place kernel (graphed) at each of those parts a token (`parts`), each checked first.
 """
 
 from __future__ import annotations
