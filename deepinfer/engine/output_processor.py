@@ -6,19 +6,29 @@ model length. Stop strings are sought only where the new token could have comple
 
 A sequence with stop strings has its text decoded as it grows (each token may complete one); any other is decoded once,
 when it finishes (`finish`): decoding the whole output at every token costs O(length) a step, which long completions
-of many sequences would pay on the host each step.
+of many sequences would pay on the host each step. Where the tokenizer's decoder is byte-level (the text of a token
+list is the UTF-8 of its tokens' bytes in order, undecodable bytes replaced), a growing text is decoded from the
+last output where the text so far ended on a whole character (`Sequence.decoded`): past such a point the bytes
+decode alone to what they decode to after it. Other decoders (which may strip, join or merge across tokens) decode
+the whole output each token.
 """
 
 from __future__ import annotations
 
+from tokenizers import decoders
+
 from deepinfer.engine.sequence import Sequence
 from deepinfer.outputs import Logprob
+
+REPLACEMENT = "\ufffd"  # what undecodable bytes (a character cut between tokens among them) decode to
 
 
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]) -> None:
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self._texts: dict[int, str] = {}  # id -> its text (special tokens spelled out), for log-probabilities
+        decoder = getattr(getattr(tokenizer, "backend", None), "decoder", None)
+        self.byte_level = isinstance(decoder, decoders.ByteLevel)  # texts grow by their new outputs' text
 
     def _token_text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
@@ -37,7 +47,7 @@ class OutputProcessor:
             seq.cumulative_logprob += logprobs[token].logprob
         if params.stop:  # the text as it grows: the new token may complete a stop string
             search_from = max(0, len(seq.text) - max(len(x) for x in params.stop) + 1)
-            seq.text = self._decode(seq)
+            seq.text = self._grown_text(seq)
         if token in self.eos_token_ids and not params.ignore_eos:
             seq.finish_reason = "stop"
         elif token in params.stop_token_ids:
@@ -53,8 +63,21 @@ class OutputProcessor:
         if not seq.params.stop:
             seq.text = self._decode(seq)
 
-    def _decode(self, seq: Sequence) -> str:
-        return self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+    def _decode(self, seq: Sequence, start: int = 0) -> str:
+        return self.tokenizer.decode(seq.output_token_ids[start:] if start else seq.output_token_ids,
+                                     skip_special_tokens=seq.params.skip_special_tokens)
+
+    def _grown_text(self, seq: Sequence) -> str:
+        """`seq`'s text with its newest output: under a byte-level decoder, the text up to `seq.decoded`'s output
+        and the decode of the outputs after it (which becomes the new point when it ends on a whole character);
+        under others, the whole output decoded."""
+        if not self.byte_level:
+            return self._decode(seq)
+        upto, text = seq.decoded
+        text += self._decode(seq, upto)
+        if not text.endswith(REPLACEMENT):  # whole characters: the bytes after these decode on their own
+            seq.decoded = (len(seq.output_token_ids), text)
+        return text
 
     @staticmethod
     def _find_stop(seq: Sequence, start: int) -> bool:

@@ -101,6 +101,7 @@ class Sequence:
         self.slot: int | None = None
         self.block_table: list[int] = []
         self.text = ""
+        self.decoded = (0, "")  # (outputs, their text) where that text ended on a whole character (OutputProcessor)
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
         self.finish_reason: str | None = None
