@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -53,6 +54,12 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`."""
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def byte_level(self) -> bool:
+        """Whether the decoder is byte-level: the text of a token list is the UTF-8 of its tokens' bytes in order,
+        undecodable bytes replaced, so a text cut after a whole character decodes piece by piece."""
+        return isinstance(self.backend.decoder, decoders.ByteLevel)
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary entry of an id (byte-level form, e.g. 'Ġworld'), None when out of range."""

@@ -14,26 +14,25 @@ from deepinfer.default_model import default_checkpoint
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.sequence import Sequence
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.tokenizer import load_tokenizer
+from deepinfer.tokenizer import Tokenizer, load_tokenizer
 
 
 class CountingTokenizer:
-    """The embedded model's tokenizer, counting the tokens it decodes; its decoder hidden unless `backend` (then the
-    processor may take it for byte-level)."""
+    """The embedded model's tokenizer, counting the tokens it decodes; byte-level as it is, or (`byte_level` False)
+    standing for a tokenizer whose decoder is not."""
 
-    def __init__(self, backend: bool = False) -> None:
+    def __init__(self, byte_level: bool = False) -> None:
         self.inner, self.decoded = load_tokenizer(default_checkpoint()), 0
-        if backend:
-            self.backend = self.inner.backend
+        self.byte_level = byte_level and self.inner.byte_level
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         self.decoded += len(ids)
         return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def run(params: SamplingParams, text: str, backend: bool = False) -> tuple[Sequence, CountingTokenizer]:
+def run(params: SamplingParams, text: str, byte_level: bool = False) -> tuple[Sequence, CountingTokenizer]:
     """`text`'s tokens appended one by one until the processor says done, then finished."""
-    tokenizer = CountingTokenizer(backend)
+    tokenizer = CountingTokenizer(byte_level)
     processor = OutputProcessor(tokenizer, eos_token_ids=())
     seq = Sequence("r", 0, [1, 2, 3], params, seed=0, max_model_len=4096)
     for token in tokenizer.inner.encode(text):
@@ -64,7 +63,7 @@ def test_a_byte_level_text_grows_from_its_last_whole_character() -> None:
     """The embedded tokenizer's decoder is byte-level: stop strings found as before, each token decoded about once
     (not the whole output at every token)."""
     text = "def fib(n):\n    return n\n\ndef other():\n    pass\n"
-    seq, tokenizer = run(SamplingParams(max_tokens=100, stop=["\n\n"]), text, backend=True)
+    seq, tokenizer = run(SamplingParams(max_tokens=100, stop=["\n\n"]), text, byte_level=True)
     assert seq.finish_reason == "stop" and seq.stop_reason == "\n\n"
     assert seq.text == "def fib(n):\n    return n"
     assert tokenizer.decoded == len(seq.output_token_ids)
@@ -75,7 +74,7 @@ def test_a_growing_text_is_the_whole_decode_at_every_token(skip_special_tokens) 
     """Random outputs over the whole vocabulary (byte tokens that cut characters, special tokens, text with
     characters of two to four bytes): after every token the text is the whole output's decode, and the tokens
     decoded stay linear in the output's length."""
-    tokenizer = CountingTokenizer(backend=True)
+    tokenizer = CountingTokenizer(byte_level=True)
     inner = tokenizer.inner
     rng = random.Random(0)
     ids = [rng.randrange(inner.vocab_size) for _ in range(300)]
@@ -92,20 +91,16 @@ def test_a_growing_text_is_the_whole_decode_at_every_token(skip_special_tokens) 
 
 
 def test_other_decoders_decode_the_whole_output() -> None:
-    """A decoder that may join or strip across tokens (here Metaspace's) is not taken for byte-level."""
+    """A decoder that may join or strip across tokens (here Metaspace's) is not byte-level: the text is the whole
+    output's decode at every token. The embedded tokenizer's is."""
     backend = BackendTokenizer(models.WordLevel({"\u2581a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     backend.decoder = decoders.Metaspace()
-
-    class Plain:
-        def __init__(self) -> None:
-            self.backend = backend
-
-        def decode(self, ids, skip_special_tokens: bool = True) -> str:
-            return backend.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    processor = OutputProcessor(Plain(), eos_token_ids=())
+    tokenizer = Tokenizer(backend)
+    assert not tokenizer.byte_level and load_tokenizer(default_checkpoint()).byte_level
+    processor = OutputProcessor(tokenizer, eos_token_ids=())
     assert not processor.byte_level
     seq = Sequence("r", 0, [1], SamplingParams(max_tokens=10, stop=["zz"]), seed=0, max_model_len=64)
-    for n, token in enumerate([0, 1, 0, 0, 1], 1):
+    ids = [0, 1, 0, 0, 1]
+    for n, token in enumerate(ids, 1):
         processor.append(seq, token, None)
-        assert seq.text == backend.decode([0, 1, 0, 0, 1][:n])
+        assert seq.text == backend.decode(ids[:n])

@@ -15,8 +15,6 @@ the whole output each token.
 
 from __future__ import annotations
 
-from tokenizers import decoders
-
 from deepinfer.engine.sequence import Sequence
 from deepinfer.outputs import Logprob
 
@@ -27,8 +25,7 @@ class OutputProcessor:
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...]) -> None:
         self.tokenizer, self.eos_token_ids = tokenizer, eos_token_ids
         self._texts: dict[int, str] = {}  # id -> its text (special tokens spelled out), for log-probabilities
-        decoder = getattr(getattr(tokenizer, "backend", None), "decoder", None)
-        self.byte_level = isinstance(decoder, decoders.ByteLevel)  # texts grow by their new outputs' text
+        self.byte_level = tokenizer.byte_level  # texts grow by their new outputs' text (deepinfer/tokenizer.py)
 
     def _token_text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
