@@ -115,7 +115,7 @@ def measure(batch: int, context: int, splits: tuple[int, ...] = ()) -> list[dict
 
         want = reference(s["q"].double(), s["gathered"], s["sink"].double(), s["compressed"], s["topk"], **common)
         errors = {name: rel_l2(fn(), want) for name, fn in (("new", new), ("gathered", gather))}
-        row = dict(B=batch, ctx=context, mode=mode, split=config["split_kv"], errors=errors,
+        row = dict(B=batch, ctx=context, mode=mode, split=config["split_kv"], parts=config["parts"], errors=errors,
                    ok=all(e < TOLERANCE for e in errors.values()))
         if row["ok"] and mode.startswith("split"):  # the in-place kernel's parts alone
             row |= dict(new_us=float("nan"), graphed_us=time_us(new), gather_us=float("nan"))
@@ -143,13 +143,14 @@ def main() -> int:
         for batch in map(int, args.batches.split(",")):
             rows += measure(batch, context, splits)
             torch.cuda.empty_cache()
-    print(f"\n{'B':>4s} {'ctx':>6s} {'config':>9s} {'split':>5s} {'in place':>8s} {'graphed':>8s} "
+    print(f"\n{'B':>4s} {'ctx':>6s} {'config':>9s} {'split':>5s} {'parts':>5s} {'in place':>8s} {'graphed':>8s} "
           f"{'gather us':>9s} {'GB/s':>6s} {'of HBM':>6s} {'x gather':>8s} {'rel err':>8s}")
-    for r in rows:
+    for r in rows:  # split: the gathered kernel's parts (`split_kv`); parts: the in-place kernel's
         if not r["ok"]:
-            print(f"{r['B']:4d} {r['ctx']:6d} {r['mode']:>9s} {r['split']:5d}  FAILED the check: {r['errors']}")
+            print(f"{r['B']:4d} {r['ctx']:6d} {r['mode']:>9s} {r['split']:5d} {r['parts']:5d}  FAILED the check: "
+                  f"{r['errors']}")
             continue
-        print(f"{r['B']:4d} {r['ctx']:6d} {r['mode']:>9s} {r['split']:5d} {r['new_us']:8.1f} "
+        print(f"{r['B']:4d} {r['ctx']:6d} {r['mode']:>9s} {r['split']:5d} {r['parts']:5d} {r['new_us']:8.1f} "
               f"{r['graphed_us']:8.1f} {r['gather_us']:9.1f} {r['gbs']:6.0f} {r['gbs'] * 1e9 / HBM:6.1%} "
               f"{r['gather_us'] / r['new_us']:8.1f} {r['errors']['new']:8.1e}")
     return 0 if all(r["ok"] for r in rows) else 1

@@ -13,7 +13,7 @@ import kernels.moe.experts as experts
 import kernels.moe.fragments as fragments
 import kernels.moe.gate as gate
 from dsl.graph import Node
-from kernels.linear.lowering import no_gemv, weight_format
+from kernels.linear.lowering import DECODE, no_gemv, one_row, weight_format
 from kernels.lowering import PLAIN, Call, Lowering, Params, Static, Variant, meta, over_tokens, param, weight_dtype
 from kernels.moe.expert_parallel_kernel import ConfigFor, ParallelMoeKernel, serve_pairs, wire_splits
 from kernels.targets import Target
@@ -141,7 +141,7 @@ class MoeGate(Lowering):
 
     def trace(self, call: Call) -> None:
         st = call.static
-        for rows in (call.tokens, 1) if call.tokens > 1 else (1,):  # one token on the one-row kernel too
+        for rows in one_row(call.tokens, DECODE):  # the decode GEMM's projection: one token on the one-row kernel too
             self._gate(meta(rows, st.d), meta(st.e, st.d), meta(st.e), call)
 
     @staticmethod
