@@ -5,21 +5,16 @@ source hash, which keys the tuned configs of `linear_kernel`, covers that kernel
 (linear.py's `gemv_config`), not tuned. `gemv_swiglu_kernel` runs the shared expert's gate and up projections for
 one token in one launch and applies the clamped SwiGLU (swiglu.py's `swiglu_one_row`).
 
-Split K needs no second launch: each program writes its partial to a workspace and takes a ticket from its tile's
-counter; the program holding the last ticket sums the tile's partials in split order (the order of linear.py's
-`splitk_reduce_kernel`, so the same bits whichever program finishes last) and sets the counter back to zero for
-the next launch. The counters (`tile_counters`) are one zeroed int32 buffer a device, shared by every launch: the
-launches of a stream run one after another, and each leaves every counter at zero.
+Split K needs no second launch: each program writes its partial to a workspace and takes a ticket
+(kernels/tickets.py); the program holding the tile's last ticket sums the tile's partials in split order (the order
+of linear.py's `splitk_reduce_kernel`, so the same bits whichever program finishes last).
 """
 
 from __future__ import annotations
 
-import torch
-
 from kernels.lang import pdl_prologue, tl, triton
 from kernels.moe.experts import _swiglu
-
-COUNTERS = 4096  # tiles a launch that sums inside may have (a split one has fewer than 2 programs per SM)
+from kernels.tickets import last_arrival
 
 
 @triton.jit
@@ -52,14 +47,6 @@ def _row_sums(x_ptr, w_ptr, s_ptr, g, split, pid_n, N: tl.constexpr, K: tl.const
 
 
 @triton.jit
-def _last(count_ptr, tile, arrivals: tl.constexpr):
-    """Whether this program is the last of `arrivals` to take a ticket from counter `tile`, its partial already
-    stored. The caller's last program sets the counter back to zero once it has read the partials."""
-    tl.debug_barrier()  # every thread's partial is written before the ticket (released at GPU scope) is taken
-    return tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == arrivals - 1
-
-
-@triton.jit
 def _split_sum(ws_ptr, rows, mask_n, stride, SPLIT_K: tl.constexpr, block_N: tl.constexpr):
     """The partials ws[s * stride + rows] summed in split order, as linear.py's `splitk_reduce_kernel` adds them (from
     zero): the same bits whichever program is last. Read from L2 (.cg), where the other programs' stores went."""
@@ -88,7 +75,7 @@ def gemv_kernel(x_ptr, w_ptr, s_ptr, ws_ptr, out_ptr, count_ptr, N: tl.constexpr
     else:
         tl.store(ws_ptr + split * (GROUPS * N) + rows, acc, mask=mask_n)
         tile = g * tl.num_programs(0) + pid_n
-        if _last(count_ptr, tile, SPLIT_K):
+        if last_arrival(count_ptr, tile, SPLIT_K):
             tl.store(out_ptr + rows, _split_sum(ws_ptr, rows, mask_n, GROUPS * N, SPLIT_K, block_N), mask=mask_n)
             tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
@@ -113,7 +100,7 @@ def gemv_swiglu_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ws_ptr, out_ptr, c
         rows, mask_n, acc = _row_sums(x_ptr, w3_ptr, s3_ptr, 0, split, pid_n, N, K, SCALE_COLS, FP8, K_PER_SPLIT,
                                       block_N, block_K)
     tl.store(ws_ptr + pid_z * N + rows, acc, mask=mask_n)
-    if _last(count_ptr, pid_n, 2 * SPLIT_K):
+    if last_arrival(count_ptr, pid_n, 2 * SPLIT_K):
         if SPLIT_K == 1:
             gate = tl.load(ws_ptr + rows, mask=mask_n, other=0.0, cache_modifier=".cg")
             up = tl.load(ws_ptr + N + rows, mask=mask_n, other=0.0, cache_modifier=".cg")
@@ -124,19 +111,4 @@ def gemv_swiglu_kernel(x_ptr, w1_ptr, s1_ptr, w3_ptr, s3_ptr, ws_ptr, out_ptr, c
         tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
 
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """The device's `COUNTERS` zeroed int32 tile counters, made on first use, for a launch of `tiles` tiles that sums
-    its partials inside (ValueError past `COUNTERS`). Made during a CUDA graph's capture, they come from the graph's
-    pool with a zeroing node: still zero at each launch, since every launch leaves them so."""
-    if tiles > COUNTERS:
-        raise ValueError(f"{tiles} output tiles summed in one launch: at most {COUNTERS} (gemv.COUNTERS)")
-    counters = _counters.get(device)
-    if counters is None:
-        counters = _counters[device] = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-    return counters
-
-
-__all__ = ["COUNTERS", "gemv_kernel", "gemv_swiglu_kernel", "tile_counters"]
+__all__ = ["gemv_kernel", "gemv_swiglu_kernel"]

@@ -22,9 +22,12 @@ from __future__ import annotations
 
 import torch
 
+# tickets and gemv come in as modules: this module's source hash, the tuned configs' key, covers every kernel in its
+# namespace, imported ones included
+from kernels import tickets
 from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
-from kernels.linear import gemv  # the module, not its kernel: this module's source hash keys the tuned configs
+from kernels.linear import gemv
 
 SCALE_BLOCK = 32
 
@@ -231,7 +234,7 @@ def _gemv(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None, groups: 
     ws = out if split == 1 else torch.empty(split, groups * n, dtype=torch.float32, device=x.device)
     launch(gemv.gemv_kernel, (triton.cdiv(n, block_n), groups * split),
            (x, w, scale if fp8 else w, ws, out,
-            gemv.tile_counters(x.device, groups * triton.cdiv(n, block_n) if split > 1 else 0)),
+            tickets.tile_counters(x.device, groups * triton.cdiv(n, block_n) if split > 1 else 0)),
            dict(N=n, K=k, GROUPS=groups, SCALE_COLS=scale.shape[1] if fp8 else 0, FP8=fp8, SPLIT_K=split,
                 K_PER_SPLIT=k_per_split(k, split, block_k), block_N=block_n, block_K=block_k),
            config["num_warps"], config["num_stages"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import tickets
 from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
 from kernels.linear import gemv
@@ -80,7 +81,7 @@ def swiglu_one_row(x: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor | None, w
     ws = torch.empty(2, split, n, dtype=torch.float32, device=x.device)
     launch(gemv.gemv_swiglu_kernel, (triton.cdiv(n, block_n), 2 * split),
            (x, w1, s1 if fp8 else w1, w3, s3 if fp8 else w3, ws, out,
-            gemv.tile_counters(x.device, triton.cdiv(n, block_n))),
+            tickets.tile_counters(x.device, triton.cdiv(n, block_n))),
            dict(N=n, K=k, SCALE_COLS=s1.shape[1] if fp8 else 0, FP8=fp8, SPLIT_K=split,
                 K_PER_SPLIT=k_per_split(k, split, block_k), LIMIT=float(limit),
                 block_N=block_n, block_K=block_k), config["num_warps"], config["num_stages"])

@@ -12,8 +12,13 @@ by expert and laid out in blocks of `block_M` slots, each block one expert's (`r
 pair; GEMM 2 multiplies by w2. fp4: the rows of x (a bf16 copy made first) and of h hold their even columns, then
 their odd ones, so both GEMMs load the two halves a packed byte meets contiguously (gathering x's even and odd fp32
 columns with a stride of two instead is the experts' bottleneck, bench/RESULTS.md); the k pairs of a token are summed
-at the end in slot order (`moe_sum_kernel`). A decode block holds
-one or two pairs: only the valid slots' rows of x or h are read.
+at the end in slot order (`moe_sum_kernel`). A decode block holds one or two pairs: only the valid slots' rows of
+x or h are read.
+
+One token (a batch-1 decode step) takes two launches instead of up to seven (routing's two, x's even/odd copy and
+its bf16 cast, the GEMMs, the sum): its k pairs run unrouted, block b holding pair b alone, GEMM 1 reads x's row in
+input order and converts as it loads, and GEMM 2's last program of each output tile sums the pairs in slot order
+(kernels/tickets.py). A pair's products and the sum's order are the routed path's, so are the bits (`ONE_TOKEN`).
 
 Split-K (a tile choice for decode, where few experts may leave the GPU short of programs; the heuristic's decode tiles
 keep K whole, `default_config`): a GEMM's K is cut into `split_k` fixed ranges, one program each, whose fp32 partials
@@ -32,6 +37,7 @@ from kernels.launch import launch
 from kernels.moe.fragments import UNIT, fragment_products
 from kernels.moe.raw_codes import raw_products
 from kernels.moe.route import route
+from kernels.tickets import last_arrival, tile_counters
 
 
 @triton.jit
@@ -76,21 +82,33 @@ def _plain_products(a_ptr, a_rows, valid, w_ptr, w3_ptr, w_rows, mask_n, k_begin
 
 
 @triton.jit
-def moe_gemm_kernel(a_ptr, rows_ptr, block_expert_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, route_ptr, out_ptr,
-                    N: tl.constexpr, K: tl.constexpr, TOPK: tl.constexpr, GATED: tl.constexpr, FP4: tl.constexpr,
-                    LIMIT: tl.constexpr, DOT_FP32: tl.constexpr, ASM: tl.constexpr, SPLIT_K: tl.constexpr,
-                    K_PER_SPLIT: tl.constexpr, FRAGMENTS: tl.constexpr, block_M: tl.constexpr,
-                    block_N: tl.constexpr, block_K: tl.constexpr):
+def moe_gemm_kernel(a_ptr, rows_ptr, block_expert_ptr, w_ptr, s_ptr, w3_ptr, s3_ptr, route_ptr, out_ptr, total_ptr,
+                    count_ptr, N: tl.constexpr, K: tl.constexpr, E: tl.constexpr, TOPK: tl.constexpr,
+                    GATED: tl.constexpr, FP4: tl.constexpr, LIMIT: tl.constexpr, DOT_FP32: tl.constexpr,
+                    ASM: tl.constexpr, SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, FRAGMENTS: tl.constexpr,
+                    ONE_TOKEN: tl.constexpr, block_M: tl.constexpr, block_N: tl.constexpr, block_K: tl.constexpr):
     """One expert block's [block_M slots, block_N outputs] over one K split: GEMM 1 (GATED: w1 and w3, from the
-    tokens' rows of x) or GEMM 2 (w2, from the pairs' rows of h)."""
+    tokens' rows of x) or GEMM 2 (w2, from the pairs' rows of h).
+
+    ONE_TOKEN: a token's TOPK pairs unrouted. Block b holds pair b alone and its expert is block_expert_ptr[b] (the
+    token's picks; one outside [0, E) is skipped, as routing places none of its pairs), GEMM 1 reads x's row as it
+    is (inputs in order), and GEMM 2's last program of each output tile (kernels/tickets.py) adds the pairs' outputs
+    into total_ptr in slot order, and within a slot in split order, as `moe_sum_kernel` does. Each pair's products
+    are those of its routed block, so the token's result has the bits of routing, GEMMs and sum, in two launches."""
     pdl_prologue()
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
-    e = tl.load(block_expert_ptr + pid_b)
+    if ONE_TOKEN:
+        e = tl.load(block_expert_ptr + pid_b).to(tl.int32)
+        e = tl.where((e >= 0) & (e < E), e, -1)
+    else:
+        e = tl.load(block_expert_ptr + pid_b)
     if e >= 0:
-        slots = pid_b * block_M + tl.arange(0, block_M)
-        pairs = tl.load(rows_ptr + slots)
+        if ONE_TOKEN:
+            pairs = tl.where(tl.arange(0, block_M) == 0, pid_b, -1)
+        else:
+            pairs = tl.load(rows_ptr + pid_b * block_M + tl.arange(0, block_M))
         valid = pairs >= 0
         pairs = tl.where(valid, pairs, 0).to(tl.int64)  # empty slots compute on pair 0's row, and are not stored
         a_rows = pairs // TOPK if GATED else pairs
@@ -102,11 +120,12 @@ def moe_gemm_kernel(a_ptr, rows_ptr, block_expert_ptr, w_ptr, s_ptr, w3_ptr, s3_
             even = (N % block_N == 0) and (K_PER_SPLIT * SPLIT_K == K)
             acc1, acc3 = fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, pid_n * block_N,
                                            w_rows, mask_n, k_begin, N, K, K_PER_SPLIT, GATED, DOT_FP32, ASM, even,
-                                           block_M, block_N, block_K)
+                                           ONE_TOKEN and GATED, block_M, block_N, block_K)
         elif FP4:
             even = (N % block_N == 0) and (K_PER_SPLIT * SPLIT_K == K)
             acc1, acc3 = raw_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, w_rows, mask_n, k_begin, K,
-                                      K_PER_SPLIT, GATED, DOT_FP32, ASM, even, block_M, block_N, block_K)
+                                      K_PER_SPLIT, GATED, DOT_FP32, ASM, even, ONE_TOKEN and GATED, block_M,
+                                      block_N, block_K)
         else:
             acc1, acc3 = _plain_products(a_ptr, a_rows, valid, w_ptr, w3_ptr, w_rows, mask_n, k_begin, K,
                                          K_PER_SPLIT, GATED, DOT_FP32, block_M, block_N, block_K)
@@ -120,6 +139,16 @@ def moe_gemm_kernel(a_ptr, rows_ptr, block_expert_ptr, w_ptr, s_ptr, w3_ptr, s3_
             tl.store(out + N, acc3, mask=mask_out)
         else:  # [P, SPLIT_K, N]
             tl.store(out_ptr + (pairs[None, :] * SPLIT_K + split) * N + offs_n[:, None], acc1, mask=mask_out)
+    if ONE_TOKEN and not GATED:
+        if last_arrival(count_ptr, pid_n, TOPK * SPLIT_K):
+            offs = pid_n * block_N + tl.arange(0, block_N)
+            total = tl.zeros([block_N], dtype=tl.float32)
+            for slot in tl.static_range(TOPK):
+                for s in tl.static_range(SPLIT_K):
+                    total += tl.load(out_ptr + (slot * SPLIT_K + s) * N + offs, mask=offs < N, other=0.0,
+                                     cache_modifier=".cg")
+            tl.store(total_ptr + offs, total, mask=offs < N)
+            tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
 
 @triton.jit
@@ -155,6 +184,9 @@ def moe_sum_kernel(y_ptr, out_ptr, D: tl.constexpr, TOPK: tl.constexpr, SPLIT_K:
     tl.store(out_ptr + t * D + offs, acc, mask=mask)
 
 
+DECODE_TOKENS = 512  # buckets up to here take the decode tiles, and the smallest of them serves one token
+
+
 def default_config(m: int, fp4: bool = True) -> dict:
     """The heuristic tiles for a token count `m` (a bucket's upper end). Up to 512 tokens: 16 slots x 128 outputs x 128
     inputs, 8 warps, 3 stages, K unsplit: the fastest on fragment-order codes at 16 and 64 tokens of the H100 sweep
@@ -164,7 +196,7 @@ def default_config(m: int, fp4: bool = True) -> dict:
     every split measured slower than K whole, at one token a 2/1 split was a little faster, and a fourth stage was
     slower in all but one pair. Beyond 512 tokens (prefill), 64 slots a block in 128 x 64 tiles with 8 warps, so each
     dequantized weight tile serves four times the pairs."""
-    if m <= 512:
+    if m <= DECODE_TOKENS:
         gemm = {"block_M": 16, "block_N": 128, "block_K": 128, "num_warps": 8, "num_stages": 3}
     else:
         gemm = {"block_M": 64, "block_N": 128, "block_K": 64, "num_warps": 8, "num_stages": 3}
@@ -247,6 +279,11 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     if t == 0:
         return torch.empty(t, x.shape[1], dtype=torch.float32, device=x.device)
     config = config or default_config(t, fp4)
+    if t == 1:  # two launches: no routing, x's row as it is, the pairs summed inside GEMM 2 (the same bits)
+        total = torch.empty(1, x.shape[1], dtype=torch.float32, device=x.device)
+        pair_outputs(x, weights, experts, w1, w2, w3, s1, s2, s3, limit=limit, config=config, dot_fp32=dot_fp32,
+                     total=total)
+        return total
     y = pair_outputs(gemm_rows(x, fp4, dot_fp32), weights, experts, w1, w2, w3, s1, s2, s3, limit=limit,
                      config=config, dot_fp32=dot_fp32)
     return sum_pairs(y, experts.shape[1])
@@ -262,9 +299,12 @@ def gemm_rows(x: torch.Tensor, fp4: bool, dot_fp32: bool) -> torch.Tensor:
 
 def pair_outputs(xk: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                  w3: torch.Tensor, s1: torch.Tensor | None, s2: torch.Tensor | None, s3: torch.Tensor | None, *,
-                 limit: float, config: dict, dot_fp32: bool) -> torch.Tensor:
+                 limit: float, config: dict, dot_fp32: bool, total: torch.Tensor | None = None) -> torch.Tensor:
     """Every (token, slot) pair's weight * expert(x) as GEMM 2's split-K partials, fp32 [T*k, split_k, D] (pair
-    t*k + slot), from the rows `gemm_rows` made; experts whose id is outside [0, E) are not computed."""
+    t*k + slot), from the rows `gemm_rows` made; experts whose id is outside [0, E) are not computed.
+
+    `total` fp32 [1, D], for one token (T = 1): its pairs run unrouted (`moe_gemm_kernel`'s ONE_TOKEN), xk is x's
+    row itself, and GEMM 2 also writes the sum of the pairs' outputs into `total`, `sum_pairs`'s bits."""
     fp4, fragments = w1.dtype == torch.uint8, w1.dim() == 4
     t, topk = experts.shape
     num_experts, inter, d = expert_shape(w1)
@@ -273,22 +313,32 @@ def pair_outputs(xk: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
         raise ValueError("both GEMMs read one routing layout: their block_M must match")
     if fragments and (up["block_N"] % 16 or down["block_N"] % 16):
         raise ValueError("codes in fragment order come in groups of 16 rows: block_N must be a multiple of 16")
+    one_token = total is not None
+    if one_token and (t != 1 or total.shape != (1, d) or total.dtype != torch.float32):
+        raise ValueError(f"a total is one token's fp32 [1, {d}], got {t} tokens and {total.dtype} "
+                         f"{list(total.shape)}")
     (split_up, per_up), (split_down, per_down) = _split(up, d), _split(down, inter)
     pairs, dev = t * topk, xk.device
     asm = dev.type != "cpu" and not dot_fp32  # the interpreter (CPU tensors) runs no PTX; meta tensors: the AOT build
     if pairs == 0:
         return torch.empty(pairs, split_down, d, dtype=torch.float32, device=dev)
-    rows, block_expert = route(experts, num_experts, up["block_M"])
+    if one_token:  # block b is pair b: the token's picks are the blocks' experts
+        block_expert = rows = experts.reshape(-1).contiguous()
+        counters = tile_counters(dev, triton.cdiv(d, down["block_N"]))
+    else:
+        rows, block_expert = route(experts, num_experts, up["block_M"])
     h = torch.empty(pairs, inter, dtype=torch.float32 if dot_fp32 else torch.bfloat16, device=dev)
     part = h if split_up == 1 else torch.empty(pairs, split_up, 2, inter, dtype=torch.float32, device=dev)
     y = torch.empty(pairs, split_down, d, dtype=torch.float32, device=dev)
-    common = dict(TOPK=topk, FP4=fp4, LIMIT=float(limit), DOT_FP32=dot_fp32, ASM=asm, FRAGMENTS=fragments,
-                  block_M=up["block_M"])
+    if not one_token:  # unread
+        total = counters = y
+    common = dict(E=num_experts, TOPK=topk, FP4=fp4, LIMIT=float(limit), DOT_FP32=dot_fp32, ASM=asm,
+                  FRAGMENTS=fragments, ONE_TOKEN=one_token, block_M=up["block_M"])
     s1_, s2_, s3_ = (s1, s2, s3) if fp4 else (w1, w2, w3)
     if fragments:  # the kernels load whole words of the format (kernels/moe/fragments.py)
         w1, w2, w3 = (w.view(torch.int32) for w in (w1, w2, w3))
     launch(moe_gemm_kernel, (block_expert.numel(), triton.cdiv(inter, up["block_N"]), split_up),
-           (xk, rows, block_expert, w1, s1_, w3, s3_, weights, part),
+           (xk, rows, block_expert, w1, s1_, w3, s3_, weights, part, total, counters),
            dict(common, N=inter, K=d, GATED=True, SPLIT_K=split_up, K_PER_SPLIT=per_up, block_N=up["block_N"],
                 block_K=up["block_K"]), up["num_warps"], up["num_stages"])
     if split_up > 1:
@@ -296,7 +346,7 @@ def pair_outputs(xk: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
         launch(moe_swiglu_kernel, (pairs, triton.cdiv(inter, block)), (part, weights, h),
                dict(N=inter, SPLIT_K=split_up, LIMIT=float(limit), FP4=fp4, block_N=block), 4, 1)
     launch(moe_gemm_kernel, (block_expert.numel(), triton.cdiv(d, down["block_N"]), split_down),
-           (h, rows, block_expert, w2, s2_, w2, s2_, weights, y),
+           (h, rows, block_expert, w2, s2_, w2, s2_, weights, y, total, counters),
            dict(common, N=d, K=inter, GATED=False, SPLIT_K=split_down, K_PER_SPLIT=per_down,
                 block_N=down["block_N"], block_K=down["block_K"]), down["num_warps"], down["num_stages"])
     return y

@@ -72,10 +72,13 @@ class MoeExperts(Lowering):
                                    s2, s3, limit=call.attrs["limit"], config=call.config, dot_fp32=call.dot_fp32)
 
     def trace(self, call: Call) -> None:
-        st, m = call.static, call.tokens
+        """The bucket's launches, and under a decode bucket's config one token's too (`moe_experts` runs it in its
+        own two launches)."""
+        st = call.static
         w1, w2, s1, s2 = self._meta_weights(call)
-        experts.moe_experts(meta(m, st.d), meta(m, st.topk), meta(m, st.topk, dtype=torch.int64), w1, w2, w1, s1, s2,
-                            s1, limit=call.attrs["limit"], config=call.config, dot_fp32=call.dot_fp32)
+        for m in (call.tokens, 1) if 1 < call.tokens <= experts.DECODE_TOKENS else (call.tokens,):
+            experts.moe_experts(meta(m, st.d), meta(m, st.topk), meta(m, st.topk, dtype=torch.int64), w1, w2, w1, s1,
+                                s2, s1, limit=call.attrs["limit"], config=call.config, dot_fp32=call.dot_fp32)
 
     def run_parallel(self, call: Call, kernel: ParallelMoeKernel, invariant: bool,
                      config_for: ConfigFor) -> torch.Tensor:

@@ -9,6 +9,7 @@ import torch
 from dsl.ops.dense import grouped_linear as ref_grouped_linear
 from dsl.ops.dense import linear as ref_linear
 from dsl.quant import quantize_fp8_block
+from kernels import tickets
 from kernels.lang import triton
 from kernels.launch import launch
 from kernels.linear import gemv
@@ -97,7 +98,7 @@ def test_one_row_split_sums_in_split_order_inside_one_launch(n, k, groups, split
     w, s = make_weight(groups * n, k, fmt, device, seed=n + split)
     x = gen(1, groups * k, device=device, seed=split)
     block_n, block_k = 32, 64
-    counters = gemv.tile_counters(torch.device(device), triton.cdiv(n, block_n) * groups)
+    counters = tickets.tile_counters(torch.device(device), triton.cdiv(n, block_n) * groups)
     runs = []
     for _ in range(2):
         ws = torch.full((split, groups * n), float("nan"), device=device)

@@ -11,8 +11,8 @@ import torch
 from dsl.ops.moe import clamped_swiglu
 from dsl.ops.moe import swiglu as ref_swiglu
 from dsl.quant import quantize_fp8_block
+from kernels import tickets
 from kernels.launch import use_launcher
-from kernels.linear import gemv
 from kernels.linear.linear import gemv_config, linear
 from kernels.linear.lowering import SWIGLU, SwigluStatic, project
 from kernels.linear.swiglu import swiglu, swiglu_one_row
@@ -107,7 +107,7 @@ def test_one_token_shared_expert_in_one_launch(d, inter, limit, fmt, device) -> 
     separate = swiglu(linear(x, w1, s1), linear(x, w3, s3), limit=limit)
     fused = swiglu_one_row(x, w1, s1, w3, s3, limit=limit)
     assert torch.equal(fused, separate)
-    assert not torch.any(gemv.tile_counters(torch.device(device), 1))
+    assert not torch.any(tickets.tile_counters(torch.device(device), 1))
     if d >= 2048:
         assert gemv_config(inter, d)["split_k"] > 1
     static = SwigluStatic(inter, d, "fp8" if fmt == "fp8" else "plain")
@@ -127,7 +127,7 @@ def test_one_token_shared_expert_in_one_launch(d, inter, limit, fmt, device) -> 
 
 def test_one_token_shared_expert_past_the_counters_is_refused(device) -> None:
     """More output tiles than tile counters: a clear error, nothing launched."""
-    n = (gemv.COUNTERS + 1) * gemv_config(1 << 20, 32)["block_N"]
+    n = (tickets.COUNTERS + 1) * gemv_config(1 << 20, 32)["block_N"]
     w, s = quantize_fp8_block(torch.zeros(n, 32))
     w, s = w.to(device), s.to(device)
     with pytest.raises(ValueError, match="COUNTERS"):

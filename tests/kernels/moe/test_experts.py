@@ -1,6 +1,6 @@
 """Routed experts (fp4 and bf16 grouped GEMMs, unsplit and split-K) against `dsl.ops.moe.moe_experts`, batch
-invariance under a split config, and the launches the AOT builder records (the routing layout's own tests:
-tests/kernels/moe/test_route.py)."""
+invariance under a split config, one token's two launches against the routed path, and the launches the AOT builder
+records (the routing layout's own tests: tests/kernels/moe/test_route.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import torch
 
 from autotune.space import get_configs
 from dsl.ops.moe import moe_experts as ref_moe_experts
-from kernels.launch import use_launcher
+from kernels import tickets
+from kernels.launch import jit_launch, use_launcher
 from kernels.lowering import PLAIN, Call
-from kernels.moe.experts import default_config, moe_experts, prescaled
+from kernels.moe.experts import default_config, gemm_rows, moe_experts, pair_outputs, prescaled, sum_pairs
+from kernels.moe.fragments import fragment_codes
 from kernels.moe.lowering import MOE_EXPERTS, ExpertsStatic
 from tests.kernels.cases import EXPERTS, HIDDEN, MOE_INTER, TOPK, gen, rel_l2
 
@@ -116,6 +118,45 @@ def test_moe_token_is_bitwise_the_same_alone_and_in_a_batch(splits, device) -> N
         assert torch.equal(got[at], alone[0])
 
 
+def routed(x, weights, experts, ws, ss, config, dot_fp32=False) -> torch.Tensor:
+    """moe_experts through routing, GEMMs on the split rows and the slot sum: the path of two tokens and more."""
+    fp4 = ws[0].dtype == torch.uint8
+    y = pair_outputs(gemm_rows(x, fp4, dot_fp32), weights, experts, *ws, *ss, limit=LIMIT, config=config,
+                     dot_fp32=dot_fp32)
+    return sum_pairs(y, experts.shape[1])
+
+
+@pytest.mark.usefixtures("row_independent_dot")
+@pytest.mark.parametrize("fmt,splits,dtype", [
+    ("fp4", (1, 1), torch.float32), ("fp4", (2, 3), torch.float32), ("fp4", (1, 1), torch.bfloat16),
+    ("fragments", (1, 1), torch.float32), ("fragments", (3, 2), torch.bfloat16), ("bf16", (2, 2), torch.float32),
+    ("fp32", (1, 2), torch.float32),
+])
+def test_one_token_is_bitwise_the_routed_path_in_two_launches(fmt, splits, dtype, device) -> None:
+    """One token's pairs run unrouted: GEMM 1 reads x's row in input order (no split copy), and GEMM 2's last
+    program of each output tile adds the pairs in slot and split order. The result is the bits of routing, the
+    GEMMs on the split rows and `moe_sum_kernel`, in two launches (three with a split GEMM 1), and the tile counters
+    are left at zero (a second call gives the same bits)."""
+    e, inter, d = 8, 64, 96
+    ws, ss = make_experts(e, inter, d, "fp4" if fmt == "fragments" else fmt, device)
+    if fmt == "fragments":
+        ws = [fragment_codes(w) for w in ws]
+    weights, experts = routing(1, e, 3, device, seed=7)
+    x = gen(1, d, device=device, seed=8).to(dtype)
+    dot_fp32, config = fmt == "fp32", split(*splits, block_k=32)
+    want = routed(x, weights, experts, ws, ss, config, dot_fp32)
+    calls = []
+    with use_launcher(lambda call: (calls.append(call), jit_launch(call))):
+        got = moe_experts(x, weights, experts, *ws, *ss, limit=LIMIT, config=config, dot_fp32=dot_fp32)
+    assert [c.name for c in calls] == ["moe_gemm_kernel"] + ["moe_swiglu_kernel"] * (splits[0] > 1) + \
+        ["moe_gemm_kernel"]
+    assert torch.isfinite(want).all() and want.abs().max() > 0
+    assert torch.equal(got, want)
+    assert not torch.any(tickets.tile_counters(torch.device(device), 1))
+    again = moe_experts(x, weights, experts, *ws, *ss, limit=LIMIT, config=config, dot_fp32=dot_fp32)
+    assert torch.equal(again, want)
+
+
 def test_moe_prescaled_scales_give_the_bits_of_fp32_scales(device) -> None:
     """The executor gives the kernel each power-of-two scale as the bf16 factor scale * 2^63: the same products as
     fp32 scales, bit for bit, over scales from 2^-127 (a subnormal fp32) up, split or not."""
@@ -168,11 +209,12 @@ def test_tuning_space_splits_k_within_the_shapes(bucket) -> None:
     assert splits == {(1, 1)} if bucket > 64 else max(splits) >= (4, 2)
 
 
-@pytest.mark.parametrize("m, splits", [(16, (4, 2)), (16, None), (512, None)])
+@pytest.mark.parametrize("m, splits", [(16, (4, 2)), (16, None), (512, None), (1, None), (1, (2, 2)), (8192, None)])
 def test_aot_trace_records_every_launch_of_the_config(m, splits) -> None:
-    """The AOT builder runs the wrapper on meta tensors (no values read): the routing's two kernels, then a split
-    GEMM 1 adds the activation's kernel, and both GEMMs' split counts reach their launches (the heuristic's
-    tiles, or them with K split)."""
+    """The AOT builder runs the wrapper on meta tensors (no values read): the routing's two kernels (none for one
+    token), then a split GEMM 1 adds the activation's kernel, and both GEMMs' split counts reach their launches (the
+    heuristic's tiles, or them with K split); the slot sum is its own kernel past one token. A decode bucket's trace
+    adds one token's launches under its config, which the bucket's smallest member runs."""
     static = ExpertsStatic(EXPERTS, MOE_INTER, HIDDEN, TOPK, "fp4")
     config = default_config(m)
     if splits:
@@ -180,15 +222,20 @@ def test_aot_trace_records_every_launch_of_the_config(m, splits) -> None:
     calls = []
     with use_launcher(calls.append):
         MOE_EXPERTS.trace(Call(static, PLAIN, config, {"limit": LIMIT}, tokens=m))
-    names = [c.name for c in calls]
     split_up, split_down = config["up"]["split_k"], config["down"]["split_k"]
-    assert names == ["route_count_kernel", "route_place_kernel", "moe_gemm_kernel"] + \
-        ["moe_swiglu_kernel"] * (split_up > 1) + ["moe_gemm_kernel", "moe_sum_kernel"]
+    runs = [m, 1] if 1 < m <= 512 else [m]
+
+    def names(t: int) -> list[str]:
+        return ["route_count_kernel", "route_place_kernel"] * (t > 1) + ["moe_gemm_kernel"] + \
+            ["moe_swiglu_kernel"] * (split_up > 1) + ["moe_gemm_kernel"] + ["moe_sum_kernel"] * (t > 1)
+
+    assert [c.name for c in calls] == [n for t in runs for n in names(t)]
     gemms = [c for c in calls if c.name == "moe_gemm_kernel"]
-    assert [c.constexprs["SPLIT_K"] for c in gemms] == [split_up, split_down]
-    assert [c.grid[2] for c in gemms] == [split_up, split_down]
+    assert [c.constexprs["SPLIT_K"] for c in gemms] == [split_up, split_down] * len(runs)
+    assert [c.grid[2] for c in gemms] == [split_up, split_down] * len(runs)
+    assert [c.constexprs["ONE_TOKEN"] for c in gemms] == [t == 1 for t in runs for _ in range(2)]
     assert all(c.constexprs.get("ASM", True) for c in gemms)  # fp4 codes through PTX on the GPU
-    assert calls[-1].grid[0] == m
+    assert calls[-1].grid[0] == (m if runs == [m] and m > 1 else TOPK)  # the sum's tokens, or one token's pairs
 
 
 def test_moe_empty_input(device) -> None:
@@ -216,3 +263,20 @@ def test_moe_v41_shapes_prescaled_scales_are_bitwise_fp32_scales(t) -> None:
     x = gen(t, HIDDEN, device="cuda", seed=t)
     want = moe_experts(x, weights, experts, w1, w2, w3, *ss, limit=LIMIT)
     assert torch.equal(moe_experts(x, weights, experts, w1, w2, w3, *map(prescaled, ss), limit=LIMIT), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, (2, 2)])
+def test_moe_v41_one_token_is_bitwise_the_routed_path(splits) -> None:
+    """At V4.1's shapes, on codes in fragment order with prescaled scales (what plans give the kernel), through the
+    PTX decoding: one token's two launches give the routed path's bits, under the heuristic's tiles and split ones."""
+    (w1, w2, w3), ss = make_experts(EXPERTS, MOE_INTER, HIDDEN, "fp4", "cuda")
+    ws, ss = [fragment_codes(w) for w in (w1, w2, w3)], [prescaled(s) for s in ss]
+    config = default_config(1)
+    if splits:
+        config = {g: dict(config[g], split_k=k) for g, k in zip(("up", "down"), splits, strict=True)}
+    for seed in range(3):
+        weights, experts = routing(1, EXPERTS, TOPK, "cuda", seed=seed)
+        x = gen(1, HIDDEN, device="cuda", seed=seed)
+        want = routed(x, weights, experts, ws, ss, config)
+        assert torch.equal(moe_experts(x, weights, experts, *ws, *ss, limit=LIMIT, config=config), want)
