@@ -10,6 +10,11 @@ routing touches (the activations are < 0.1% of them); TB/s against the H200's 4.
 
     python bench/bench_moe_decode.py [--tokens 1,8,16,64,256] [--experts 384] [--out results.json]
     python bench/bench_moe_decode.py --sweep [--tokens 1,16,64]
+    python bench/bench_moe_decode.py --one-token
+
+`--one-token` times one token's two launches (`moe_experts` at T=1: no routing, x read as it is, the slots summed
+inside GEMM 2) against the routed path it replaces (routing, x's even/odd bf16 copy, the GEMMs, `moe_sum_kernel`),
+on fragment-order codes under the heuristic's tiles, after checking both give the same bits.
 
 `--sweep` times the fragment-order kernel alone under a grid of decode tiles (`sweep_configs`: splits, block_N,
 stages), each checked against the heuristic's output first, and prints them fastest first with the heuristic's place:
@@ -35,7 +40,7 @@ from bench_rows import HBM_TBS, cycler  # noqa: E402
 from autotune.tune import time_us  # noqa: E402
 from dsl.ops.moe import moe_experts as reference  # noqa: E402
 from graphs.plan import bucket_of  # noqa: E402
-from kernels.moe.experts import default_config, moe_experts, prescaled  # noqa: E402
+from kernels.moe.experts import default_config, gemm_rows, moe_experts, pair_outputs, prescaled, sum_pairs  # noqa: E402
 from kernels.moe.fragments import fragment_codes  # noqa: E402
 
 D, INTER, TOPK, LIMIT = 5120, 2304, 6, 10.0
@@ -94,6 +99,38 @@ def sweep(tokens: int, e: int, weights: tuple, rep_ms: float) -> list[dict]:
         r |= {"rank": rank, "vs_heuristic": round(base / r["us"], 3)}
         print(json.dumps(r), flush=True)
     return rows
+
+
+def one_token(e: int, weights: tuple, rep_ms: float) -> list[dict]:
+    """One token's two launches against the routed path's, fragment order, the heuristic's tiles: checked bitwise on
+    every routing, then timed alternately (each path twice, the faster kept)."""
+    _, frag, _ = weights
+    factors, routes, x, route_weights, touched, nbytes = inputs(1, e, weights)
+    config = default_config(bucket_of(1))
+
+    def routed(route: torch.Tensor) -> torch.Tensor:
+        y = pair_outputs(gemm_rows(x, True, False), route_weights, route, *frag, *factors, limit=LIMIT,
+                         config=config, dot_fp32=False)
+        return sum_pairs(y, TOPK)
+
+    def two(route: torch.Tensor) -> torch.Tensor:
+        return moe_experts(x, route_weights, route, *frag, *factors, limit=LIMIT, config=config)
+
+    for route in routes:
+        if not torch.equal(two(route), routed(route)):
+            raise AssertionError("one token's two launches differ from the routed path")
+    paths = {"routed": routed, "one_token": two}
+    times: dict[str, list[float]] = {k: [] for k in paths}
+    for order in (list(paths), list(paths)[::-1]):
+        for k in order:
+            nxt = cycler(routes)
+            times[k].append(time_us(lambda f=paths[k], nxt=nxt: f(nxt()), rep_ms))
+    old, new = min(times["routed"]), min(times["one_token"])
+    row = {"tokens": 1, "experts": round(touched, 1), "GB": round(nbytes / 1e9, 3), "routed_us": round(old, 1),
+           "one_token_us": round(new, 1), "routed_TB/s": round(nbytes / old / 1e6, 3),
+           "one_token_TB/s": round(nbytes / new / 1e6, 3), "speedup": round(old / new, 3)}
+    print(json.dumps(row), flush=True)
+    return [row]
 
 
 def expert_bytes(raw: list[torch.Tensor], scales: list[torch.Tensor]) -> int:
@@ -163,6 +200,7 @@ def main() -> int:
     p.add_argument("--rep-ms", type=float, default=25.0)
     p.add_argument("--out", type=Path)
     p.add_argument("--sweep", action="store_true", help="fragment order alone under a grid of decode tiles")
+    p.add_argument("--one-token", action="store_true", help="one token's two launches against the routed path")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -171,6 +209,11 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}: E={args.experts} top{TOPK} {D}<->{INTER}, "
           f"{expert_bytes(weights[0], weights[2]) / 1e6:.2f} MB an expert", flush=True)
     counts = [int(v) for v in args.tokens.split(",")]
+    if args.one_token:
+        rows = one_token(args.experts, weights, args.rep_ms)
+        if args.out:
+            args.out.write_text(json.dumps(rows, indent=1) + "\n")
+        return 0
     if args.sweep:
         rows = [row for t in counts for row in sweep(t, args.experts, weights, args.rep_ms)]
         if args.out:
