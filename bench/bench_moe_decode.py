@@ -12,9 +12,9 @@ routing touches (the activations are < 0.1% of them); TB/s against the H200's 4.
     python bench/bench_moe_decode.py --sweep [--tokens 1,16,64]
     python bench/bench_moe_decode.py --one-token
 
-`--one-token` times one token's two launches (`moe_experts` at T=1: no routing, x read as it is, the slots summed
-inside GEMM 2) against the routed path it replaces (routing, x's even/odd bf16 copy, the GEMMs, `moe_sum_kernel`),
-on fragment-order codes under the heuristic's tiles, after checking both give the same bits.
+`--one-token` times one token's unrouted path (`moe_experts` at T=1: the pairs summed inside GEMM 2) against the
+routed path it replaces (the routing's two kernels, the GEMMs, `moe_sum_kernel`), on fragment-order codes under the
+heuristic's tiles, after checking both give the same bits.
 
 `--sweep` times the fragment-order kernel alone under a grid of decode tiles (`sweep_configs`: splits, block_N,
 stages), each checked against the heuristic's output first, and prints them fastest first with the heuristic's place:
@@ -102,8 +102,8 @@ def sweep(tokens: int, e: int, weights: tuple, rep_ms: float) -> list[dict]:
 
 
 def one_token(e: int, weights: tuple, rep_ms: float) -> list[dict]:
-    """One token's two launches against the routed path's, fragment order, the heuristic's tiles: checked bitwise on
-    every routing, then timed alternately (each path twice, the faster kept)."""
+    """One token unrouted against the routed path, fragment order, the heuristic's tiles: checked bitwise on every
+    routing, then timed alternately (each path twice, the faster kept)."""
     _, frag, _ = weights
     factors, routes, x, route_weights, touched, nbytes = inputs(1, e, weights)
     config = default_config(bucket_of(1))
@@ -113,13 +113,13 @@ def one_token(e: int, weights: tuple, rep_ms: float) -> list[dict]:
                          config=config, dot_fp32=False)
         return sum_pairs(y, TOPK)
 
-    def two(route: torch.Tensor) -> torch.Tensor:
+    def unrouted(route: torch.Tensor) -> torch.Tensor:
         return moe_experts(x, route_weights, route, *frag, *factors, limit=LIMIT, config=config)
 
     for route in routes:
-        if not torch.equal(two(route), routed(route)):
-            raise AssertionError("one token's two launches differ from the routed path")
-    paths = {"routed": routed, "one_token": two}
+        if not torch.equal(unrouted(route), routed(route)):
+            raise AssertionError("one token unrouted differs from the routed path")
+    paths = {"routed": routed, "one_token": unrouted}
     times: dict[str, list[float]] = {k: [] for k in paths}
     for order in (list(paths), list(paths)[::-1]):
         for k in order:
@@ -200,7 +200,7 @@ def main() -> int:
     p.add_argument("--rep-ms", type=float, default=25.0)
     p.add_argument("--out", type=Path)
     p.add_argument("--sweep", action="store_true", help="fragment order alone under a grid of decode tiles")
-    p.add_argument("--one-token", action="store_true", help="one token's two launches against the routed path")
+    p.add_argument("--one-token", action="store_true", help="one token unrouted against the routed path")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")

@@ -15,10 +15,11 @@ columns with a stride of two instead is the experts' bottleneck, bench/RESULTS.m
 at the end in slot order (`moe_sum_kernel`). A decode block holds one or two pairs: only the valid slots' rows of
 x or h are read.
 
-One token (a batch-1 decode step) takes two launches instead of up to seven (routing's two, x's even/odd copy and
-its bf16 cast, the GEMMs, the sum): its k pairs run unrouted, block b holding pair b alone, GEMM 1 reads x's row in
-input order and converts as it loads, and GEMM 2's last program of each output tile sums the pairs in slot order
+One token (a batch-1 decode step) skips routing's two launches and the sum's: its k pairs run unrouted, block b
+holding pair b alone, and GEMM 2's last program of each output tile sums the pairs in slot order
 (kernels/tickets.py). A pair's products and the sum's order are the routed path's, so are the bits (`ONE_TOKEN`).
+x's row keeps its even/odd copy: GEMM 1 reading x in input order (stride-two loads) ran at half speed
+(bench/RESULTS.md).
 
 Split-K (a tile choice for decode, where few experts may leave the GPU short of programs; the heuristic's decode tiles
 keep K whole, `default_config`): a GEMM's K is cut into `split_k` fixed ranges, one program each, whose fp32 partials
@@ -91,10 +92,10 @@ def moe_gemm_kernel(a_ptr, rows_ptr, block_expert_ptr, w_ptr, s_ptr, w3_ptr, s3_
     tokens' rows of x) or GEMM 2 (w2, from the pairs' rows of h).
 
     ONE_TOKEN: a token's TOPK pairs unrouted. Block b holds pair b alone and its expert is block_expert_ptr[b] (the
-    token's picks; one outside [0, E) is skipped, as routing places none of its pairs), GEMM 1 reads x's row as it
-    is (inputs in order), and GEMM 2's last program of each output tile (kernels/tickets.py) adds the pairs' outputs
-    into total_ptr in slot order, and within a slot in split order, as `moe_sum_kernel` does. Each pair's products
-    are those of its routed block, so the token's result has the bits of routing, GEMMs and sum, in two launches."""
+    token's picks; one outside [0, E) is skipped, as routing places none of its pairs), and GEMM 2's last program of
+    each output tile (kernels/tickets.py) adds the pairs' outputs into total_ptr in slot order, and within a slot in
+    split order, as `moe_sum_kernel` does. Each pair's products are those of its routed block, so the token's result
+    has the bits of routing, GEMMs and sum."""
     pdl_prologue()
     pid_b = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -120,12 +121,11 @@ def moe_gemm_kernel(a_ptr, rows_ptr, block_expert_ptr, w_ptr, s_ptr, w3_ptr, s3_
             even = (N % block_N == 0) and (K_PER_SPLIT * SPLIT_K == K)
             acc1, acc3 = fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, pid_n * block_N,
                                            w_rows, mask_n, k_begin, N, K, K_PER_SPLIT, GATED, DOT_FP32, ASM, even,
-                                           ONE_TOKEN and GATED, block_M, block_N, block_K)
+                                           block_M, block_N, block_K)
         elif FP4:
             even = (N % block_N == 0) and (K_PER_SPLIT * SPLIT_K == K)
             acc1, acc3 = raw_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, w_rows, mask_n, k_begin, K,
-                                      K_PER_SPLIT, GATED, DOT_FP32, ASM, even, ONE_TOKEN and GATED, block_M,
-                                      block_N, block_K)
+                                      K_PER_SPLIT, GATED, DOT_FP32, ASM, even, block_M, block_N, block_K)
         else:
             acc1, acc3 = _plain_products(a_ptr, a_rows, valid, w_ptr, w3_ptr, w_rows, mask_n, k_begin, K,
                                          K_PER_SPLIT, GATED, DOT_FP32, block_M, block_N, block_K)
@@ -182,6 +182,19 @@ def moe_sum_kernel(y_ptr, out_ptr, D: tl.constexpr, TOPK: tl.constexpr, SPLIT_K:
         for s in tl.static_range(SPLIT_K):
             acc += tl.load(y_ptr + ((t * TOPK + slot) * SPLIT_K + s) * D + offs, mask=mask, other=0.0)
     tl.store(out_ptr + t * D + offs, acc, mask=mask)
+
+
+@triton.jit
+def split_rows_kernel(x_ptr, out_ptr, D: tl.constexpr, block: tl.constexpr):
+    """out[t] = x[t]'s even inputs, then its odd ones, converted to out's dtype (round to nearest even, as torch's
+    cast): what torch.cat([x[:, 0::2], x[:, 1::2]], 1).to(dtype) gives, in one launch instead of two."""
+    pdl_prologue()
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * block + tl.arange(0, block)
+    mask = offs < D
+    src = tl.where(offs < D // 2, 2 * offs, 2 * (offs - D // 2) + 1)
+    v = tl.load(x_ptr + t * D + src, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * D + offs, v.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 DECODE_TOKENS = 512  # buckets up to here take the decode tiles, and the smallest of them serves one token
@@ -279,22 +292,27 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
     if t == 0:
         return torch.empty(t, x.shape[1], dtype=torch.float32, device=x.device)
     config = config or default_config(t, fp4)
-    if t == 1:  # two launches: no routing, x's row as it is, the pairs summed inside GEMM 2 (the same bits)
+    rows = gemm_rows(x, fp4, dot_fp32)
+    if t == 1:  # no routing, the pairs summed inside GEMM 2: the same bits
         total = torch.empty(1, x.shape[1], dtype=torch.float32, device=x.device)
-        pair_outputs(x, weights, experts, w1, w2, w3, s1, s2, s3, limit=limit, config=config, dot_fp32=dot_fp32,
+        pair_outputs(rows, weights, experts, w1, w2, w3, s1, s2, s3, limit=limit, config=config, dot_fp32=dot_fp32,
                      total=total)
         return total
-    y = pair_outputs(gemm_rows(x, fp4, dot_fp32), weights, experts, w1, w2, w3, s1, s2, s3, limit=limit,
-                     config=config, dot_fp32=dot_fp32)
+    y = pair_outputs(rows, weights, experts, w1, w2, w3, s1, s2, s3, limit=limit, config=config, dot_fp32=dot_fp32)
     return sum_pairs(y, experts.shape[1])
 
 
 def gemm_rows(x: torch.Tensor, fp4: bool, dot_fp32: bool) -> torch.Tensor:
     """The token rows GEMM 1 reads: for fp4 weights each row's even inputs, then its odd ones, in the products'
-    dtype (bf16; fp32 with `dot_fp32`), as h is laid out for GEMM 2; x itself for float weights."""
+    dtype (bf16; fp32 with `dot_fp32`), as h is laid out for GEMM 2 (`split_rows_kernel`, one launch); x itself for
+    float weights."""
     if not fp4:
         return x
-    return torch.cat([x[:, 0::2], x[:, 1::2]], 1).to(torch.float32 if dot_fp32 else torch.bfloat16)
+    t, d = x.shape
+    out = torch.empty(t, d, dtype=torch.float32 if dot_fp32 else torch.bfloat16, device=x.device)
+    block = min(1024, triton.next_power_of_2(max(d, 1)))
+    launch(split_rows_kernel, (t, triton.cdiv(d, block)), (x, out), dict(D=d, block=block), 4, 1)
+    return out
 
 
 def pair_outputs(xk: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -303,8 +321,8 @@ def pair_outputs(xk: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
     """Every (token, slot) pair's weight * expert(x) as GEMM 2's split-K partials, fp32 [T*k, split_k, D] (pair
     t*k + slot), from the rows `gemm_rows` made; experts whose id is outside [0, E) are not computed.
 
-    `total` fp32 [1, D], for one token (T = 1): its pairs run unrouted (`moe_gemm_kernel`'s ONE_TOKEN), xk is x's
-    row itself, and GEMM 2 also writes the sum of the pairs' outputs into `total`, `sum_pairs`'s bits."""
+    `total` fp32 [1, D], for one token (T = 1): its pairs run unrouted (`moe_gemm_kernel`'s ONE_TOKEN), and GEMM 2
+    also writes the sum of the pairs' outputs into `total`, `sum_pairs`'s bits."""
     fp4, fragments = w1.dtype == torch.uint8, w1.dim() == 4
     t, topk = experts.shape
     num_experts, inter, d = expert_shape(w1)
@@ -367,4 +385,4 @@ def sum_pairs(y: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 __all__ = ["default_config", "gemm_rows", "moe_experts", "moe_gemm_kernel", "moe_sum_kernel", "moe_swiglu_kernel",
-           "pair_outputs", "sum_pairs"]
+           "pair_outputs", "split_rows_kernel", "sum_pairs"]

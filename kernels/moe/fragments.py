@@ -206,17 +206,16 @@ def _weights(wp, sp, wo, so, mask_w, mask_s, EVEN: tl.constexpr, ASM: tl.constex
 @triton.jit
 def fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, n_begin, w_rows, mask_n, k_begin,
                       N: tl.constexpr, K: tl.constexpr, K_PER_SPLIT: tl.constexpr, GATED: tl.constexpr,
-                      DOT_FP32: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, INTERLEAVED: tl.constexpr,
-                      block_M: tl.constexpr, block_N: tl.constexpr, block_K: tl.constexpr):
+                      DOT_FP32: tl.constexpr, ASM: tl.constexpr, EVEN: tl.constexpr, block_M: tl.constexpr,
+                      block_N: tl.constexpr, block_K: tl.constexpr):
     """raw_codes.py's `raw_products` (the same products, in the same order) over codes in fragment order
     [E, N/16, K/32, 256]: (x w1^T, x w3^T) of output rows [n_begin, n_begin + block_N) over inputs
-    [k_begin, k_begin + K_PER_SPLIT) ∩ [0, K); x's rows as `raw_products` reads them (INTERLEAVED there)."""
+    [k_begin, k_begin + K_PER_SPLIT) ∩ [0, K)."""
     KP: tl.constexpr = K // 2
     SC: tl.constexpr = K // 32
     kh = k_begin // 2 + tl.arange(0, block_K // 2)
     sg = k_begin // 32 + tl.arange(0, block_K // 32)
-    STEP: tl.constexpr = 2 if INTERLEAVED else 1
-    xa = a_ptr + a_rows[None, :] * K + STEP * kh[:, None]  # [block_K/2, block_M]
+    xa = a_ptr + a_rows[None, :] * K + kh[:, None]  # [block_K/2, block_M]; the odd columns at + K/2
     groups = (e * N + n_begin) // 16 + tl.arange(0, block_N // 16)  # the tile's 16-row groups
     cols = tl.arange(0, block_K // 32 * 64)  # int32 words: 64 a 16-row group over 32 inputs
     wo = (groups.to(tl.int64)[:, None] * SC + k_begin // 32) * 64 + cols[None, :]
@@ -226,7 +225,7 @@ def fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, n_b
     acc1 = tl.zeros([block_N, block_M], dtype=tl.float32)
     acc3 = tl.zeros([block_N, block_M], dtype=tl.float32)
     for _ in range(0, K_PER_SPLIT, block_K):
-        _, x_even, x_odd = activations(xa, 1 if INTERLEAVED else KP, kh, KP, valid, EVEN, DOT_FP32)
+        _, x_even, x_odd = activations(xa, kh, KP, valid, EVEN, DOT_FP32)
         mask_w = mask_g[:, None] & (unit < SC)[None, :]
         mask_s = mask_n[:, None] & (sg < SC)[None, :]
         for which in tl.static_range(2 if GATED else 1):
@@ -235,7 +234,7 @@ def fragment_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, e, n_b
             lo, hi = _weights(wp, sp, wo, so, mask_w, mask_s, EVEN, ASM, DOT_FP32, block_N, block_K)
             acc1, acc3 = accumulate(acc1, acc3, which, lo, hi, x_even, x_odd, DOT_FP32)
         acc1, acc3 = end_stage(acc1, acc3, ASM, GATED)
-        xa += STEP * (block_K // 2)
+        xa += block_K // 2
         wo += block_K // 32 * 64
         so += block_K // 32
         kh += block_K // 2

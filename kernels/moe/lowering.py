@@ -72,8 +72,8 @@ class MoeExperts(Lowering):
                                    s2, s3, limit=call.attrs["limit"], config=call.config, dot_fp32=call.dot_fp32)
 
     def trace(self, call: Call) -> None:
-        """The bucket's launches, and under a decode bucket's config one token's too (`moe_experts` runs it in its
-        own two launches)."""
+        """The bucket's launches, and under a decode bucket's config one token's too (`moe_experts` runs it
+        unrouted, its GEMMs under other constexprs)."""
         st = call.static
         w1, w2, s1, s2 = self._meta_weights(call)
         for m in (call.tokens, 1) if 1 < call.tokens <= experts.DECODE_TOKENS else (call.tokens,):

@@ -55,25 +55,22 @@ def _dequant(b, s, ASM: tl.constexpr, DOT_FP32: tl.constexpr, block_N: tl.conste
 @triton.jit
 def raw_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, w_rows, mask_n, k_begin, K: tl.constexpr,
                  K_PER_SPLIT: tl.constexpr, GATED: tl.constexpr, DOT_FP32: tl.constexpr, ASM: tl.constexpr,
-                 EVEN: tl.constexpr, INTERLEAVED: tl.constexpr, block_M: tl.constexpr, block_N: tl.constexpr,
-                 block_K: tl.constexpr):
+                 EVEN: tl.constexpr, block_M: tl.constexpr, block_N: tl.constexpr, block_K: tl.constexpr):
     """(x w1^T, x w3^T) over inputs [k_begin, k_begin + K_PER_SPLIT) ∩ [0, K) for fp4 weights: two products per
     weight and stage, the even and the odd input columns. The rows of x (GEMM 1) and of h (GEMM 2) hold the even
-    columns, then the odd ones (contiguous loads); INTERLEAVED: x's rows as they are, in input order (one token's
-    row, where the copy that splits them would cost a launch). Only the valid slots' rows are read: a decode block
-    has a few. EVEN: no K or N masks (block_N divides N, the splits tile K)."""
+    columns, then the odd ones (contiguous loads). Only the valid slots' rows are read: a decode block has a few.
+    EVEN: no K or N masks (block_N divides N, the splits tile K)."""
     KP: tl.constexpr = K // 2
     SC: tl.constexpr = K // 32
     kh = k_begin // 2 + tl.arange(0, block_K // 2)  # packed column: inputs 2*kh (low nibble), 2*kh + 1 (high)
     sg = k_begin // 32 + tl.arange(0, block_K // 32)
-    STEP: tl.constexpr = 2 if INTERLEAVED else 1  # packed column kh's inputs: at kh and kh + K/2, or 2kh and 2kh + 1
-    xa = a_ptr + a_rows[None, :] * K + STEP * kh[:, None]  # [block_K/2, block_M]
+    xa = a_ptr + a_rows[None, :] * K + kh[:, None]  # [block_K/2, block_M]; the odd columns at + K/2
     wo = w_rows[:, None] * KP + kh[None, :]  # [block_N, block_K/2], for w1 and w3 alike
     so = w_rows[:, None] * SC + sg[None, :]  # [block_N, block_K/32]
     acc1 = tl.zeros([block_N, block_M], dtype=tl.float32)
     acc3 = tl.zeros([block_N, block_M], dtype=tl.float32)
     for _ in range(0, K_PER_SPLIT, block_K):
-        mask_k, x_even, x_odd = activations(xa, 1 if INTERLEAVED else KP, kh, KP, valid, EVEN, DOT_FP32)
+        mask_k, x_even, x_odd = activations(xa, kh, KP, valid, EVEN, DOT_FP32)
         for which in tl.static_range(2 if GATED else 1):
             wp = w_ptr if which == 0 else w3_ptr
             sp = s_ptr if which == 0 else s3_ptr
@@ -86,7 +83,7 @@ def raw_products(a_ptr, a_rows, valid, w_ptr, s_ptr, w3_ptr, s3_ptr, w_rows, mas
             lo, hi = _dequant(b, s, ASM, DOT_FP32, block_N, block_K)
             acc1, acc3 = accumulate(acc1, acc3, which, lo, hi, x_even, x_odd, DOT_FP32)
         acc1, acc3 = end_stage(acc1, acc3, ASM, GATED)
-        xa += STEP * (block_K // 2)
+        xa += block_K // 2
         wo += block_K // 2
         so += block_K // 32
         kh += block_K // 2

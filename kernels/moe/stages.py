@@ -9,14 +9,14 @@ from kernels.lang import tl, triton
 
 
 @triton.jit
-def activations(xa, ODD: tl.constexpr, kh, KP: tl.constexpr, valid, EVEN: tl.constexpr, DOT_FP32: tl.constexpr):
+def activations(xa, kh, KP: tl.constexpr, valid, EVEN: tl.constexpr, DOT_FP32: tl.constexpr):
     """The stage's packed columns kh in range (mask_k, unused when EVEN), and the even input columns of the valid
-    slots' rows at xa [block_K/2, block_M] with the odd ones ODD further on (K/2 in rows laid out even half then odd
-    half, 1 in rows in input order): bf16 (fp32 with DOT_FP32), zeros elsewhere."""
+    slots' rows at xa [block_K/2, block_M] with the odd ones KP further on: bf16 (fp32 with DOT_FP32), zeros
+    elsewhere."""
     mask_k = kh < KP
     mask_x = valid[None, :] & (mask_k | EVEN)[:, None]
     x_even = tl.load(xa, mask=mask_x, other=0.0).to(tl.float32)
-    x_odd = tl.load(xa + ODD, mask=mask_x, other=0.0).to(tl.float32)
+    x_odd = tl.load(xa + KP, mask=mask_x, other=0.0).to(tl.float32)
     if not DOT_FP32:
         x_even = x_even.to(tl.bfloat16)
         x_odd = x_odd.to(tl.bfloat16)

@@ -1,5 +1,5 @@
 """Routed experts (fp4 and bf16 grouped GEMMs, unsplit and split-K) against `dsl.ops.moe.moe_experts`, batch
-invariance under a split config, one token's two launches against the routed path, and the launches the AOT builder
+invariance under a split config, one token unrouted against the routed path, and the launches the AOT builder
 records (the routing layout's own tests: tests/kernels/moe/test_route.py)."""
 
 from __future__ import annotations
@@ -118,6 +118,27 @@ def test_moe_token_is_bitwise_the_same_alone_and_in_a_batch(splits, device) -> N
         assert torch.equal(got[at], alone[0])
 
 
+@pytest.mark.parametrize("t,d", [(1, 64), (3, 5120), (2, 2080)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dot_fp32", [False, True])
+def test_gemm_rows_is_the_even_then_odd_copy_in_one_launch(t, d, dtype, dot_fp32, device) -> None:
+    """`gemm_rows` (one launch of `split_rows_kernel`) gives torch.cat of the even and odd columns cast to the
+    products' dtype, bit for bit: rounding ties to even, signed zeros, infinities and NaN included."""
+    x = gen(t, d, device=device, seed=d) * 3
+    x[0, :8] = torch.tensor([1 + 2**-8, 1 + 3 * 2**-8, -0.0, float("inf"), -float("inf"), float("nan"), 2**-130, -1e38])
+    x = x.to(dtype)
+    want = torch.cat([x[:, 0::2], x[:, 1::2]], 1).to(torch.float32 if dot_fp32 else torch.bfloat16)
+    calls = []
+    with use_launcher(lambda call: (calls.append(call.name), jit_launch(call))):
+        got = gemm_rows(x, True, dot_fp32)
+    assert calls == ["split_rows_kernel"]
+    assert got.dtype == want.dtype
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)  # NaN's payload may differ between casts: only where NaN is
+    bits = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(got[~nan].view(bits), want[~nan].view(bits))
+
+
 def routed(x, weights, experts, ws, ss, config, dot_fp32=False) -> torch.Tensor:
     """moe_experts through routing, GEMMs on the split rows and the slot sum: the path of two tokens and more."""
     fp4 = ws[0].dtype == torch.uint8
@@ -133,10 +154,9 @@ def routed(x, weights, experts, ws, ss, config, dot_fp32=False) -> torch.Tensor:
     ("fp32", (1, 2), torch.float32),
 ])
 def test_one_token_is_bitwise_the_routed_path_in_two_launches(fmt, splits, dtype, device) -> None:
-    """One token's pairs run unrouted: GEMM 1 reads x's row in input order (no split copy), and GEMM 2's last
-    program of each output tile adds the pairs in slot and split order. The result is the bits of routing, the
-    GEMMs on the split rows and `moe_sum_kernel`, in two launches (three with a split GEMM 1), and the tile counters
-    are left at zero (a second call gives the same bits)."""
+    """One token's pairs run unrouted, and GEMM 2's last program of each output tile adds them in slot and split
+    order. The result is the bits of routing, the GEMMs and `moe_sum_kernel`, in two launches after fp4's copy of x
+    (three with a split GEMM 1), and the tile counters are left at zero (a second call gives the same bits)."""
     e, inter, d = 8, 64, 96
     ws, ss = make_experts(e, inter, d, "fp4" if fmt == "fragments" else fmt, device)
     if fmt == "fragments":
@@ -148,8 +168,8 @@ def test_one_token_is_bitwise_the_routed_path_in_two_launches(fmt, splits, dtype
     calls = []
     with use_launcher(lambda call: (calls.append(call), jit_launch(call))):
         got = moe_experts(x, weights, experts, *ws, *ss, limit=LIMIT, config=config, dot_fp32=dot_fp32)
-    assert [c.name for c in calls] == ["moe_gemm_kernel"] + ["moe_swiglu_kernel"] * (splits[0] > 1) + \
-        ["moe_gemm_kernel"]
+    assert [c.name for c in calls] == ["split_rows_kernel"] * (fmt in ("fp4", "fragments")) + ["moe_gemm_kernel"] + \
+        ["moe_swiglu_kernel"] * (splits[0] > 1) + ["moe_gemm_kernel"]
     assert torch.isfinite(want).all() and want.abs().max() > 0
     assert torch.equal(got, want)
     assert not torch.any(tickets.tile_counters(torch.device(device), 1))
@@ -211,10 +231,11 @@ def test_tuning_space_splits_k_within_the_shapes(bucket) -> None:
 
 @pytest.mark.parametrize("m, splits", [(16, (4, 2)), (16, None), (512, None), (1, None), (1, (2, 2)), (8192, None)])
 def test_aot_trace_records_every_launch_of_the_config(m, splits) -> None:
-    """The AOT builder runs the wrapper on meta tensors (no values read): the routing's two kernels (none for one
-    token), then a split GEMM 1 adds the activation's kernel, and both GEMMs' split counts reach their launches (the
-    heuristic's tiles, or them with K split); the slot sum is its own kernel past one token. A decode bucket's trace
-    adds one token's launches under its config, which the bucket's smallest member runs."""
+    """The AOT builder runs the wrapper on meta tensors (no values read): x's even/odd copy, the routing's two
+    kernels (none for one token), then a split GEMM 1 adds the activation's kernel, and both GEMMs' split counts
+    reach their launches (the heuristic's tiles, or them with K split); the slot sum is its own kernel past one
+    token. A decode bucket's trace adds one token's launches under its config, which the bucket's smallest member
+    runs."""
     static = ExpertsStatic(EXPERTS, MOE_INTER, HIDDEN, TOPK, "fp4")
     config = default_config(m)
     if splits:
@@ -226,7 +247,7 @@ def test_aot_trace_records_every_launch_of_the_config(m, splits) -> None:
     runs = [m, 1] if 1 < m <= 512 else [m]
 
     def names(t: int) -> list[str]:
-        return ["route_count_kernel", "route_place_kernel"] * (t > 1) + ["moe_gemm_kernel"] + \
+        return ["split_rows_kernel"] + ["route_count_kernel", "route_place_kernel"] * (t > 1) + ["moe_gemm_kernel"] + \
             ["moe_swiglu_kernel"] * (split_up > 1) + ["moe_gemm_kernel"] + ["moe_sum_kernel"] * (t > 1)
 
     assert [c.name for c in calls] == [n for t in runs for n in names(t)]
@@ -269,7 +290,7 @@ def test_moe_v41_shapes_prescaled_scales_are_bitwise_fp32_scales(t) -> None:
 @pytest.mark.parametrize("splits", [None, (2, 2)])
 def test_moe_v41_one_token_is_bitwise_the_routed_path(splits) -> None:
     """At V4.1's shapes, on codes in fragment order with prescaled scales (what plans give the kernel), through the
-    PTX decoding: one token's two launches give the routed path's bits, under the heuristic's tiles and split ones."""
+    PTX decoding: one token unrouted gives the routed path's bits, under the heuristic's tiles and split ones."""
     (w1, w2, w3), ss = make_experts(EXPERTS, MOE_INTER, HIDDEN, "fp4", "cuda")
     ws, ss = [fragment_codes(w) for w in (w1, w2, w3)], [prescaled(s) for s in ss]
     config = default_config(1)
