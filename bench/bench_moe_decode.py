@@ -9,7 +9,7 @@ rotate (4 a count) so the experts streamed differ between calls. Bytes are the c
 routing touches (the activations are < 0.1% of them); TB/s against the H200's 4.28 read-only.
 
     python bench/bench_moe_decode.py [--tokens 1,8,16,64,256] [--experts 384] [--out results.json]
-    python bench/bench_moe_decode.py --sweep [--tokens 1,16,64]
+    python bench/bench_moe_decode.py --sweep [--tokens 1,16,64] [--splits 1/1,1/2] [--stages 3]
     python bench/bench_moe_decode.py --one-token
 
 `--one-token` times one token's unrouted path (`moe_experts` at T=1: the pairs summed inside GEMM 2) against the
@@ -46,7 +46,7 @@ from kernels.moe.fragments import fragment_codes  # noqa: E402
 D, INTER, TOPK, LIMIT = 5120, 2304, 6, 10.0
 DEVICE = "cuda"
 UNSPLIT = {"block_M": 16, "block_N": 64, "block_K": 128, "num_warps": 4, "num_stages": 3, "split_k": 1}
-SWEEP_SPLITS = ((1, 1), (2, 1), (2, 2), (4, 2), (8, 4))
+SWEEP_SPLITS = ((1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (4, 2), (8, 4))
 
 
 def experts(e: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -64,17 +64,17 @@ def configs(tokens: int) -> dict[str, dict]:
     return out if heuristic != out["unsplit"] else {"heuristic": heuristic}
 
 
-def sweep_configs() -> dict[str, dict]:
+def sweep_configs(splits: tuple = SWEEP_SPLITS, stages: tuple = (3, 4)) -> dict[str, dict]:
     """Decode tiles around the heuristic's: 16 slots x block_N x 128, a warp per 16 outputs (the tuner's rule,
     kernels/moe/space.py), split-K up/down, 3 or 4 stages."""
     out = {}
-    for (up, down), block_n, stages in itertools.product(SWEEP_SPLITS, (64, 128), (3, 4)):
+    for (up, down), block_n, stages in itertools.product(splits, (64, 128), stages):
         gemm = dict(UNSPLIT, block_N=block_n, num_warps=block_n // 16, num_stages=stages)
         out[f"{up}/{down} n{block_n} s{stages}"] = {"up": dict(gemm, split_k=up), "down": dict(gemm, split_k=down)}
     return out
 
 
-def sweep(tokens: int, e: int, weights: tuple, rep_ms: float) -> list[dict]:
+def sweep(tokens: int, e: int, weights: tuple, rep_ms: float, grid: dict[str, dict] | None = None) -> list[dict]:
     """Every `sweep_configs` tile on fragment-order codes at `tokens` tokens, the heuristic's too; the outputs must
     be within 1e-3 of the heuristic's, the tuner's bound (split-K adds partials in another order, then h is
     rounded to bf16)."""
@@ -82,7 +82,7 @@ def sweep(tokens: int, e: int, weights: tuple, rep_ms: float) -> list[dict]:
     factors, routes, x, route_weights, _, nbytes = inputs(tokens, e, weights)
     heuristic = default_config(bucket_of(tokens))
     want = moe_experts(x, route_weights, routes[0], *frag, *factors, limit=LIMIT, config=heuristic)
-    candidates = {"heuristic": heuristic} | {k: c for k, c in sweep_configs().items() if c != heuristic}
+    candidates = {"heuristic": heuristic} | {k: c for k, c in (grid or sweep_configs()).items() if c != heuristic}
     rows = []
     for name, config in candidates.items():
         got = moe_experts(x, route_weights, routes[0], *frag, *factors, limit=LIMIT, config=config)
@@ -201,6 +201,8 @@ def main() -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--sweep", action="store_true", help="fragment order alone under a grid of decode tiles")
     p.add_argument("--one-token", action="store_true", help="one token unrouted against the routed path")
+    p.add_argument("--splits", help="--sweep's up/down splits, e.g. 1/1,1/2 (default: SWEEP_SPLITS)")
+    p.add_argument("--stages", default="3,4", help="--sweep's stage counts")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
@@ -215,7 +217,10 @@ def main() -> int:
             args.out.write_text(json.dumps(rows, indent=1) + "\n")
         return 0
     if args.sweep:
-        rows = [row for t in counts for row in sweep(t, args.experts, weights, args.rep_ms)]
+        splits = tuple(tuple(int(v) for v in pair.split("/")) for pair in args.splits.split(",")) if args.splits \
+            else SWEEP_SPLITS
+        grid = sweep_configs(splits, tuple(int(v) for v in args.stages.split(",")))
+        rows = [row for t in counts for row in sweep(t, args.experts, weights, args.rep_ms, grid)]
         if args.out:
             args.out.write_text(json.dumps(rows, indent=1) + "\n")
         print(f"\nfragment order, decode tiles fastest first per token count; %HBM of {HBM_TBS} TB/s")

@@ -15,11 +15,11 @@ columns with a stride of two instead is the experts' bottleneck, bench/RESULTS.m
 at the end in slot order (`moe_sum_kernel`). A decode block holds one or two pairs: only the valid slots' rows of
 x or h are read.
 
-One token (a batch-1 decode step) skips routing's two launches and the sum's: its k pairs run unrouted, block b
-holding pair b alone, and GEMM 2's last program of each output tile sums the pairs in slot order
-(kernels/tickets.py). A pair's products and the sum's order are the routed path's, so are the bits (`ONE_TOKEN`).
-x's row keeps its even/odd copy: GEMM 1 reading x in input order (stride-two loads) ran at half speed
-(bench/RESULTS.md).
+One token (a batch-1 decode step, outside batch-invariant configs: `unrouted`) skips routing's two launches and the
+sum's: its k pairs run unrouted, block b holding pair b alone, and GEMM 2's last program of each output tile sums
+the pairs in slot order (kernels/tickets.py). A pair's products and the sum's order are the routed path's, so are
+the bits (`ONE_TOKEN`). x's row keeps its even/odd copy: GEMM 1 reading x in input order (stride-two loads) ran at
+half speed (bench/RESULTS.md).
 
 Split-K (a tile choice for decode, where few experts may leave the GPU short of programs; the heuristic's decode tiles
 keep K whole, `default_config`): a GEMM's K is cut into `split_k` fixed ranges, one program each, whose fp32 partials
@@ -293,13 +293,19 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, w
         return torch.empty(t, x.shape[1], dtype=torch.float32, device=x.device)
     config = config or default_config(t, fp4)
     rows = gemm_rows(x, fp4, dot_fp32)
-    if t == 1:  # no routing, the pairs summed inside GEMM 2: the same bits
+    if unrouted(t, config):  # no routing, the pairs summed inside GEMM 2: the same bits
         total = torch.empty(1, x.shape[1], dtype=torch.float32, device=x.device)
         pair_outputs(rows, weights, experts, w1, w2, w3, s1, s2, s3, limit=limit, config=config, dot_fp32=dot_fp32,
                      total=total)
         return total
     y = pair_outputs(rows, weights, experts, w1, w2, w3, s1, s2, s3, limit=limit, config=config, dot_fp32=dot_fp32)
     return sum_pairs(y, experts.shape[1])
+
+
+def unrouted(tokens: int, config: dict) -> bool:
+    """Whether `moe_experts` runs `tokens` tokens unrouted under `config`: one token, unless the config routes every
+    count (`unrouted` False: batch-invariant configs launch the same kernels whatever the batch, graphs/plan.py)."""
+    return tokens == 1 and config.get("unrouted", True)
 
 
 def gemm_rows(x: torch.Tensor, fp4: bool, dot_fp32: bool) -> torch.Tensor:
@@ -385,4 +391,4 @@ def sum_pairs(y: torch.Tensor, topk: int) -> torch.Tensor:
 
 
 __all__ = ["default_config", "gemm_rows", "moe_experts", "moe_gemm_kernel", "moe_sum_kernel", "moe_swiglu_kernel",
-           "pair_outputs", "split_rows_kernel", "sum_pairs"]
+           "pair_outputs", "split_rows_kernel", "sum_pairs", "unrouted"]

@@ -71,12 +71,17 @@ class MoeExperts(Lowering):
         return experts.moe_experts(x.contiguous(), weights.float().contiguous(), picks.contiguous(), w1, w2, w3, s1,
                                    s2, s3, limit=call.attrs["limit"], config=call.config, dot_fp32=call.dot_fp32)
 
+    def invariant(self, config: dict) -> dict:
+        """One token routed too (`unrouted` False), with the same kernels as every other count."""
+        return dict(config, unrouted=False)
+
     def trace(self, call: Call) -> None:
-        """The bucket's launches, and under a decode bucket's config one token's too (`moe_experts` runs it
-        unrouted, its GEMMs under other constexprs)."""
+        """The bucket's launches, and under a decode bucket's config one token's too where it runs unrouted
+        (`experts.unrouted`: its GEMMs under other constexprs)."""
         st = call.static
         w1, w2, s1, s2 = self._meta_weights(call)
-        for m in (call.tokens, 1) if 1 < call.tokens <= experts.DECODE_TOKENS else (call.tokens,):
+        one = 1 < call.tokens <= experts.DECODE_TOKENS and experts.unrouted(1, call.config)
+        for m in (call.tokens, 1) if one else (call.tokens,):
             experts.moe_experts(meta(m, st.d), meta(m, st.topk), meta(m, st.topk, dtype=torch.int64), w1, w2, w1, s1,
                                 s2, s1, limit=call.attrs["limit"], config=call.config, dot_fp32=call.dot_fp32)
 

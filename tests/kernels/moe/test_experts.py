@@ -12,7 +12,7 @@ from dsl.ops.moe import moe_experts as ref_moe_experts
 from kernels import tickets
 from kernels.launch import jit_launch, use_launcher
 from kernels.lowering import PLAIN, Call
-from kernels.moe.experts import default_config, gemm_rows, moe_experts, pair_outputs, prescaled, sum_pairs
+from kernels.moe.experts import default_config, gemm_rows, moe_experts, pair_outputs, prescaled, sum_pairs, unrouted
 from kernels.moe.fragments import fragment_codes
 from kernels.moe.lowering import MOE_EXPERTS, ExpertsStatic
 from tests.kernels.cases import EXPERTS, HIDDEN, MOE_INTER, TOPK, gen, rel_l2
@@ -175,6 +175,23 @@ def test_one_token_is_bitwise_the_routed_path_in_two_launches(fmt, splits, dtype
     assert not torch.any(tickets.tile_counters(torch.device(device), 1))
     again = moe_experts(x, weights, experts, *ws, *ss, limit=LIMIT, config=config, dot_fp32=dot_fp32)
     assert torch.equal(again, want)
+
+
+def test_batch_invariant_configs_route_one_token_too(device) -> None:
+    """The experts' batch-invariant form (`unrouted` False) runs one token on the routed path's kernels, as every
+    other count, and gives the bits the unrouted path gives."""
+    e, inter, d = 8, 64, 96
+    ws, ss = make_experts(e, inter, d, "fp4", device)
+    weights, experts = routing(1, e, 3, device, seed=9)
+    x = gen(1, d, device=device, seed=10)
+    config = MOE_EXPERTS.invariant(split(1, 2, block_k=32))
+    assert not unrouted(1, config) and unrouted(1, split(1, 2))
+    calls = []
+    with use_launcher(lambda call: (calls.append(call.name), jit_launch(call))):
+        got = moe_experts(x, weights, experts, *ws, *ss, limit=LIMIT, config=config)
+    assert calls == ["split_rows_kernel", "route_count_kernel", "route_place_kernel", "moe_gemm_kernel",
+                     "moe_gemm_kernel", "moe_sum_kernel"]
+    assert torch.equal(got, moe_experts(x, weights, experts, *ws, *ss, limit=LIMIT, config=split(1, 2, block_k=32)))
 
 
 def test_moe_prescaled_scales_give_the_bits_of_fp32_scales(device) -> None:
