@@ -153,10 +153,11 @@ def routed(x, weights, experts, ws, ss, config, dot_fp32=False) -> torch.Tensor:
     ("fragments", (1, 1), torch.float32), ("fragments", (3, 2), torch.bfloat16), ("bf16", (2, 2), torch.float32),
     ("fp32", (1, 2), torch.float32),
 ])
-def test_one_token_is_bitwise_the_routed_path_in_two_launches(fmt, splits, dtype, device) -> None:
+def test_one_token_unrouted_is_bitwise_the_routed_path(fmt, splits, dtype, device) -> None:
     """One token's pairs run unrouted, and GEMM 2's last program of each output tile adds them in slot and split
-    order. The result is the bits of routing, the GEMMs and `moe_sum_kernel`, in two launches after fp4's copy of x
-    (three with a split GEMM 1), and the tile counters are left at zero (a second call gives the same bits)."""
+    order. The result is the bits of routing, the GEMMs and `moe_sum_kernel`, in the two GEMMs' launches after fp4's
+    copy of x (and the activation's with a split GEMM 1), and the tile counters are left at zero (a second call gives
+    the same bits)."""
     e, inter, d = 8, 64, 96
     ws, ss = make_experts(e, inter, d, "fp4" if fmt == "fragments" else fmt, device)
     if fmt == "fragments":
