@@ -40,7 +40,7 @@ from bench_rows import HBM_TBS, cycler  # noqa: E402
 from autotune.tune import time_us  # noqa: E402
 from dsl.ops.moe import moe_experts as reference  # noqa: E402
 from graphs.plan import bucket_of  # noqa: E402
-from kernels.moe.experts import default_config, gemm_rows, moe_experts, pair_outputs, prescaled, sum_pairs  # noqa: E402
+from kernels.moe.experts import default_config, moe_experts, prescaled  # noqa: E402
 from kernels.moe.fragments import fragment_codes  # noqa: E402
 
 D, INTER, TOPK, LIMIT = 5120, 2304, 6, 10.0
@@ -108,10 +108,8 @@ def one_token(e: int, weights: tuple, rep_ms: float) -> list[dict]:
     factors, routes, x, route_weights, touched, nbytes = inputs(1, e, weights)
     config = default_config(bucket_of(1))
 
-    def routed(route: torch.Tensor) -> torch.Tensor:
-        y = pair_outputs(gemm_rows(x, True, False), route_weights, route, *frag, *factors, limit=LIMIT,
-                         config=config, dot_fp32=False)
-        return sum_pairs(y, TOPK)
+    def routed(route: torch.Tensor) -> torch.Tensor:  # as batch-invariant configs run one token
+        return moe_experts(x, route_weights, route, *frag, *factors, limit=LIMIT, config=dict(config, unrouted=False))
 
     def unrouted(route: torch.Tensor) -> torch.Tensor:
         return moe_experts(x, route_weights, route, *frag, *factors, limit=LIMIT, config=config)
