@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dsl import native
-from dsl.ops.rounding import FP4_MAX, FP8_MAX, _fp32, fp4_codes, fp4_values, pow2_ceil
+from dsl.ops.rounding import ENDS_WITH, FP4_MAX, FP8_MAX, _fp32, fp4_codes, fp4_values, pow2_ceil
 from dsl.quant import scale_to_float
 
 # The largest |code| an fp4 block can hold, largest first: an e4m3-scaled block's scale is its amax over one of them.
@@ -40,7 +40,9 @@ class EntryFormat:
 
     @classmethod
     def of_rounding(cls, op: str | None, attrs: dict, dim: int) -> EntryFormat:
-        """The format of values produced by rounding op `op` (None: not rounded) over a last dim of `dim`."""
+        """The format of values produced by rounding op `op` (None: not rounded; a rope fused with its rounding:
+        `ENDS_WITH`) over a last dim of `dim`."""
+        op = ENDS_WITH.get(op, op)
         block = attrs.get("block", 32)
         if op == "fp8_round" and dim % block == 0:
             return cls("fp8", block)

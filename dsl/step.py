@@ -210,6 +210,7 @@ STATIC_OPS: dict[str, Callable[[Node], bool]] = {
     "sparse_attention": lambda node: _static_attention(node) or _static_block_attention(node),
     "compress_pool": lambda node: True,
     "rope_entries": lambda node: True,
+    "rope_entries_fp4_round": lambda node: True,
     "cache_append": lambda node: True,
     "index_scores": lambda node: _producer(node, 2) == "cache_append",
     "candidate_blocks": lambda node: True,

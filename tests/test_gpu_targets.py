@@ -62,8 +62,8 @@ def test_compile_saves_an_artifact_without_a_gpu(target, arch, tmp_path) -> None
         assert f".target sm_{arch}a" in (out / "kernels" / f"{file_id}.ptx").read_text()
     assert {k.split("(")[0] for k in plan["kernels"]} >= {"gumbel_argmax_kernel", "argmax_partials_kernel"}  # sampling
     templates = {n["template"] for n in plan["nodes"] if n["template"]}
-    assert templates == {"linear", "rms_norm", "hc_mixes", "hc_collapse_rms_norm", "hc_expand", "rope", "moe_experts",
-                         "swiglu", "moe_gate", "sparse_attention", "index_scores", "compress_pool",
+    assert templates == {"linear", "rms_norm", "hc_mixes", "hc_collapse_rms_norm", "hc_expand", "rope", "rope_round",
+                         "moe_experts", "swiglu", "moe_gate", "sparse_attention", "index_scores", "compress_pool",
                          "topk_select", "candidate_blocks"}
     kernel_nodes = [n for n in plan["nodes"] if n["template"]]
     assert all(n["invariant"]["config"] is not None for n in kernel_nodes)
@@ -176,7 +176,7 @@ def test_executor_matches_the_cpu_target_under_the_interpreter(fixture, compiled
     assert executor.kernel_calls == 2 * len(plan.kernel_nodes()) > 2 * 100
     assert ("engram_gate" in {n.op for n in plan.kernel_nodes()}) == fixture.endswith("engram")
     assert ("engram_hash_rows" in {n.op for n in plan.kernel_nodes()}) == fixture.endswith("engram")
-    assert "rope_entries" in {n.op for n in plan.kernel_nodes()}  # the rope kernel on the compressed entries
+    assert "rope_entries_fp4_round" in {n.op for n in plan.kernel_nodes()}  # the rope kernel on the compressed entries
 
 
 ENGRAM_LOOKUP = """

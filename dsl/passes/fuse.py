@@ -17,6 +17,10 @@ RULES = [
     ("hc_collapse", "rms_norm", "hc_collapse_rms_norm"),
     # The row ids go straight to the table gather: hashed in registers, never written.
     ("engram_hash", "engram_rows", "engram_hash_rows"),
+    # A rotated kv, query or compressed entry goes straight to its cache's rounding: rotated and rounded in one pass.
+    ("rope", "fp8_round", "rope_fp8_round"),
+    ("rope", "fp4_round", "rope_fp4_round"),
+    ("rope_entries", "fp4_round", "rope_entries_fp4_round"),
 ]
 
 

@@ -1,5 +1,7 @@
 """The rotary embedding's lowerings: over the tokens (`rope`) and over the compressed entries a forward completes
-(`rope_entries`: entry j of ratio r at position j * r), one kernel (rope.py) and template for both."""
+(`rope_entries`: entry j of ratio r at position j * r), one kernel (rope.py) and template for both; and the same
+fused with the cache rounding after them (`rope_fp8_round`, `rope_fp4_round`, `rope_entries_fp4_round`: rope.py's
+`rope_round_kernel`, template "rope_round")."""
 
 from __future__ import annotations
 
@@ -21,11 +23,34 @@ class RopeStatic(Static):
     d: int
 
 
-def _rope(x: torch.Tensor, positions: torch.Tensor, attrs: dict, config: dict) -> torch.Tensor:
+@dataclass(frozen=True)
+class RopeRoundStatic(RopeStatic):
+    fp8: bool  # fp8_round, else fp4_round
+    block: int  # values a scale; 0 where the dim is not a multiple of it (the reference's rounding returns x)
+    e4m3_scale: bool  # fp4's scales e4m3, else powers of two
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, attrs: dict, config: dict, static: RopeStatic) -> torch.Tensor:
     rope_dim = attrs["rope_dim"]
-    return rope.rope(x, positions, _freqs_on(attrs["params"], rope_dim, x.device),
-                     magnitude=inv_freq(attrs["params"], rope_dim)[1], inverse=attrs.get("inverse", False),
-                     config=config)
+    freqs, magnitude = _freqs_on(attrs["params"], rope_dim, x.device), inv_freq(attrs["params"], rope_dim)[1]
+    inverse = attrs.get("inverse", False)
+    if not isinstance(static, RopeRoundStatic) or not static.block:
+        return rope.rope(x, positions, freqs, magnitude=magnitude, inverse=inverse, config=config)
+    return rope.rope_round(x, positions, freqs, fp8=static.fp8, block=static.block, e4m3_scale=static.e4m3_scale,
+                           magnitude=magnitude, inverse=inverse, config=config)
+
+
+def _rounded(static: RopeStatic | None, node: Node) -> RopeRoundStatic | None:
+    """`static` with the node's rounding (its op ends with fp8_round or fp4_round): None where the kernel cannot round
+    in its blocks (a block that is not a power of two)."""
+    if static is None:
+        return None
+    fp8, block = node.op == "rope_fp8_round", int(node.attrs.get("block", 32))
+    if static.d % block:
+        block = 0
+    elif block & (block - 1):
+        return None
+    return RopeRoundStatic(static.rows, static.d, fp8, block, not fp8 and bool(node.attrs["e4m3_scale"]))
 
 
 class Rope(Lowering):
@@ -45,11 +70,12 @@ class Rope(Lowering):
         return rope.default_config(static.rows, static.d)
 
     def run(self, call: Call) -> torch.Tensor:
-        return _rope(call.args[0].contiguous(), call.ctx.positions, call.attrs, call.config)
+        return _rope(call.args[0].contiguous(), call.ctx.positions, call.attrs, call.config, call.static)
 
     def trace(self, call: Call) -> None:
         m = call.tokens
-        _rope(meta(m, call.static.rows, call.static.d), meta(m, dtype=torch.int64), call.attrs, call.config)
+        _rope(meta(m, call.static.rows, call.static.d), meta(m, dtype=torch.int64), call.attrs, call.config,
+              call.static)
 
 
 class RopeEntries(Rope):
@@ -66,19 +92,38 @@ class RopeEntries(Rope):
     def run(self, call: Call) -> Ragged:
         x, ctx, ratio = call.args[0], call.ctx, call.attrs["ratio"]
         if isinstance(x, StaticEntries):  # a static step's (dsl/ops/static_entries.py): its rows' entries
-            return x.replace(_rope(x.values.contiguous(), entry_positions(x.step, ratio), call.attrs, call.config))
+            return x.replace(_rope(x.values.contiguous(), entry_positions(x.step, ratio), call.attrs, call.config,
+                                   call.static))
         if not x.values.shape[0]:
             return x
         key = ("entry positions", ratio, tuple(x.first), tuple(x.counts))
         positions = ctx.memo(key, lambda: ctx.entry_layout(x.first, x.counts)[3] * ratio)
-        return x.replace(_rope(x.values.contiguous(), positions, call.attrs, call.config))
+        return x.replace(_rope(x.values.contiguous(), positions, call.attrs, call.config, call.static))
 
     def trace(self, call: Call) -> None:
         m = call.tokens
-        _rope(meta(m, call.static.d), meta(m, dtype=torch.int64), call.attrs, call.config)
+        _rope(meta(m, call.static.d), meta(m, dtype=torch.int64), call.attrs, call.config, call.static)
 
 
-ROPE, ROPE_ENTRIES = Rope(), RopeEntries()
-LOWERINGS = (ROPE, ROPE_ENTRIES)
+class RopeRound(Rope):
+    """`rope_fp8_round` and `rope_fp4_round`: the rope kernel rounding its rows in the same pass."""
 
-__all__ = ["LOWERINGS", "ROPE", "ROPE_ENTRIES", "RopeStatic"]
+    template, ops, static_type = "rope_round", ("rope_fp8_round", "rope_fp4_round"), RopeRoundStatic
+
+    def static(self, node: Node, params: Params) -> RopeRoundStatic | None:
+        return _rounded(super().static(node, params), node)
+
+
+class RopeEntriesRound(RopeEntries):
+    """`rope_entries_fp4_round`: the compressed entries rotated and rounded in one pass."""
+
+    template, ops, static_type = "rope_round", ("rope_entries_fp4_round",), RopeRoundStatic
+
+    def static(self, node: Node, params: Params) -> RopeRoundStatic | None:
+        return _rounded(super().static(node, params), node)
+
+
+ROPE, ROPE_ENTRIES, ROPE_ROUND, ROPE_ENTRIES_ROUND = Rope(), RopeEntries(), RopeRound(), RopeEntriesRound()
+LOWERINGS = (ROPE, ROPE_ENTRIES, ROPE_ROUND, ROPE_ENTRIES_ROUND)
+
+__all__ = ["LOWERINGS", "ROPE", "ROPE_ENTRIES", "ROPE_ENTRIES_ROUND", "ROPE_ROUND", "RopeRoundStatic", "RopeStatic"]

@@ -8,6 +8,11 @@ is. The angles are the reference's: fp32 position times fp32 frequency (`dsl.ops
 sin, one per column a program. torch's reference makes the [N, ..., rope_dim / 2, 2, 2] products and a copy of the
 unrotated dims (`torch.cat`): about 1.5x x's bytes over the two on top of the read and the write, in six launches.
 
+`rope_round_kernel` also rounds the rotated rows onto a cache's grid (fp8, or fp4 with either scale), the rounding
+that reads the model's rotated kv, indexer queries and compressed entries alone (the ops `rope_fp8_round`,
+`rope_fp4_round` and `rope_entries_fp4_round`, made by dsl/passes/fuse.py): one launch and one pass over memory
+where there were two.
+
 Numerics: the products and the sum are those of the reference in fp32, but the compiler may fuse a product and the
 sum into one FMA (one rounding less), so results can differ from torch's in the last bit. A row's result depends
 only on the row, its position and the frequencies: any batch, padded or not.
@@ -19,12 +24,14 @@ import torch
 
 from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
+from kernels.rounding.rounding import fp4_blocks, fp8_blocks
 
 
-@triton.jit(do_not_specialize=["R"])
-def rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, R, D: tl.constexpr, NOPE: tl.constexpr, MAGNITUDE: tl.constexpr,
-                INVERSE: tl.constexpr, block_R: tl.constexpr, block_D: tl.constexpr):
-    pdl_prologue()
+@triton.jit
+def _rotated_tile(x_ptr, pos_ptr, freq_ptr, R, D: tl.constexpr, NOPE: tl.constexpr, MAGNITUDE: tl.constexpr,
+                  INVERSE: tl.constexpr, block_R: tl.constexpr, block_D: tl.constexpr):
+    """This program's rows of token program_id(0), rotated: [block_R, block_D] in x's dtype (zeros outside x), their
+    offsets and mask."""
     t = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * block_R + tl.arange(0, block_R)
     cols = tl.arange(0, block_D)
@@ -36,7 +43,7 @@ def rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, R, D: tl.constexpr, NOPE: tl.
     first = tl.where(rotated, cols - NOPE, 0) % 2 == 0  # a pair's first (even) column
     partner = tl.load(x_ptr + offs + tl.where(first, 1, -1)[None, :], mask=mask & rotated[None, :],
                       other=0.0).to(tl.float32)
-    angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(freq_ptr + pair, mask=rotated, other=0.0)
+    angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(freq_ptr + pair, mask=rotated & (cols < D), other=0.0)
     cos, sin = tl.cos(angle), tl.sin(angle)
     if MAGNITUDE != 1.0:
         cos, sin = cos * MAGNITUDE, sin * MAGNITUDE
@@ -46,8 +53,31 @@ def rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, R, D: tl.constexpr, NOPE: tl.
     xf = x.to(tl.float32)
     out = tl.where(first[None, :], xf * cos[None, :] + partner * -sin[None, :],
                    partner * sin[None, :] + xf * cos[None, :])
-    out = tl.where(rotated[None, :], out.to(x.dtype), x)
+    return tl.where(rotated[None, :], out.to(x.dtype), x), offs, mask
+
+
+@triton.jit(do_not_specialize=["R"])
+def rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, R, D: tl.constexpr, NOPE: tl.constexpr, MAGNITUDE: tl.constexpr,
+                INVERSE: tl.constexpr, block_R: tl.constexpr, block_D: tl.constexpr):
+    pdl_prologue()
+    out, offs, mask = _rotated_tile(x_ptr, pos_ptr, freq_ptr, R, D, NOPE, MAGNITUDE, INVERSE, block_R, block_D)
     tl.store(out_ptr + offs, out, mask=mask)
+
+
+@triton.jit(do_not_specialize=["R"])
+def rope_round_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, R, D: tl.constexpr, NOPE: tl.constexpr,
+                      MAGNITUDE: tl.constexpr, INVERSE: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr,
+                      E4M3_SCALE: tl.constexpr, block_R: tl.constexpr, block_D: tl.constexpr):
+    """`rope_kernel`, then the rotated rows (in x's dtype, as rope writes them) rounded in blocks of BLOCK along D:
+    `fp8_round` (FP8) or `fp4_round` (E4M3_SCALE its scale), kernels/rounding/rounding.py's arithmetic on the tile."""
+    pdl_prologue()
+    out, offs, mask = _rotated_tile(x_ptr, pos_ptr, freq_ptr, R, D, NOPE, MAGNITUDE, INVERSE, block_R, block_D)
+    blocks = tl.reshape(out.to(tl.float32), [block_R * block_D // BLOCK, BLOCK])  # D is a multiple of BLOCK
+    if FP8:
+        y = fp8_blocks(blocks)
+    else:
+        y = fp4_blocks(blocks, E4M3_SCALE)
+    tl.store(out_ptr + offs, tl.reshape(y, [block_R, block_D]).to(out.dtype), mask=mask)
 
 
 def default_config(rows: int, d: int) -> dict:
@@ -60,6 +90,23 @@ def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, *, magni
          inverse: bool = False, config: dict | None = None) -> torch.Tensor:
     """x [N, ..., D] (fp32 or bf16, contiguous) with its last 2 * len(freqs) dims rotated pair by pair at positions
     [N] (int64): a new tensor of x's shape and dtype."""
+    return _launch(rope_kernel, x, positions, freqs, magnitude, inverse, {}, config)
+
+
+def rope_round(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, *, fp8: bool, block: int,
+               e4m3_scale: bool = False, magnitude: float = 1.0, inverse: bool = False,
+               config: dict | None = None) -> torch.Tensor:
+    """`rope`, then `fp8_round` (`fp8`) or `fp4_round` (`e4m3_scale` its scale) in blocks of `block` along D, in one
+    launch: bit for bit `kernels.rounding`'s kernel over `rope`'s output. `block` a power of two dividing D."""
+    d = x.shape[-1] if x.dim() else 0
+    if block < 1 or block & (block - 1) or d % block:
+        raise ValueError(f"rope_round's block must be a power of two dividing the last dim {d}, got {block}")
+    consts = {"FP8": bool(fp8), "BLOCK": block, "E4M3_SCALE": bool(e4m3_scale) and not fp8}
+    return _launch(rope_round_kernel, x, positions, freqs, magnitude, inverse, consts, config)
+
+
+def _launch(kernel, x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, magnitude: float, inverse: bool,
+            consts: dict, config: dict | None) -> torch.Tensor:
     if x.dim() < 2 or not x.is_contiguous() or x.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"rope needs a contiguous float32/bfloat16 x [N, ..., D], got {x.dtype} {list(x.shape)}")
     n, d = x.shape[0], x.shape[-1]
@@ -74,10 +121,10 @@ def rope(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, *, magni
     out = torch.empty_like(x)
     if x.numel() == 0:
         return out
-    launch(rope_kernel, (n, triton.cdiv(rows, config["block_R"])), (x, positions, freqs, out, rows),
-           dict(D=d, NOPE=d - 2 * half, MAGNITUDE=float(magnitude), INVERSE=bool(inverse), block_R=config["block_R"],
-                block_D=triton.next_power_of_2(d)), config["num_warps"], 1)
+    launch(kernel, (n, triton.cdiv(rows, config["block_R"])), (x, positions, freqs, out, rows),
+           dict(D=d, NOPE=d - 2 * half, MAGNITUDE=float(magnitude), INVERSE=bool(inverse)) | consts
+           | dict(block_R=config["block_R"], block_D=triton.next_power_of_2(d)), config["num_warps"], 1)
     return out
 
 
-__all__ = ["rope", "default_config"]
+__all__ = ["default_config", "rope", "rope_round"]

@@ -27,50 +27,48 @@ KERNEL_NAMES = ("fp8_round_kernel", "fp4_round_kernel")
 
 @triton.jit
 def _load_blocks(x_ptr, n_blocks, BLOCK: tl.constexpr, block_R: tl.constexpr, block_C: tl.constexpr):
-    """This program's blocks as fp32 [block_R, block_C], their offsets and mask, and per block whether it holds a NaN
-    and whether it holds an inf."""
+    """This program's blocks as fp32 [block_R, block_C] (zeros past BLOCK and past the last block), their offsets and
+    mask."""
     r = tl.program_id(0).to(tl.int64) * block_R + tl.arange(0, block_R)
     c = tl.arange(0, block_C)
     mask = (r < n_blocks)[:, None] & (c < BLOCK)[None, :]
     offs = r[:, None] * BLOCK + c[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    return tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), offs, mask
+
+
+@triton.jit
+def _specials(x):
+    """Per block (row) of fp32 x: whether it holds a NaN, and whether it holds an inf."""
     a = tl.abs(x)
     has_nan = tl.max((a != a).to(tl.int32), axis=1) > 0  # noqa: PLR0124 - NaN alone is unequal to itself
     has_inf = tl.max((a == float("inf")).to(tl.int32), axis=1) > 0
-    return x, offs, mask, has_nan, has_inf
+    return has_nan, has_inf
 
 
 @triton.jit
-def _store_blocks(out_ptr, offs, mask, y, nan_blocks):
-    y = tl.where(nan_blocks[:, None], float("nan"), y)
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def fp8_round_kernel(x_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, block_R: tl.constexpr, block_C: tl.constexpr):
-    pdl_prologue()
-    x, offs, mask, has_nan, has_inf = _load_blocks(x_ptr, n_blocks, BLOCK, block_R, block_C)
+def fp8_blocks(x):
+    """fp32 x [R, C], each row a block (columns past the block zero), rounded as `fp8_round`: fp32 values."""
+    has_nan, has_inf = _specials(x)
     nan_blocks = has_nan | has_inf
     x = tl.where(nan_blocks[:, None], 0.0, x)  # computed on zeros, written as NaN
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)  # [block_R]
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4)  # [R]
     byte = _pow2_byte(amax * (1.0 / 448.0))
     inv = ((254 - byte) << 23).to(tl.float32, bitcast=True)[:, None]  # 1 / 2^(byte - 127)
     q = tl.minimum(tl.maximum(x * inv, -448.0), 448.0)
     y = _e4m3_value(_e4m3_bits(q)) * _pow2_value(byte)[:, None]
-    _store_blocks(out_ptr, offs, mask, y, nan_blocks)
+    return tl.where(nan_blocks[:, None], float("nan"), y)
 
 
 @triton.jit
-def fp4_round_kernel(x_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, E4M3_SCALE: tl.constexpr, block_R: tl.constexpr,
-                     block_C: tl.constexpr):
-    pdl_prologue()
-    x, offs, mask, has_nan, has_inf = _load_blocks(x_ptr, n_blocks, BLOCK, block_R, block_C)
+def fp4_blocks(x, E4M3_SCALE: tl.constexpr):
+    """fp32 x [R, C], each row a block (columns past the block zero), rounded as `fp4_round`: fp32 values."""
+    has_nan, has_inf = _specials(x)
     if E4M3_SCALE:
         nan_blocks = has_nan
     else:
         nan_blocks = has_nan | has_inf
     x = tl.where(nan_blocks[:, None], 0.0, x)
-    amax = tl.max(tl.abs(x), axis=1)  # [block_R]
+    amax = tl.max(tl.abs(x), axis=1)  # [R]
     if E4M3_SCALE:
         s = tl.math.div_rn(tl.maximum(amax, 6.0 * 2.0**-9), tl.full(amax.shape, 6.0, tl.float32))
         scale = _e4m3_value(_e4m3_bits(s))  # saturated at 448, as the reference's clamp
@@ -82,7 +80,22 @@ def fp4_round_kernel(x_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, E4M3_SCALE: 
         q = x * ((254 - byte) << 23).to(tl.float32, bitcast=True)[:, None]
     # the reference's clamp to [-6, 6] changes no code: past 5 every value is code 7
     y = _e2m1_value(_e2m1_codes(q)) * scale[:, None]
-    _store_blocks(out_ptr, offs, mask, y, nan_blocks)
+    return tl.where(nan_blocks[:, None], float("nan"), y)
+
+
+@triton.jit
+def fp8_round_kernel(x_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, block_R: tl.constexpr, block_C: tl.constexpr):
+    pdl_prologue()
+    x, offs, mask = _load_blocks(x_ptr, n_blocks, BLOCK, block_R, block_C)
+    tl.store(out_ptr + offs, fp8_blocks(x).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def fp4_round_kernel(x_ptr, out_ptr, n_blocks, BLOCK: tl.constexpr, E4M3_SCALE: tl.constexpr, block_R: tl.constexpr,
+                     block_C: tl.constexpr):
+    pdl_prologue()
+    x, offs, mask = _load_blocks(x_ptr, n_blocks, BLOCK, block_R, block_C)
+    tl.store(out_ptr + offs, fp4_blocks(x, E4M3_SCALE).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def default_config(block: int) -> dict:
@@ -120,4 +133,5 @@ def fp4_round(x: torch.Tensor, *, block: int, e4m3_scale: bool, config: dict | N
     return _launch(fp4_round_kernel, x, block, {"E4M3_SCALE": bool(e4m3_scale)}, config)
 
 
-__all__ = ["KERNEL_NAMES", "default_config", "fp4_round", "fp4_round_kernel", "fp8_round", "fp8_round_kernel"]
+__all__ = ["KERNEL_NAMES", "default_config", "fp4_blocks", "fp4_round", "fp4_round_kernel", "fp8_blocks", "fp8_round",
+           "fp8_round_kernel"]

@@ -1,5 +1,6 @@
 """The rope kernel against `dsl.ops.rope.rotate` (plain and YaRN frequencies, inverse, bf16), and its rows'
-independence of the batch."""
+independence of the batch; the rope kernel fused with the cache roundings after it (`rope_round`) against the
+reference roundings (dsl/ops/rounding.py) of the rope kernel's rows, bit for bit, and against both references."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import pytest
 import torch
 
 from dsl.ops.rope import _freqs_on, inv_freq, rope_params, rotate
-from kernels.rope.rope import rope
+from dsl.ops.rounding import fp4_round, fp8_round
+from kernels.rope.rope import rope, rope_round
 from tests.kernels.cases import HEAD_DIM, HEADS, gen, rel_l2
+from tests.kernels.rounding.test_rounding import assert_same_bits
 
 PLAIN = rope_params({"rope_theta": 10000.0})
 YARN = rope_params({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 16.0, "beta_fast": 32, "beta_slow": 1,
@@ -61,6 +64,73 @@ def test_rope_checks_its_inputs(device) -> None:
     with pytest.raises(ValueError, match="contiguous float32/bfloat16 x"):
         rope(x.t(), torch.zeros(64, dtype=torch.long, device=device), freqs)
     assert rope(x[:0], torch.zeros(0, dtype=torch.long, device=device), freqs).shape == (0, 64)
+
+
+# (fp8, block, e4m3_scale): the model's three roundings after a rope (fp8 windows; fp4 indexer queries and keys;
+# fp4 compressed KV)
+ROUNDINGS = [(True, 32, False), (False, 32, False), (False, 16, True)]
+
+
+def rounded(y: torch.Tensor, fp8: bool, block: int, e4m3_scale: bool) -> torch.Tensor:
+    return fp8_round(y, block=block) if fp8 else fp4_round(y, block=block, e4m3_scale=e4m3_scale)
+
+
+def check_round(x: torch.Tensor, rope_dim: int, params, inverse: bool, fp8: bool, block: int, e4m3_scale: bool,
+                tol: float) -> None:
+    """rope_round(x): bitwise the reference rounding of the rope kernel's rows (on x's device), and within `tol`
+    (relative L2) of the references of both (torch's rotation, then its rounding)."""
+    device = x.device
+    positions = torch.randint(0, 70000, (x.shape[0],), generator=torch.Generator().manual_seed(2)).to(device)
+    freqs, magnitude = _freqs_on(params, rope_dim, device), inv_freq(params, rope_dim)[1]
+    got = rope_round(x, positions, freqs, fp8=fp8, block=block, e4m3_scale=e4m3_scale, magnitude=magnitude,
+                     inverse=inverse)
+    rotated = rope(x, positions, freqs, magnitude=magnitude, inverse=inverse)
+    assert_same_bits(got, rounded(rotated, fp8, block, e4m3_scale))
+    want = rounded(rotate(x.cpu(), positions.cpu(), params, rope_dim, inverse), fp8, block, e4m3_scale)
+    finite = torch.isfinite(want).all(-1)  # blocks holding NaN or inf are compared by the bitwise check
+    assert rel_l2(got.cpu()[finite].float(), want[finite].float()) < tol
+
+
+@pytest.mark.parametrize("fp8,block,e4m3_scale", ROUNDINGS)
+@pytest.mark.parametrize("shape,rope_dim,params,inverse", [
+    ((1, 64), 16, PLAIN, False),
+    ((5, 4, 64), 64, YARN, False),
+    ((3, 3, 96), 32, YARN, True),  # rows and D not powers of two: blocks of padding past D
+])
+def test_rope_round_is_the_rounding_of_rope(fp8, block, e4m3_scale, shape, rope_dim, params, inverse, device) -> None:
+    """fp32 and bf16 rows at scales 1e-6 .. 1e4; a row holding NaN and one holding inf (their blocks as the rounding
+    makes them); a row of zeros."""
+    x = gen(*shape, seed=sum(shape)) * torch.logspace(-6, 4, shape[0]).reshape(-1, *[1] * (len(shape) - 1))
+    if shape[0] > 1:
+        x.view(shape[0], -1)[0, 1] = float("nan")
+        x.view(shape[0], -1)[1, -3] = float("inf")
+        x[-1] = 0.0
+    for dtype, tol in ((torch.float32, 1e-2), (torch.bfloat16, 2e-2)):
+        check_round(x.to(dtype).to(device), rope_dim, params, inverse, fp8, block, e4m3_scale, tol)
+
+
+def test_rope_round_checks_its_block(device) -> None:
+    x, freqs = gen(2, 64, device=device), _freqs_on(PLAIN, 16, torch.device(device))
+    positions = torch.zeros(2, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match="block must be a power of two dividing the last dim 64, got 24"):
+        rope_round(x, positions, freqs, fp8=True, block=24)
+    with pytest.raises(ValueError, match="dividing the last dim 48, got 32"):
+        rope_round(gen(2, 48, device=device), positions, freqs, fp8=True, block=32)
+    with pytest.raises(ValueError, match="positions must be int64 \\[2\\]"):
+        rope_round(x, positions[:1], freqs, fp8=False, block=32)
+    assert rope_round(x[:0], positions[:0], freqs, fp8=True, block=32).shape == (0, 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 7, 513])
+def test_rope_round_v41_shapes(n) -> None:
+    """The model's: the window's kv [N, 512] (fp8 / 32), the indexer's queries [N, 64, 128] and keys [E, 128] (fp4,
+    powers of two / 32), the compressed KV [E, 512] (fp4, e4m3 / 16); rope_dim 64."""
+    for shape, (fp8, block, e4m3_scale) in [((n, HEAD_DIM), ROUNDINGS[0]), ((n, 64, 128), ROUNDINGS[1]),
+                                            ((n, 128), ROUNDINGS[1]), ((n, HEAD_DIM), ROUNDINGS[2])]:
+        for dtype, tol in ((torch.float32, 1e-2), (torch.bfloat16, 2e-2)):
+            x = gen(*shape, seed=n).to(dtype).cuda()
+            check_round(x, 64, YARN, False, fp8, block, e4m3_scale, tol)
 
 
 @pytest.mark.gpu

@@ -191,49 +191,65 @@ def test_a_row_is_the_same_in_any_batch(kind, block, e4m3_scale, device) -> None
         assert torch.equal(run(others)[at].view(torch.int32), alone[0].view(torch.int32))
 
 
-def planned(name: str, only_rounding: bool):
-    """(graph, plan, params) of a fixture for sm90 (heuristic configs); `only_rounding` keeps the rounding kernels only
-    (every other node runs its reference)."""
+ROUNDING_OPS = ("fp8_round", "fp4_round")
+FUSED_OPS = ("rope_fp8_round", "rope_fp4_round", "rope_entries_fp4_round")
+
+
+def planned(name: str, only: tuple[str, ...] | None, fused: bool = False):
+    """(graph, plan, params) of a fixture for sm90 (heuristic configs), each rope and the rounding after it fused
+    (`fused`: the pass pipeline) or not; `only` keeps the kernels of those ops alone (every other node runs its
+    reference)."""
     from deepinfer.models import DeepseekV41Flash
-    from dsl.passes import run_passes
+    from dsl.passes import infer_shapes, run_passes, verify
     from graphs.passes import make_plan
 
     model = DeepseekV41Flash.from_pretrained(fixture_dir(name))
-    graph = run_passes(model.graph())
+    graph = run_passes(model.graph()) if fused else verify(infer_shapes(model.graph()))
     plan = make_plan(graph, model.params(), "sm90", buckets=(16,))
     for node in plan.nodes:
-        if only_rounding and node.op not in ("fp8_round", "fp4_round"):
+        if only is not None and node.op not in only:
             node.template = None
     return graph, plan, model.params()
 
 
 def test_the_plan_rounds_where_the_dim_is_a_multiple_of_the_block() -> None:
     """v41-tiny (head_dim 64, index_head_dim 32): every rounding node on a kernel, over tokens (rank 2 and the
-    indexer's [N, heads, 32] queries) and over entries; v41-smooth (dims 40): none, the reference returns x."""
-    graph, plan, _ = planned("v41-tiny", False)
-    nodes = [n for n in plan.nodes if n.op in ("fp8_round", "fp4_round")]
+    indexer's [N, heads, 32] queries) and over entries; fused, each rounding is the epilogue of the rope before it,
+    with the same blocks and scales. v41-smooth (dims 40): no rounding kernel (the reference returns x); fused, the
+    plain rope kernel."""
+    graph, plan, _ = planned("v41-tiny", None)
+    nodes = [n for n in plan.nodes if n.op in ROUNDING_OPS]
     assert nodes and all(n.template == n.op for n in nodes)
     types = [graph.nodes[n.index].inputs[0].type for n in nodes]
     ranks = {(t.rank, str(t.shape[0])) for t in types}
     assert ranks == {(2, "N"), (3, "N"), (2, "E")}
     assert {(n.static.block, getattr(n.static, "e4m3_scale", None)) for n in nodes} == {(32, None), (32, False),
                                                                                           (16, True)}
-    _, plan, _ = planned("v41-smooth", False)
-    assert all(n.template is None for n in plan.nodes if n.op in ("fp8_round", "fp4_round"))
+    graph, plan, _ = planned("v41-tiny", None, fused=True)
+    assert not [n for n in plan.nodes if n.op in ROUNDING_OPS]
+    fused = [n for n in plan.nodes if n.op in FUSED_OPS]
+    assert len(fused) == len(nodes) and all(n.template == "rope_round" for n in fused)
+    assert {(graph.nodes[n.index].inputs[0].type.rank, str(graph.nodes[n.index].inputs[0].type.shape[0]))
+            for n in fused} == ranks
+    kinds = {(n.static.block, n.static.fp8, n.static.e4m3_scale) for n in fused}
+    assert kinds == {(32, True, False), (32, False, False), (16, False, True)}
+    _, plan, _ = planned("v41-smooth", None)
+    assert all(n.template is None for n in plan.nodes if n.op in ROUNDING_OPS)
+    _, plan, _ = planned("v41-smooth", None, fused=True)
+    fused = [n for n in plan.nodes if n.op in FUSED_OPS]
+    assert fused and all(n.template == "rope_round" and n.static.block == 0 for n in fused)
 
 
-def test_executor_runs_them_on_tokens_and_ragged_entries_bitwise() -> None:
-    """v41-tiny through the executor with only the rounding kernels against the same plan with none: two sequences'
-    prefill, then a decode step (the compressed entries reach fp4_round as a `Ragged`); the logits bit for bit."""
+def run_both(first, second, check_ragged: bool) -> int:
+    """Two (graph, plan, params) of one fixture through the executor: two sequences' prefill, then a decode step (the
+    compressed entries reach the rounding as a `Ragged`); their logits bit for bit. Returns how many entry rows the
+    first's kernels rounded."""
     from dsl.context import ForwardContext, SequenceState
     from dsl.ragged import Ragged
     from graphs.executor import Executor
 
-    graph, plan, params = planned("v41-tiny", True)
-    _, none, _ = planned("v41-tiny", True)
-    for node in none.nodes:
-        node.template = None
-    kernels, reference = Executor(graph, plan, params, "cpu"), Executor(graph, none, params, "cpu")
+    executors = [Executor(graph, plan, params, "cpu") for graph, plan, params in (first, second)]
+    graph, plan, _ = first
     over_entries = {n.index for n in plan.kernel_nodes() if str(graph.nodes[n.index].inputs[0].type.shape[0]) == "E"}
     ragged_rows = []
 
@@ -242,16 +258,38 @@ def test_executor_runs_them_on_tokens_and_ragged_entries_bitwise() -> None:
             assert isinstance(outputs[0], Ragged)
             ragged_rows.append(len(outputs[0].values))
 
-    states = {kernels: [SequenceState(), SequenceState()], reference: [SequenceState(), SequenceState()]}
+    states = {e: [SequenceState(), SequenceState()] for e in executors}
     for chunks in ([[1, 5, 9, 2, 7, 3], [4, 8, 6, 2, 1]], [[11], [12]]):
         ids = torch.tensor([t for c in chunks for t in c])
         logits = []
-        for executor in (kernels, reference):
+        for executor in executors:
             ctx = ForwardContext(states[executor], [len(c) for c in chunks])
-            logits.append(executor.run({"input_ids": ids}, ctx, trace=trace if executor is kernels else None)["logits"])
+            logits.append(executor.run({"input_ids": ids}, ctx,
+                                       trace=trace if executor is executors[0] else None)["logits"])
             ctx.commit()
         assert_same_bits(logits[0], logits[1])
-    assert kernels.kernel_calls == 2 * len(plan.kernel_nodes()) and over_entries and sum(ragged_rows) > 0
+    assert executors[0].kernel_calls == 2 * len(plan.kernel_nodes())
+    assert not check_ragged or (over_entries and sum(ragged_rows) > 0)
+    return sum(ragged_rows)
+
+
+def test_executor_runs_them_on_tokens_and_ragged_entries_bitwise() -> None:
+    """v41-tiny, unfused, through the executor with only the rounding kernels against the same plan with none."""
+    kernels = planned("v41-tiny", ROUNDING_OPS)
+    graph, none, params = planned("v41-tiny", ROUNDING_OPS)
+    for node in none.nodes:
+        node.template = None
+    run_both(kernels, (graph, none, params), check_ragged=True)
+
+
+def test_fused_rope_and_rounding_are_the_two_kernels_bitwise() -> None:
+    """v41-tiny, fused, with only the rope kernels (`rope_round_kernel` where a rounding follows) against the unfused
+    graph with only the rope and rounding kernels: on tokens, the indexer's queries and ragged entries, the same
+    logits."""
+    ropes = ("rope", "rope_entries")
+    fused = planned("v41-tiny", ropes + FUSED_OPS, fused=True)
+    assert {n.op for n in fused[1].kernel_nodes()} == set(ropes[:1] + FUSED_OPS)
+    run_both(fused, planned("v41-tiny", ropes + ROUNDING_OPS), check_ragged=True)
 
 
 @pytest.mark.gpu
