@@ -57,7 +57,8 @@ from kernels.registry import LOWERINGS
 CAPTURED = "(CUDA-graph segments)"
 # Kernel nodes whose lowering does host work around the launch (layouts, the caches' reads and writes): run, with
 # their launch stood in for; any other kernel node counts one op.
-HOST_CODE = ("sparse_attention", "index_scores", "compress_pool", "rope_entries", "rope_entries_fp4_round")
+HOST_CODE = ("sparse_attention", "index_scores", "compress_pool", "rope_entries", "rope_entries_fp4_round",
+             "rms_norm_rope_entries_fp4_round")
 
 
 class GpuLayoutContext(ForwardContext):

@@ -33,7 +33,8 @@ from slice_caches import Caches
 from deepinfer.models import DeepseekV41Flash
 from dsl.passes import run_passes
 
-SOURCE_OPS = {"compress_pool", "rope_entries", "rope_entries_fp4_round", "cache_append"}
+SOURCE_OPS = {"compress_pool", "rope_entries", "rope_entries_fp4_round", "rms_norm_rope_entries_fp4_round",
+              "cache_append"}
 INDEX_OPS = {"index_scores", "candidate_blocks", "topk_select"}
 # The 40-layer model as slice layers: (slice layer, part or None for the whole layer, count) for the encoder half
 # (always over every token) and the decoder half (over the kept tokens in replay), the first decoder layer apart.

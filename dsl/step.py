@@ -211,6 +211,7 @@ STATIC_OPS: dict[str, Callable[[Node], bool]] = {
     "compress_pool": lambda node: True,
     "rope_entries": lambda node: True,
     "rope_entries_fp4_round": lambda node: True,
+    "rms_norm_rope_entries_fp4_round": lambda node: True,
     "cache_append": lambda node: True,
     "index_scores": lambda node: _producer(node, 2) == "cache_append",
     "candidate_blocks": lambda node: True,

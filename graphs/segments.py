@@ -23,7 +23,7 @@ GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 
 
 # Context-reading ops whose only use of the context is a tensor of one row per token: a captured segment reads
 # it from a static buffer, refreshed before each replay.
-CONTEXT_TENSORS = {"rope": "positions", "rope_fp8_round": "positions", "rope_fp4_round": "positions"}
+CONTEXT_TENSORS = {op: "positions" for op in ("rope", "rope_fp8_round", "rope_fp4_round", "rms_norm_rope_fp8_round")}
 
 
 @dataclass

@@ -3,7 +3,8 @@
 Pairs are adjacent channels (v[2i], v[2i+1]) of the last `rope_dim` dims, rotated as complex numbers. The
 frequencies follow the reference's `default` and `yarn` rope types; YaRN's magnitude scale is not applied
 when `attention_factor` is 1 (V4.1's setting). A rope whose values go straight to a cache's rounding is fused with it
-(`rope_fp8_round`, `rope_fp4_round`, `rope_entries_fp4_round`).
+(`rope_fp8_round`, `rope_fp4_round`, `rope_entries_fp4_round`), and an RMS norm whose values go straight to such a
+rope with both (`rms_norm_rope_fp8_round`, `rms_norm_rope_entries_fp4_round`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from dsl import native
 from dsl.context import cast
+from dsl.ops.dense import _norm_type, rms_norm
 from dsl.ops.registry import op, same_as_first
 from dsl.ops.rounding import fp4_round, fp8_round
 from dsl.ops.static_entries import StaticEntries, entry_positions
@@ -135,8 +137,9 @@ def rope_entries(x: Ragged, *, params: RopeParams, rope_dim: int, ratio: int, ct
     return x.replace(_rotated(x.values, ctx.memo(key, make)))
 
 
-# A rope whose output only a rounding reads becomes one op (dsl/passes/fuse.py; one kernel on the GPU targets, no
-# round trip through memory between the two): each is the two references in turn.
+# A rope whose output only a rounding reads becomes one op, and so does an RMS norm whose output only such a rope
+# reads (dsl/passes/fuse.py; one kernel on the GPU targets, no round trip through memory between them): each is the
+# references in turn.
 @op("rope_fp8_round", same_as_first, uses_context=True)
 def rope_fp8_round(x: torch.Tensor, *, params: RopeParams, rope_dim: int, inverse: bool = False, block: int = 32,
                    ctx) -> torch.Tensor:
@@ -158,3 +161,19 @@ def rope_entries_fp4_round(x: Ragged, *, params: RopeParams, rope_dim: int, rati
     """`rope_entries`, then `fp4_round`."""
     return fp4_round(rope_entries(x, params=params, rope_dim=rope_dim, ratio=ratio, ctx=ctx), block=block,
                      e4m3_scale=e4m3_scale)
+
+
+@op("rms_norm_rope_fp8_round", _norm_type, uses_context=True)
+def rms_norm_rope_fp8_round(x: torch.Tensor, w: torch.Tensor | None = None, *, eps: float, params: RopeParams,
+                            rope_dim: int, inverse: bool = False, block: int = 32, ctx) -> torch.Tensor:
+    """`rms_norm`, then `rope_fp8_round`."""
+    return rope_fp8_round(rms_norm(x, w, eps=eps), params=params, rope_dim=rope_dim, inverse=inverse, block=block,
+                          ctx=ctx)
+
+
+@op("rms_norm_rope_entries_fp4_round", _norm_type, uses_context=True)
+def rms_norm_rope_entries_fp4_round(x: Ragged, w: torch.Tensor | None = None, *, eps: float, params: RopeParams,
+                                    rope_dim: int, ratio: int, block: int, e4m3_scale: bool, ctx) -> Ragged:
+    """`rms_norm`, then `rope_entries_fp4_round`."""
+    return rope_entries_fp4_round(rms_norm(x, w, eps=eps), params=params, rope_dim=rope_dim, ratio=ratio, block=block,
+                                  e4m3_scale=e4m3_scale, ctx=ctx)

@@ -115,6 +115,8 @@ def fp4_round(x: torch.Tensor, *, block: int, e4m3_scale: bool) -> torch.Tensor:
     return _as(x, (q * scale).reshape(x.shape))
 
 
-# The ops that end with a rounding, a rope fused with the rounding that alone reads it (dsl/ops/rope.py, made by
-# dsl/passes/fuse.py) -> that rounding op, which names the cache format of their values (dsl/cache_format.py).
-ENDS_WITH = {"rope_fp8_round": "fp8_round", "rope_fp4_round": "fp4_round", "rope_entries_fp4_round": "fp4_round"}
+# The ops that end with a rounding, a rope fused with the rounding that alone reads it (and the norm before it:
+# dsl/ops/rope.py, made by dsl/passes/fuse.py) -> that rounding op, which names the cache format of their values
+# (dsl/cache_format.py).
+ENDS_WITH = {"rope_fp8_round": "fp8_round", "rope_fp4_round": "fp4_round", "rope_entries_fp4_round": "fp4_round",
+             "rms_norm_rope_fp8_round": "fp8_round", "rms_norm_rope_entries_fp4_round": "fp4_round"}

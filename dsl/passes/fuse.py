@@ -21,6 +21,9 @@ RULES = [
     ("rope", "fp8_round", "rope_fp8_round"),
     ("rope", "fp4_round", "rope_fp4_round"),
     ("rope_entries", "fp4_round", "rope_entries_fp4_round"),
+    # ... and normed just before (the window's kv, the indexer's keys): normed, rotated and rounded in one pass.
+    ("rms_norm", "rope_fp8_round", "rms_norm_rope_fp8_round"),
+    ("rms_norm", "rope_entries_fp4_round", "rms_norm_rope_entries_fp4_round"),
 ]
 
 

@@ -192,7 +192,8 @@ def test_a_row_is_the_same_in_any_batch(kind, block, e4m3_scale, device) -> None
 
 
 ROUNDING_OPS = ("fp8_round", "fp4_round")
-FUSED_OPS = ("rope_fp8_round", "rope_fp4_round", "rope_entries_fp4_round")
+FUSED_OPS = ("rope_fp8_round", "rope_fp4_round", "rope_entries_fp4_round", "rms_norm_rope_fp8_round",
+             "rms_norm_rope_entries_fp4_round")
 
 
 def planned(name: str, only: tuple[str, ...] | None, fused: bool = False):
@@ -216,7 +217,7 @@ def test_the_plan_rounds_where_the_dim_is_a_multiple_of_the_block() -> None:
     """v41-tiny (head_dim 64, index_head_dim 32): every rounding node on a kernel, over tokens (rank 2 and the
     indexer's [N, heads, 32] queries) and over entries; fused, each rounding is the epilogue of the rope before it,
     with the same blocks and scales. v41-smooth (dims 40): no rounding kernel (the reference returns x); fused, the
-    plain rope kernel."""
+    kernel rotating (and norming) without rounding."""
     graph, plan, _ = planned("v41-tiny", None)
     nodes = [n for n in plan.nodes if n.op in ROUNDING_OPS]
     assert nodes and all(n.template == n.op for n in nodes)
@@ -229,6 +230,9 @@ def test_the_plan_rounds_where_the_dim_is_a_multiple_of_the_block() -> None:
     assert not [n for n in plan.nodes if n.op in ROUNDING_OPS]
     fused = [n for n in plan.nodes if n.op in FUSED_OPS]
     assert len(fused) == len(nodes) and all(n.template == "rope_round" for n in fused)
+    # the window's kv and the indexer's keys are normed in the same pass; the compressed KV's norm has other readers
+    assert {n.op for n in fused if n.static.norm} == {"rms_norm_rope_fp8_round", "rms_norm_rope_entries_fp4_round"}
+    assert all(n.static.has_w and n.formats == {1: "fp32"} for n in fused if n.static.norm)
     assert {(graph.nodes[n.index].inputs[0].type.rank, str(graph.nodes[n.index].inputs[0].type.shape[0]))
             for n in fused} == ranks
     kinds = {(n.static.block, n.static.fp8, n.static.e4m3_scale) for n in fused}
@@ -237,7 +241,7 @@ def test_the_plan_rounds_where_the_dim_is_a_multiple_of_the_block() -> None:
     assert all(n.template is None for n in plan.nodes if n.op in ROUNDING_OPS)
     _, plan, _ = planned("v41-smooth", None, fused=True)
     fused = [n for n in plan.nodes if n.op in FUSED_OPS]
-    assert fused and all(n.template == "rope_round" and n.static.block == 0 for n in fused)
+    assert fused and all(n.template == "rope_round" and n.static.block == 0 for n in fused)  # rotated (normed) only
 
 
 def run_both(first, second, check_ragged: bool) -> int:
@@ -283,13 +287,15 @@ def test_executor_runs_them_on_tokens_and_ragged_entries_bitwise() -> None:
 
 
 def test_fused_rope_and_rounding_are_the_two_kernels_bitwise() -> None:
-    """v41-tiny, fused, with only the rope kernels (`rope_round_kernel` where a rounding follows) against the unfused
-    graph with only the rope and rounding kernels: on tokens, the indexer's queries and ragged entries, the same
-    logits."""
-    ropes = ("rope", "rope_entries")
-    fused = planned("v41-tiny", ropes + FUSED_OPS, fused=True)
-    assert {n.op for n in fused[1].kernel_nodes()} == set(ropes[:1] + FUSED_OPS)
-    run_both(fused, planned("v41-tiny", ropes + ROUNDING_OPS), check_ragged=True)
+    """v41-tiny, fused, with only the norm and rope kernels (`rope_round_kernel` where a rounding follows, norming
+    first where a norm comes before) against the unfused graph with only the norm, rope and rounding kernels: on tokens,
+    the indexer's queries and ragged entries, the same logits."""
+    ops = ("rms_norm", "rope", "rope_entries")
+    fused = planned("v41-tiny", ops + FUSED_OPS, fused=True)
+    kernel_ops = {n.op for n in fused[1].kernel_nodes()}
+    assert kernel_ops - {"rms_norm", "rope"} == {"rope_fp4_round", "rope_entries_fp4_round", "rms_norm_rope_fp8_round",
+                                                  "rms_norm_rope_entries_fp4_round"}
+    run_both(fused, planned("v41-tiny", ops + ROUNDING_OPS), check_ragged=True)
 
 
 @pytest.mark.gpu
