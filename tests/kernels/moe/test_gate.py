@@ -1,6 +1,7 @@
 """The gate's scores and top-k kernel against `dsl.ops.moe`'s torch: the three score functions, renormalised or not,
 k = 1 to E, expert counts that are not a power of two; ties to the lowest expert; a row the same bits alone and in a
-batch; the launch the AOT builder records for MOE_GATE; V4.1's 384 experts top 6 on the GPU."""
+batch; one token's projection and top k in one launch, the two launches' bits; the launches the AOT builder records
+for MOE_GATE; V4.1's 384 experts top 6 on the GPU."""
 
 from __future__ import annotations
 
@@ -9,9 +10,11 @@ import torch
 
 from dsl.ops.moe import gate_topk as ref_gate_topk
 from dsl.ops.moe import moe_gate, score
-from kernels.launch import use_launcher
+from kernels import tickets
+from kernels.launch import jit_launch, use_launcher
+from kernels.linear import linear
 from kernels.lowering import PLAIN, Call
-from kernels.moe.gate import FUNCS, gate_topk
+from kernels.moe.gate import FUNCS, gate_one_row, gate_topk
 from kernels.moe.lowering import MOE_GATE, GateStatic
 from tests.kernels.cases import EXPERTS, HIDDEN, TOPK, gen
 
@@ -85,9 +88,9 @@ def test_bad_arguments_name_the_argument(device) -> None:
 
 
 def test_aot_trace_records_the_projection_and_the_top_k() -> None:
-    """MOE_GATE's trace runs both wrappers on meta tensors, for the bucket's tokens and for one: the projection's
-    launches (one token's on the one-row kernel, the tensor cores' in batch-invariant configs), then the top-k's,
-    with libdevice's functions (the GPU's)."""
+    """MOE_GATE's trace runs the wrappers on meta tensors, for the bucket's tokens and for one: the projection's
+    launches then the top-k's (one token's in one launch, `gate_one_row_kernel`; on the tensor cores then the top k
+    in batch-invariant configs), with libdevice's functions (the GPU's)."""
     static = GateStatic(EXPERTS, HIDDEN)
     for invariant in (False, True):
         config = MOE_GATE.default_config(static, 16)
@@ -95,10 +98,14 @@ def test_aot_trace_records_the_projection_and_the_top_k() -> None:
         with use_launcher(calls.append):
             MOE_GATE.trace(Call(static, PLAIN, MOE_GATE.invariant(config) if invariant else config,
                                 attrs(TOPK, "sqrtsoftplus"), tokens=16))
-        tops = [c for c in calls if c.name == "gate_topk_kernel"]
-        assert [c.grid for c in tops] == [(16,), (1,)] and calls[-1] is tops[-1]
+        tops = [c for c in calls if c.name in ("gate_topk_kernel", "gate_one_row_kernel")]
         assert all(c.constexprs["EXACT"] and c.constexprs["E"] == EXPERTS for c in tops)
-        assert ("gemv_kernel" in [c.name for c in calls]) is not invariant
+        if invariant:  # one token on the tensor cores, then the top k
+            assert [(c.name, c.grid) for c in tops] == [("gate_topk_kernel", (16,)), ("gate_topk_kernel", (1,))]
+            assert calls[-1] is tops[-1] and "gemv_kernel" not in [c.name for c in calls]
+        else:  # one token's projection and top k in one launch
+            assert [c.name for c in tops] == ["gate_topk_kernel", "gate_one_row_kernel"] and calls[-1] is tops[-1]
+            assert "gemv_kernel" not in [c.name for c in calls]
 
 
 @pytest.mark.parametrize("invariant", [False, True])
@@ -116,6 +123,54 @@ def test_one_token_gate_projection_in_fp32(invariant, device) -> None:
     want = moe_gate(x.cpu().double(), w.cpu().double(), bias.cpu().double(), **kw)
     assert torch.equal(got[1].cpu(), want[1])
     torch.testing.assert_close(got[0].cpu().double(), want[0].double(), rtol=1e-5, atol=0)
+
+
+def two_launches(x, w, bias, **kw) -> tuple:
+    """One token's gate as two launches: the one-row projection (kernels/linear), then `gate_topk`."""
+    return gate_topk(linear.linear(x, w, config=linear.default_config(1, *w.shape, w_bytes=4), dot_fp32=True), bias,
+                     **kw)
+
+
+def check_one_row(e: int, d: int, func: str, normalize: bool, device: str, seed: int = 0) -> None:
+    """`gate_one_row` against `two_launches`, bit for bit, in one launch; its tile counters left at zero, and a second
+    call the same bits."""
+    x, w, bias = gen(1, d, device=device, seed=seed), gen(e, d, device=device, seed=seed + 1, scale=2 * d**-0.5), \
+        gen(e, device=device, seed=seed + 2, scale=0.3)
+    kw = attrs(min(6, e), func, normalize, temp=0.8)
+    calls = []
+    with use_launcher(lambda c: (calls.append(c.name), jit_launch(c))):
+        got = gate_one_row(x, w, bias, **kw)
+    assert calls == ["gate_one_row_kernel"]
+    check(got, two_launches(x, w, bias, **kw), bitwise=True)
+    assert not tickets.tile_counters(x.device, 1).any()
+    again = gate_one_row(x, w, bias, **kw)
+    assert torch.equal(again[0], got[0]) and torch.equal(again[1], got[1])
+
+
+@pytest.mark.parametrize("func", FUNCS)
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("e,d", [(24, 2100), (70, 300)])  # K split 8 ways, one tile; not split, two tiles
+def test_one_token_gate_in_one_launch_is_the_two_launches(func, normalize, e, d, device) -> None:
+    assert (linear.gemv_config(e, d, w_bytes=4)["split_k"] > 1) == (d > 1000)
+    check_one_row(e, d, func, normalize, device)
+
+
+def test_one_token_gate_checks_its_inputs(device) -> None:
+    x, w, bias = gen(1, 64, device=device), gen(8, 64, device=device), gen(8, device=device)
+    with pytest.raises(ValueError, match="x must be one contiguous float32 row"):
+        gate_one_row(gen(2, 64, device=device), w, bias, **attrs(2, "sigmoid"))
+    with pytest.raises(ValueError, match="w must be contiguous float32 \\[E, 64\\]"):
+        gate_one_row(x, w.bfloat16(), bias, **attrs(2, "sigmoid"))
+    with pytest.raises(ValueError, match="topk"):
+        gate_one_row(x, w, bias, **attrs(9, "sigmoid"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("func", FUNCS)
+def test_one_token_gate_v41_shapes_on_the_gpu(func) -> None:
+    """384 experts top 6 over 5120 inputs: one launch, the two launches' bits."""
+    for seed in range(3):
+        check_one_row(EXPERTS, HIDDEN, func, True, "cuda", seed)
 
 
 @pytest.mark.gpu
