@@ -11,7 +11,8 @@ unrotated dims (`torch.cat`): about 1.5x x's bytes over the two on top of the re
 `rope_round_kernel` also rounds the rotated rows onto a cache's grid (fp8, or fp4 with either scale), the rounding
 that reads the model's rotated kv, indexer queries and compressed entries alone (the ops `rope_fp8_round`,
 `rope_fp4_round` and `rope_entries_fp4_round`, made by dsl/passes/fuse.py): one launch and one pass over memory
-where there were two.
+where there were two. Where an RMS norm's output goes to such a rope alone (the window's kv, the indexer's keys:
+`rms_norm_rope_fp8_round`, `rms_norm_rope_entries_fp4_round`) it norms each row first, one launch for three.
 
 Numerics: the products and the sum are those of the reference in fp32, but the compiler may fuse a product and the
 sum into one FMA (one rounding less), so results can differ from torch's in the last bit. A row's result depends
@@ -116,7 +117,8 @@ def rope_round(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor, *,
     """`rope`, then `fp8_round` (`fp8`) or `fp4_round` (`e4m3_scale` its scale) in blocks of `block` along D, in one
     launch: bit for bit `kernels.rounding`'s kernel over `rope`'s output. `block` a power of two dividing D, or 0: no
     rounding (where the model's rounding returns x). With `norm`, each row [D] is RMS-normed first (times w [D] where
-    given; `eps`), as `kernels.norm.rms_norm`, and the result is fp32."""
+    given; `eps`) with `kernels.norm.rms_norm`'s arithmetic, its squares summed over the tile's row (the interpreter
+    gives that kernel's bits; a GPU may add them in another order), and the result is fp32."""
     d = x.shape[-1] if x.dim() else 0
     if block < 0 or block & (block - 1) or (block and d % block):
         raise ValueError(f"rope_round's block must be 0 or a power of two dividing the last dim {d}, got {block}")
