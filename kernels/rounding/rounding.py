@@ -1,8 +1,10 @@
 """`fp8_round` and `fp4_round` (dsl/ops/rounding.py) in one launch each: values onto a format's grid and back.
 
 Blocks of `block` consecutive values along the last dim never meet, so x is a flat [blocks, block] array and a program
-rounds block_R of them, a [block_R, block] tile (a few rows' blocks: each row's result is its own). Bit for bit the
-torch reference, from the fp32 bits (helpers shared with the cache kernels, kernels/cache/rows.py):
+rounds block_R of them, a [block_R, block] tile (a few rows' blocks: each row's result is its own); the arithmetic on
+such a tile (`fp8_blocks`, `fp4_blocks`) also rounds the rope kernel's rows where a rounding follows a rope
+(kernels/rope/rope.py's `rope_round_kernel`). Bit for bit the torch reference, from the fp32 bits (helpers shared
+with the cache kernels, kernels/cache/rows.py):
 - a ue8m0 scale pow2_ceil(amax * (1 / qmax)) (a product, as the reference) is the byte "exponent field, plus one for a
   non-zero mantissa"; dividing by 2^(byte - 127) is multiplying by 2^(127 - byte), exact;
 - fp4's e4m3 scale is max(amax, 6 * 2^-9) / 6, divided exactly (`div_rn`), saturated at 448 and rounded to e4m3
