@@ -188,11 +188,12 @@ def gate_topk(logits: torch.Tensor, bias: torch.Tensor, *, topk: int, func: str,
 
 def gate_one_row(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, *, topk: int, func: str, temp: float,
                  normalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token's gate x fp32 [1, K] against fp32 weights w [E, K] (+ bias [E]) in one launch
+    """One token's gate x [1, K] (fp32 or bf16) against fp32 weights w [E, K] (+ bias [E]) in one launch
     (`gate_one_row_kernel`): `gate_topk` over kernels/linear/linear.py's one-row projection (its `gemv_config` tiles),
     bit for bit. Returns weights fp32 [1, k] and experts int64 [1, k]."""
-    if x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.float32 or not x.is_contiguous():
-        raise ValueError(f"gate_one_row's x must be one contiguous float32 row [1, K], got {x.dtype} {list(x.shape)}")
+    if x.dim() != 2 or x.shape[0] != 1 or x.dtype not in (torch.float32, torch.bfloat16) or not x.is_contiguous():
+        raise ValueError(f"gate_one_row's x must be one contiguous float32/bfloat16 row [1, K], got {x.dtype} "
+                         f"{list(x.shape)}")
     e, k = w.shape if w.dim() == 2 else (0, 0)
     if w.dtype != torch.float32 or not w.is_contiguous() or k != x.shape[1] or w.device != x.device:
         raise ValueError(f"gate_one_row's w must be contiguous float32 [E, {x.shape[1]}] on {x.device}, got "

@@ -155,7 +155,7 @@ class MoeGate(Lowering):
     @staticmethod
     def _gate(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, call: Call) -> tuple[torch.Tensor, torch.Tensor]:
         kw = {k: call.attrs[k] for k in ("topk", "func", "temp", "normalize", "scaling")}
-        if linear.on_one_row(x.shape[0], w, call.config, dot_fp32=True) and x.dtype == torch.float32:
+        if linear.on_one_row(x.shape[0], w, call.config, dot_fp32=True):
             return gate.gate_one_row(x, w, bias, **kw)  # the one-row projection and the top k in one launch
         return gate.gate_topk(linear.linear(x, w, config=call.config, dot_fp32=True), bias, **kw)
 

@@ -131,11 +131,12 @@ def two_launches(x, w, bias, **kw) -> tuple:
                      **kw)
 
 
-def check_one_row(e: int, d: int, func: str, normalize: bool, device: str, seed: int = 0) -> None:
+def check_one_row(e: int, d: int, func: str, normalize: bool, device: str, seed: int = 0,
+                  dtype: torch.dtype = torch.float32) -> None:
     """`gate_one_row` against `two_launches`, bit for bit, in one launch; its tile counters left at zero, and a second
     call the same bits."""
-    x, w, bias = gen(1, d, device=device, seed=seed), gen(e, d, device=device, seed=seed + 1, scale=2 * d**-0.5), \
-        gen(e, device=device, seed=seed + 2, scale=0.3)
+    x, w, bias = gen(1, d, device=device, seed=seed, dtype=dtype), \
+        gen(e, d, device=device, seed=seed + 1, scale=2 * d**-0.5), gen(e, device=device, seed=seed + 2, scale=0.3)
     kw = attrs(min(6, e), func, normalize, temp=0.8)
     calls = []
     with use_launcher(lambda c: (calls.append(c.name), jit_launch(c))):
@@ -155,9 +156,13 @@ def test_one_token_gate_in_one_launch_is_the_two_launches(func, normalize, e, d,
     check_one_row(e, d, func, normalize, device)
 
 
+def test_one_token_gate_takes_bf16_rows(device) -> None:
+    check_one_row(24, 2100, "sqrtsoftplus", True, device, dtype=torch.bfloat16)
+
+
 def test_one_token_gate_checks_its_inputs(device) -> None:
     x, w, bias = gen(1, 64, device=device), gen(8, 64, device=device), gen(8, device=device)
-    with pytest.raises(ValueError, match="x must be one contiguous float32 row"):
+    with pytest.raises(ValueError, match="x must be one contiguous float32/bfloat16 row"):
         gate_one_row(gen(2, 64, device=device), w, bias, **attrs(2, "sigmoid"))
     with pytest.raises(ValueError, match="w must be contiguous float32 \\[E, 64\\]"):
         gate_one_row(x, w.bfloat16(), bias, **attrs(2, "sigmoid"))
