@@ -1,7 +1,8 @@
 """The launches one decode step of the full-width slice makes through its kernel nodes, on a machine without a GPU.
 
 Each kernel node's lowering is traced (`Lowering.trace`, meta tensors, as the ahead-of-time builder does) at one
-token count under the plan's config for it: its Triton launches are counted by kernel, and so are the torch ops its
+token count under the plan's config for it, that count alone (`exact_counts`: not the one-token launches a bucket's
+trace adds for the builder): its Triton launches are counted by kernel, and so are the torch ops its
 host code dispatches that make a tensor on the device (a kernel each on the GPU; views, empty tensors and host
 scalars are not counted). The trace runs twice and the second pass is counted, so values made once and kept (rope's
 frequencies) are left out. The cache writes and the graph's other nodes are not counted.
@@ -30,6 +31,7 @@ from deepinfer.models import DeepseekV41Flash  # noqa: E402
 from dsl.passes import run_passes  # noqa: E402
 from graphs.passes import make_plan  # noqa: E402
 from kernels.launch import use_launcher  # noqa: E402
+from kernels.lowering import exact_counts  # noqa: E402
 from kernels.registry import LOWERINGS  # noqa: E402
 
 # aten ops that make no new device values: views, allocations, metadata
@@ -63,7 +65,7 @@ def count(tokens: int, target: str) -> collections.Counter[str]:
     for counted in (False, True):
         ops = DeviceOps()
         names: collections.Counter[str] = collections.Counter()
-        with use_launcher(lambda call: names.update([call.name])), ops:
+        with use_launcher(lambda call: names.update([call.name])), ops, exact_counts():
             for node in plan.kernel_nodes():
                 call = node.call(node.at(tokens, plan.buckets), graph.nodes[node.index].attrs, plan.dot_fp32,
                                  tokens=tokens)

@@ -14,8 +14,10 @@ rows, or get the `Ragged` itself where `ragged` is set.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, ClassVar
@@ -174,5 +176,26 @@ def weight_dtype(fmt: str, dot_fp32: bool) -> torch.dtype:
     return {"fp8": torch.float8_e4m3fn, "fp4": torch.uint8}.get(fmt, torch.float32 if dot_fp32 else torch.bfloat16)
 
 
-__all__ = ["PLAIN", "TILELANG", "TRITON", "Call", "Lowering", "Params", "Static", "Variant", "meta", "over_rows",
-           "over_tokens", "param", "token_planes", "weight_dtype"]
+_exact_counts = contextvars.ContextVar("exact_counts", default=False)
+
+
+def traced_counts(tokens: int, one_token_too: bool) -> tuple[int, ...]:
+    """The token counts `Lowering.trace` runs under a bucket's config: the bucket's, and one token's where one token
+    launches other kernels under that config (`one_token_too`), so the ahead-of-time builder builds those too; inside
+    `exact_counts()` only the bucket's."""
+    return (tokens, 1) if one_token_too and tokens > 1 and not _exact_counts.get() else (tokens,)
+
+
+@contextlib.contextmanager
+def exact_counts() -> Iterator[None]:
+    """Traces run the token count they are given and no other (`traced_counts`): what one step of that many tokens
+    launches (bench/step_launches.py)."""
+    token = _exact_counts.set(True)
+    try:
+        yield
+    finally:
+        _exact_counts.reset(token)
+
+
+__all__ = ["PLAIN", "TILELANG", "TRITON", "Call", "Lowering", "Params", "Static", "Variant", "exact_counts", "meta",
+           "over_rows", "over_tokens", "param", "token_planes", "traced_counts", "weight_dtype"]

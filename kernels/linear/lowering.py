@@ -23,7 +23,19 @@ import kernels.linear.linear as linear
 import kernels.linear.prefill as prefill
 import kernels.linear.swiglu as swiglu
 from dsl.graph import Node
-from kernels.lowering import PLAIN, Call, Lowering, Params, Static, Variant, meta, over_tokens, param, weight_dtype
+from kernels.lowering import (
+    PLAIN,
+    Call,
+    Lowering,
+    Params,
+    Static,
+    Variant,
+    meta,
+    over_tokens,
+    param,
+    traced_counts,
+    weight_dtype,
+)
 
 DECODE, PREFILL, ROWS = "decode", "prefill", "rows"  # the GEMMs of a projection
 
@@ -87,7 +99,7 @@ def no_gemv(config: dict) -> dict:
 def one_row(tokens: int, gemm: str) -> tuple[int, ...]:
     """The token counts a trace of a bucket of `tokens` runs: the bucket's, and one token on the decode GEMM, which
     `linear` may run on another kernel (`linear.on_one_row`; elsewhere the one token's launch is the bucket's)."""
-    return (tokens, 1) if gemm == DECODE and tokens > 1 else (tokens,)
+    return traced_counts(tokens, gemm == DECODE)
 
 
 def project(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor | None, gemm: str, config: dict, dot_fp32: bool,

@@ -14,7 +14,19 @@ import kernels.moe.fragments as fragments
 import kernels.moe.gate as gate
 from dsl.graph import Node
 from kernels.linear.lowering import DECODE, no_gemv, one_row, weight_format
-from kernels.lowering import PLAIN, Call, Lowering, Params, Static, Variant, meta, over_tokens, param, weight_dtype
+from kernels.lowering import (
+    PLAIN,
+    Call,
+    Lowering,
+    Params,
+    Static,
+    Variant,
+    meta,
+    over_tokens,
+    param,
+    traced_counts,
+    weight_dtype,
+)
 from kernels.moe.expert_parallel_kernel import ConfigFor, ParallelMoeKernel, serve_pairs, wire_splits
 from kernels.targets import Target
 
@@ -80,8 +92,8 @@ class MoeExperts(Lowering):
         (`experts.unrouted`: its GEMMs under other constexprs)."""
         st = call.static
         w1, w2, s1, s2 = self._meta_weights(call)
-        one = 1 < call.tokens <= experts.DECODE_TOKENS and experts.unrouted(1, call.config)
-        for m in (call.tokens, 1) if one else (call.tokens,):
+        one = call.tokens <= experts.DECODE_TOKENS and experts.unrouted(1, call.config)
+        for m in traced_counts(call.tokens, one):
             experts.moe_experts(meta(m, st.d), meta(m, st.topk), meta(m, st.topk, dtype=torch.int64), w1, w2, w1, s1,
                                 s2, s1, limit=call.attrs["limit"], config=call.config, dot_fp32=call.dot_fp32)
 
