@@ -6,7 +6,8 @@ the last ticket reads the tile's partials (from L2, `.cg`, where the other progr
 fixed order, so the same bits whichever program finishes last, and sets the counter back to zero. The counters
 (`tile_counters`) are one zeroed int32 buffer a device, shared by every launch that uses them: the launches of a
 stream run one after another, and each leaves every counter at zero. Users: the one-row linear kernels' K splits
-(kernels/linear/gemv.py) and one token's routed experts summed over its slots (kernels/moe/experts.py).
+(kernels/linear/gemv.py), one token's routed experts summed over its slots (kernels/moe/experts.py), one token's gate
+(kernels/moe/gate.py) and hyper-connection mixes (kernels/hyper/hyper.py).
 """
 
 from __future__ import annotations

@@ -5,24 +5,26 @@ fused with the sub-layer's RMSNorm, and the stream update.
 multiplied as tf32x3 on the tensor cores: fp32 FMA products in `tl.dot` are many times slower): for a handful of
 decode tokens that is too little work for one program per token, so K is split into fixed ranges (partial
 products and sums of squares to a workspace) and a second kernel sums them in order, scales by the row's
-rsqrt, and runs the sigmoids, the row softmax and Sinkhorn on a 4 x 4 tile in registers.
+rsqrt, and runs the sigmoids, the row softmax and Sinkhorn on a 4 x 4 tile in registers. One token (a batch-1 decode
+step) runs both in one launch, `hc_mixes_kernel`: the last program of the split to finish (a ticket,
+kernels/tickets.py) runs the second kernel's work, with its bits.
 """
 
 from __future__ import annotations
 
 import torch
 
+from kernels import tickets
 from kernels.lang import pdl_prologue, tl, triton
 from kernels.launch import launch
+from kernels.tickets import last_arrival
 
 
-@triton.jit(do_not_specialize=["M"])
-def hc_mixes_partial_kernel(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, KTOT: tl.constexpr, NOUT: tl.constexpr,
-                            K_PER_SPLIT: tl.constexpr, block_O: tl.constexpr, block_M: tl.constexpr,
-                            block_K: tl.constexpr):
-    pdl_prologue()
-    pid_m = tl.program_id(0)
-    split = tl.program_id(1)
+@triton.jit
+def _partial(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, pid_m, split, KTOT: tl.constexpr, NOUT: tl.constexpr,
+             K_PER_SPLIT: tl.constexpr, block_O: tl.constexpr, block_M: tl.constexpr, block_K: tl.constexpr):
+    """Row tile `pid_m`'s products with the projection and sums of squares over K range `split`, stored to the
+    workspace (ws [split, M, block_O], ss [split, M])."""
     offs_m = pid_m * block_M + tl.arange(0, block_M)
     offs_o = tl.arange(0, block_O)
     offs_k = tl.arange(0, block_K)
@@ -44,12 +46,13 @@ def hc_mixes_partial_kernel(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, KTOT: tl.constexpr
     tl.store(ss_ptr + split * M + offs_m, ss, mask=mask_m)
 
 
-@triton.jit(do_not_specialize=["M"])
-def hc_mixes_finish_kernel(ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, M,
-                           HC: tl.constexpr, KTOT: tl.constexpr, SPLIT_K: tl.constexpr, ITERS: tl.constexpr,
-                           EPS: tl.constexpr, NORM_EPS: tl.constexpr, block_O: tl.constexpr):
-    pdl_prologue()
-    row = tl.program_id(0)
+@triton.jit
+def _finish(ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, row, M, HC: tl.constexpr,
+            KTOT: tl.constexpr, SPLIT_K: tl.constexpr, ITERS: tl.constexpr, EPS: tl.constexpr,
+            NORM_EPS: tl.constexpr, block_O: tl.constexpr):
+    """Row `row`'s mixes from the workspace: its splits summed in split order (read from L2, .cg, where another
+    program's stores may have gone), scaled by the streams' rsqrt, then the sigmoids and Sinkhorn on the hc x hc
+    tile."""
     i = tl.arange(0, HC)
     jk = tl.arange(0, HC)[:, None] * HC + tl.arange(0, HC)[None, :]  # comb[j, k] = m[2*HC + j*HC + k]
     ss = 0.0
@@ -58,10 +61,10 @@ def hc_mixes_finish_kernel(ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_pt
     m_comb = tl.zeros([HC, HC], dtype=tl.float32)
     for s in tl.static_range(SPLIT_K):
         ws = ws_ptr + (s * M + row) * block_O
-        ss += tl.load(ss_ptr + s * M + row)
-        m_pre += tl.load(ws + i)
-        m_post += tl.load(ws + HC + i)
-        m_comb += tl.load(ws + 2 * HC + jk)
+        ss += tl.load(ss_ptr + s * M + row, cache_modifier=".cg")
+        m_pre += tl.load(ws + i, cache_modifier=".cg")
+        m_post += tl.load(ws + HC + i, cache_modifier=".cg")
+        m_comb += tl.load(ws + 2 * HC + jk, cache_modifier=".cg")
     r = tl.rsqrt(ss / KTOT + NORM_EPS)  # the flattened streams' RMS norm, applied after the projection
     pre = tl.sigmoid(m_pre * r * tl.load(scale_ptr) + tl.load(base_ptr + i)) + EPS
     post = 2.0 * tl.sigmoid(m_post * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + HC + i))
@@ -75,6 +78,42 @@ def hc_mixes_finish_kernel(ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_pt
     tl.store(pre_ptr + row * HC + i, pre)
     tl.store(post_ptr + row * HC + i, post)
     tl.store(comb_ptr + row * HC * HC + jk, c)
+
+
+@triton.jit(do_not_specialize=["M"])
+def hc_mixes_partial_kernel(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, KTOT: tl.constexpr, NOUT: tl.constexpr,
+                            K_PER_SPLIT: tl.constexpr, block_O: tl.constexpr, block_M: tl.constexpr,
+                            block_K: tl.constexpr):
+    pdl_prologue()
+    _partial(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, tl.program_id(0), tl.program_id(1), KTOT, NOUT, K_PER_SPLIT, block_O,
+             block_M, block_K)
+
+
+@triton.jit(do_not_specialize=["M"])
+def hc_mixes_finish_kernel(ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, M,
+                           HC: tl.constexpr, KTOT: tl.constexpr, SPLIT_K: tl.constexpr, ITERS: tl.constexpr,
+                           EPS: tl.constexpr, NORM_EPS: tl.constexpr, block_O: tl.constexpr):
+    pdl_prologue()
+    _finish(ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, tl.program_id(0), M, HC, KTOT, SPLIT_K,
+            ITERS, EPS, NORM_EPS, block_O)
+
+
+@triton.jit(do_not_specialize=["M"])
+def hc_mixes_kernel(h_ptr, fn_ptr, ws_ptr, ss_ptr, count_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, M,
+                    HC: tl.constexpr, KTOT: tl.constexpr, NOUT: tl.constexpr, SPLIT_K: tl.constexpr,
+                    K_PER_SPLIT: tl.constexpr, ITERS: tl.constexpr, EPS: tl.constexpr, NORM_EPS: tl.constexpr,
+                    block_O: tl.constexpr, block_M: tl.constexpr, block_K: tl.constexpr):
+    """The two kernels above in one launch: each program stores its partial, and the last of a row tile's SPLIT_K
+    programs to take a ticket (kernels/tickets.py) finishes the tile's rows one after another; their bits."""
+    pdl_prologue()
+    pid_m = tl.program_id(0)
+    _partial(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, pid_m, tl.program_id(1), KTOT, NOUT, K_PER_SPLIT, block_O, block_M,
+             block_K)
+    if last_arrival(count_ptr, pid_m, SPLIT_K):
+        for row in range(pid_m * block_M, tl.minimum(pid_m * block_M + block_M, M)):
+            _finish(ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, row, M, HC, KTOT, SPLIT_K, ITERS,
+                    EPS, NORM_EPS, block_O)
+        tl.atomic_xchg(count_ptr + pid_m, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
 
 
 @triton.jit
@@ -116,6 +155,16 @@ def _check_streams(h: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} needs a power-of-two stream count, got {hc}")
 
 
+ONE_LAUNCH_ROWS = 1  # up to this many tokens the mixes run as one launch (`hc_mixes_kernel`), its last program
+# finishing the rows one by one; more rows finish one program a row in a second launch
+
+
+def one_launch(tokens: int, config: dict) -> bool:
+    """Whether `hc_mixes` runs `tokens` tokens as one launch under `config`: up to `ONE_LAUNCH_ROWS`, unless the config
+    launches the same kernels at every count (`one_launch` False: batch-invariant configs, graphs/plan.py)."""
+    return tokens <= ONE_LAUNCH_ROWS and config.get("one_launch", True)
+
+
 def mixes_config(m: int, ktot: int, num_sms: int = 132) -> dict:
     # many tokens: 64 per program, so the [32, hc*D] projection is re-read from L2 4x less
     block_m, block_k = (16, 64) if m <= 64 else (64, 64)  # tf32x3 keeps three operand splits live: 256 spills
@@ -149,11 +198,18 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     k_per_split = triton.cdiv(triton.cdiv(ktot, split), block_k) * block_k
     ws = torch.empty(split, n, block_o, dtype=torch.float32, device=h.device)
     ss = torch.empty(split, n, dtype=torch.float32, device=h.device)
-    launch(hc_mixes_partial_kernel, (triton.cdiv(n, config["block_M"]), split), (h, fn, ws, ss, n),
-           dict(KTOT=ktot, NOUT=nout, K_PER_SPLIT=k_per_split, block_O=block_o, block_M=config["block_M"],
-                block_K=block_k), config["num_warps"], config["num_stages"])
-    launch(hc_mixes_finish_kernel, (n,), (ws, ss, scale, base, pre, post, comb, n),
-           dict(HC=hc, KTOT=ktot, SPLIT_K=split, ITERS=iters, EPS=eps, NORM_EPS=norm_eps, block_O=block_o), 1, 1)
+    tiles = triton.cdiv(n, config["block_M"])
+    partial = dict(KTOT=ktot, NOUT=nout, K_PER_SPLIT=k_per_split, block_O=block_o, block_M=config["block_M"],
+                   block_K=block_k)
+    finish = dict(HC=hc, KTOT=ktot, SPLIT_K=split, ITERS=iters, EPS=eps, NORM_EPS=norm_eps, block_O=block_o)
+    if one_launch(n, config):
+        launch(hc_mixes_kernel, (tiles, split),
+               (h, fn, ws, ss, tickets.tile_counters(h.device, tiles), scale, base, pre, post, comb, n),
+               partial | finish, config["num_warps"], config["num_stages"])
+        return pre, post, comb
+    launch(hc_mixes_partial_kernel, (tiles, split), (h, fn, ws, ss, n), partial, config["num_warps"],
+           config["num_stages"])
+    launch(hc_mixes_finish_kernel, (n,), (ws, ss, scale, base, pre, post, comb, n), finish, 1, 1)
     return pre, post, comb
 
 
@@ -195,4 +251,4 @@ def hc_expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.
     return out
 
 
-__all__ = ["hc_mixes", "hc_collapse_rms_norm", "hc_expand", "mixes_config"]
+__all__ = ["ONE_LAUNCH_ROWS", "hc_collapse_rms_norm", "hc_expand", "hc_mixes", "mixes_config", "one_launch"]

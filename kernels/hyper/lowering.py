@@ -12,7 +12,21 @@ import kernels.hyper.collapse_tilelang as collapse_tilelang
 import kernels.hyper.hyper as hyper
 import kernels.norm.e4m3 as e4m3
 from dsl.graph import Node
-from kernels.lowering import PLAIN, TILELANG, TRITON, Call, Lowering, Params, Static, Variant, meta, token_planes
+from kernels.lowering import (
+    PLAIN,
+    TILELANG,
+    TRITON,
+    Call,
+    Lowering,
+    Params,
+    Static,
+    Variant,
+    meta,
+    token_planes,
+    traced_counts,
+)
+
+DECODE_TOKENS = 64  # buckets up to here are decode buckets (`hyper.mixes_config`); the smallest serves one token
 
 
 @dataclass(frozen=True)
@@ -46,14 +60,22 @@ class HcMixes(_Streams):
                        gemms: tuple[str, ...] = ()) -> dict:
         return hyper.mixes_config(tokens, static.hc * static.d)
 
+    def invariant(self, config: dict) -> dict:
+        """One token in two launches too (`one_launch` False), the kernels of every other count."""
+        return dict(config, one_launch=False)
+
     def run(self, call: Call) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         h, fn, scale, base = call.args
         return self._mixes(call, h.contiguous(), fn, scale, base)
 
     def trace(self, call: Call) -> None:
+        """The bucket's launches, and under a decode bucket's config one token's too where its mixes run as one
+        launch (`hyper.one_launch`), another kernel."""
         hc, d = call.static.hc, call.static.d
         nout = (2 + hc) * hc
-        self._mixes(call, meta(call.tokens, hc, d), meta(nout, hc * d), meta(3), meta(nout))
+        one = call.tokens <= DECODE_TOKENS and hyper.one_launch(1, call.config)
+        for m in traced_counts(call.tokens, one):
+            self._mixes(call, meta(m, hc, d), meta(nout, hc * d), meta(3), meta(nout))
 
     @staticmethod
     def _mixes(call: Call, h, fn, scale, base) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
