@@ -9,7 +9,7 @@ import torch
 
 from dsl import native
 from dsl.context import cast
-from dsl.ops.dense import invariant_linear
+from dsl.ops.dense import add, invariant_linear
 from dsl.ops.invariant import sigmoid
 from dsl.ops.registry import invariant, op
 from dsl.tensor import TensorType
@@ -124,6 +124,14 @@ def hc_expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.
     """New streams: out[:, k] = post[:, k] * y + sum_j comb[:, j, k] * h[:, j]. y [N, D], h [N, hc, D]."""
     mixed = torch.bmm(cast(comb, torch.float32).transpose(1, 2), cast(h, torch.float32))  # einsum "njk,njd->nkd"
     return post.unsqueeze(-1) * cast(y, torch.float32).unsqueeze(1) + mixed
+
+
+@op("add_hc_expand", lambda a, b, h, post, comb: (TensorType(h.shape),))
+def add_hc_expand(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, post: torch.Tensor,
+                  comb: torch.Tensor) -> torch.Tensor:
+    """`add` followed by `hc_expand`: a sub-layer's two outputs summed straight into the new streams (made by the
+    fusion pass)."""
+    return hc_expand(add(a, b), h, post, comb)
 
 
 @op("hc_collapse_rms_norm", lambda h, pre, w, **a: (TensorType((h.shape[0], h.shape[2])),))

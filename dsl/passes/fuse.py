@@ -15,6 +15,8 @@ from dsl.ops import OPS
 RULES = [
     # The collapsed streams feed straight into the sub-layer's norm: read the hc streams once.
     ("hc_collapse", "rms_norm", "hc_collapse_rms_norm"),
+    # A sub-layer's two outputs (the routed and the shared experts') are summed only to update the streams.
+    ("add", "hc_expand", "add_hc_expand"),
     # The row ids go straight to the table gather: hashed in registers, never written.
     ("engram_hash", "engram_rows", "engram_hash_rows"),
     # A rotated kv, query or compressed entry goes straight to its cache's rounding: rotated and rounded in one pass.

@@ -1,5 +1,6 @@
 """Hyper-connections: the mixes (RMS-normalised projection of the flattened streams, then Sinkhorn), the collapse
-fused with the sub-layer's RMSNorm, and the stream update.
+fused with the sub-layer's RMSNorm, and the stream update (`hc_add_expand`: over the sum of a sub-layer's two outputs,
+the MoE's routed and shared experts', made in the same launch).
 
 `hc_mixes` is a reduction over hc*D = 20480 values per token against a [24, 20480] projection (padded to 32 rows,
 multiplied as tf32x3 on the tensor cores: fp32 FMA products in `tl.dot` are many times slower): for a handful of
@@ -132,19 +133,40 @@ def hc_collapse_rms_norm_kernel(h_ptr, pre_ptr, w_ptr, out_ptr, HC: tl.constexpr
 
 
 @triton.jit
+def _expand(y, h_ptr, post_ptr, comb_ptr, out_ptr, row, offs, mask, HC: tl.constexpr, D: tl.constexpr):
+    """Row `row`'s new streams over columns `offs` from its sub-layer output y [block_D] (fp32)."""
+    ks = tl.arange(0, HC)
+    acc = tl.load(post_ptr + row * HC + ks)[:, None] * y[None, :]  # [HC, block_D]
+    for j in tl.static_range(HC):
+        hj = tl.load(h_ptr + (row * HC + j) * D + offs, mask=mask, other=0.0)
+        acc += tl.load(comb_ptr + row * HC * HC + j * HC + ks)[:, None] * hj[None, :]
+    tl.store(out_ptr + (row * HC + ks[:, None]) * D + offs[None, :], acc, mask=mask[None, :])
+
+
+@triton.jit
 def hc_expand_kernel(y_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, HC: tl.constexpr, D: tl.constexpr,
                      block_D: tl.constexpr):
     pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * block_D + tl.arange(0, block_D)
     mask = offs < D
-    ks = tl.arange(0, HC)
     y = tl.load(y_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
-    acc = tl.load(post_ptr + row * HC + ks)[:, None] * y[None, :]  # [HC, block_D]
-    for j in tl.static_range(HC):
-        hj = tl.load(h_ptr + (row * HC + j) * D + offs, mask=mask, other=0.0)
-        acc += tl.load(comb_ptr + row * HC * HC + j * HC + ks)[:, None] * hj[None, :]
-    tl.store(out_ptr + (row * HC + ks[:, None]) * D + offs[None, :], acc, mask=mask[None, :])
+    _expand(y, h_ptr, post_ptr, comb_ptr, out_ptr, row, offs, mask, HC, D)
+
+
+@triton.jit
+def hc_add_expand_kernel(a_ptr, b_ptr, h_ptr, post_ptr, comb_ptr, out_ptr, HC: tl.constexpr, D: tl.constexpr,
+                         ROUND_BF16: tl.constexpr, block_D: tl.constexpr):
+    """`hc_expand_kernel` over y = a + b, summed as torch adds them: in fp32, rounded to bf16 where both are bf16."""
+    pdl_prologue()
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * block_D + tl.arange(0, block_D)
+    mask = offs < D
+    y = tl.load(a_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32) + \
+        tl.load(b_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
+    if ROUND_BF16:
+        y = y.to(tl.bfloat16).to(tl.float32)
+    _expand(y, h_ptr, post_ptr, comb_ptr, out_ptr, row, offs, mask, HC, D)
 
 
 def _check_streams(h: torch.Tensor, what: str) -> None:
@@ -232,23 +254,50 @@ def hc_collapse_rms_norm(h: torch.Tensor, pre: torch.Tensor, w: torch.Tensor | N
     return out
 
 
+def _check_expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, what: str,
+                  y_name: str) -> None:
+    _check_streams(h, what)
+    n, hc, d = h.shape
+    if tuple(y.shape) != (n, d) or not y.is_contiguous() or y.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"{what}'s {y_name} must be contiguous float32/bfloat16 [{n}, {d}], got {y.dtype} "
+                         f"{list(y.shape)}")
+    for t, shape in ((post, (n, hc)), (comb, (n, hc, hc))):
+        if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{what} needs contiguous float32 {list(shape)}, got {t.dtype} {list(t.shape)}")
+
+
+def _expand_grid(h: torch.Tensor) -> tuple[tuple[int, int], int]:
+    n, _, d = h.shape
+    block_d = min(1024, triton.next_power_of_2(d))
+    return (n, triton.cdiv(d, block_d)), block_d
+
+
 def hc_expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New streams out[:, k] = post[:, k] * y + sum_j comb[:, j, k] * h[:, j]: y [N, D] fp32/bf16,
     h [N, hc, D] fp32, post [N, hc], comb [N, hc, hc] fp32, all contiguous. Returns fp32 [N, hc, D]."""
-    _check_streams(h, "hc_expand")
-    n, hc, d = h.shape
-    if tuple(y.shape) != (n, d) or not y.is_contiguous() or y.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"y must be contiguous float32/bfloat16 [{n}, {d}], got {y.dtype} {list(y.shape)}")
-    for t, shape in ((post, (n, hc)), (comb, (n, hc, hc))):
-        if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"hc_expand needs contiguous float32 {list(shape)}, got {t.dtype} {list(t.shape)}")
-    out = torch.empty(n, hc, d, dtype=torch.float32, device=h.device)
-    if n == 0:
+    _check_expand(y, h, post, comb, "hc_expand", "y")
+    out = torch.empty_like(h)
+    if h.shape[0] == 0:
         return out
-    block_d = min(1024, triton.next_power_of_2(d))
-    launch(hc_expand_kernel, (n, triton.cdiv(d, block_d)), (y, h, post, comb, out), dict(HC=hc, D=d, block_D=block_d),
-           4, 1)
+    grid, block_d = _expand_grid(h)
+    launch(hc_expand_kernel, grid, (y, h, post, comb, out), dict(HC=h.shape[1], D=h.shape[2], block_D=block_d), 4, 1)
     return out
 
 
-__all__ = ["ONE_LAUNCH_ROWS", "hc_collapse_rms_norm", "hc_expand", "hc_mixes", "mixes_config", "one_launch"]
+def hc_add_expand(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, post: torch.Tensor,
+                  comb: torch.Tensor) -> torch.Tensor:
+    """`hc_expand(a + b, h, post, comb)` in one launch, the sum made as torch makes it (fp32, or bf16 where a and b
+    both are): the bits of torch's add and `hc_expand`. a, b [N, D] fp32/bf16; the rest as `hc_expand`."""
+    _check_expand(a, h, post, comb, "hc_add_expand", "a")
+    _check_expand(b, h, post, comb, "hc_add_expand", "b")
+    out = torch.empty_like(h)
+    if h.shape[0] == 0:
+        return out
+    grid, block_d = _expand_grid(h)
+    launch(hc_add_expand_kernel, grid, (a, b, h, post, comb, out),
+           dict(HC=h.shape[1], D=h.shape[2], ROUND_BF16=a.dtype == b.dtype == torch.bfloat16, block_D=block_d), 4, 1)
+    return out
+
+
+__all__ = ["ONE_LAUNCH_ROWS", "hc_add_expand", "hc_collapse_rms_norm", "hc_expand", "hc_mixes", "mixes_config",
+           "one_launch"]

@@ -1,6 +1,6 @@
 """The hyper-connections' lowerings: the mixes (Sinkhorn), collapse + RMSNorm (TileLang's kernel, collapse_tilelang.py,
 or Triton's, as the target's backends and this machine say; written as e4m3 rows where only fp8-activation linears
-read it, kernels/norm/e4m3.py), and the stream update."""
+read it, kernels/norm/e4m3.py), and the stream update, alone or over the sum of a sub-layer's two outputs."""
 
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ from kernels.lowering import (
     traced_counts,
 )
 
+STREAMS_INPUT = {"hc_expand": 1, "add_hc_expand": 2}  # where an op's streams [N, hc, D] come in (else first)
 DECODE_TOKENS = 64  # buckets up to here are decode buckets (`hyper.mixes_config`); the smallest serves one token
 
 
@@ -42,7 +43,7 @@ class _Streams(Lowering):
     sources = (hyper,)
 
     def static(self, node: Node, params: Params) -> StreamsStatic | None:
-        planes = token_planes(node.inputs[1 if node.op == "hc_expand" else 0].type)
+        planes = token_planes(node.inputs[STREAMS_INPUT.get(node.op, 0)].type)
         return None if planes is None else StreamsStatic(*planes)
 
     def default_config(self, static: StreamsStatic, tokens: int, variant: Variant = PLAIN,
@@ -126,7 +127,21 @@ class HcExpand(_Streams):
         hyper.hc_expand(meta(m, st.d), meta(m, st.hc, st.d), meta(m, st.hc), meta(m, st.hc, st.hc))
 
 
-HC_MIXES, HC_COLLAPSE_RMS_NORM, HC_EXPAND = HcMixes(), HcCollapseRmsNorm(), HcExpand()
-LOWERINGS = (HC_MIXES, HC_COLLAPSE_RMS_NORM, HC_EXPAND)
+class HcAddExpand(_Streams):
+    """`add_hc_expand`: the stream update over the sum of a sub-layer's two outputs, summed in the same launch."""
 
-__all__ = ["HC_COLLAPSE_RMS_NORM", "HC_EXPAND", "HC_MIXES", "LOWERINGS", "StreamsStatic"]
+    template, ops = "hc_add_expand", ("add_hc_expand",)
+
+    def run(self, call: Call) -> torch.Tensor:
+        return hyper.hc_add_expand(*(a.contiguous() for a in call.args))
+
+    def trace(self, call: Call) -> None:
+        st, m = call.static, call.tokens
+        hyper.hc_add_expand(meta(m, st.d), meta(m, st.d), meta(m, st.hc, st.d), meta(m, st.hc), meta(m, st.hc, st.hc))
+
+
+HC_MIXES, HC_COLLAPSE_RMS_NORM = HcMixes(), HcCollapseRmsNorm()
+HC_EXPAND, HC_ADD_EXPAND = HcExpand(), HcAddExpand()
+LOWERINGS = (HC_MIXES, HC_COLLAPSE_RMS_NORM, HC_EXPAND, HC_ADD_EXPAND)
+
+__all__ = ["HC_ADD_EXPAND", "HC_COLLAPSE_RMS_NORM", "HC_EXPAND", "HC_MIXES", "LOWERINGS", "StreamsStatic"]

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 import kernels.hyper.hyper as hyper
 from dsl.ops import hyper as ref
 from kernels import tickets
-from kernels.hyper.hyper import hc_collapse_rms_norm, hc_expand, hc_mixes
+from kernels.hyper.hyper import hc_add_expand, hc_collapse_rms_norm, hc_expand, hc_mixes
 from kernels.launch import jit_launch, use_launcher
+from tests.conftest import fixture_dir
 from tests.kernels.cases import HIDDEN, gen, rel_l2
 
 HC, ITERS, EPS, NORM_EPS = 4, 20, 1e-6, 1e-20
@@ -104,6 +107,74 @@ def test_hc_collapse_and_expand_match_reference(n, d, device) -> None:
     check_collapse_expand(n, d, device)
 
 
+def check_add_expand(n: int, d: int, device: str) -> None:
+    """`hc_add_expand` is torch's add then `hc_expand`, bit for bit, for every pairing of fp32 and bf16 outputs (bf16
+    with bf16 sums to bf16, as torch does), and close to the DSL's reference."""
+    h = gen(n, HC, d, device=device, seed=n)
+    post = gen(n, HC, device=device, seed=5)
+    comb = gen(n, HC, HC, device=device, seed=6).softmax(-1)
+    for a_dtype, b_dtype in itertools.product((torch.float32, torch.bfloat16), repeat=2):
+        a = gen(n, d, device=device, seed=7).to(a_dtype)
+        b = gen(n, d, device=device, seed=8).to(b_dtype)
+        got = hc_add_expand(a, b, h, post, comb)
+        assert torch.equal(got, hc_expand(a + b, h, post, comb)), (a_dtype, b_dtype)
+        want = ref.add_hc_expand(a.cpu(), b.cpu(), h.cpu(), post.cpu(), comb.cpu())
+        assert want.dtype == torch.float32 and rel_l2(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("n,d", [(1, 64), (3, 40), (2, 1100)])
+def test_hc_add_expand_is_the_add_and_expand_bitwise(n, d, device) -> None:
+    check_add_expand(n, d, device)
+
+
+def test_hc_add_expand_names_a_bad_operand(device) -> None:
+    h, post, comb = gen(2, HC, 8, device=device), gen(2, HC, device=device), gen(2, HC, HC, device=device)
+    with pytest.raises(ValueError, match="hc_add_expand's b must be contiguous float32/bfloat16 \\[2, 8\\]"):
+        hc_add_expand(gen(2, 8, device=device), gen(2, 9, device=device), h, post, comb)
+
+
+def planned(fused: bool, ops: tuple[str, ...]):
+    """v41-tiny's (graph, plan, params) for sm90, fused by the pass pipeline or not, with kernels for `ops` alone
+    (every other node runs its reference)."""
+    from deepinfer.models import DeepseekV41Flash
+    from dsl.passes import infer_shapes, run_passes, verify
+    from graphs.passes import make_plan
+
+    model = DeepseekV41Flash.from_pretrained(fixture_dir("v41-tiny"))
+    graph = run_passes(model.graph()) if fused else verify(infer_shapes(model.graph()))
+    plan = make_plan(graph, model.params(), "sm90", buckets=(16,))
+    for node in plan.nodes:
+        if node.op not in ops:
+            node.template = None
+    return graph, plan, model.params()
+
+
+def test_fused_graph_updates_the_streams_as_the_unfused_one_bitwise() -> None:
+    """v41-tiny through the executor: the fused graph (each MoE's add in `hc_add_expand_kernel`) with the mixes and
+    stream-update kernels against the unfused one with the same kernels and torch's add, over a prefill and two
+    one-token decode steps (the mixes in one launch): the same logits bit for bit."""
+    from dsl.context import ForwardContext, SequenceState
+    from graphs.executor import Executor
+
+    ops = ("hc_mixes", "hc_expand", "add_hc_expand")
+    runs = [planned(fused, ops) for fused in (True, False)]
+    fused_ops = [n.op for n in runs[0][0].nodes]
+    assert "add_hc_expand" in fused_ops and "add" not in fused_ops
+    assert {n.op for n in runs[0][1].kernel_nodes()} == set(ops)
+    executors = [Executor(graph, plan, params, "cpu") for graph, plan, params in runs]
+    states = {e: [SequenceState()] for e in executors}
+    calls = []
+    for ids in ([1, 5, 9, 2, 7], [11], [12]):
+        logits = []
+        for executor in executors:
+            ctx = ForwardContext(states[executor], [len(ids)])
+            with use_launcher(lambda c: (calls.append(c.name), jit_launch(c))):
+                logits.append(executor.run({"input_ids": torch.tensor(ids)}, ctx)["logits"])
+            ctx.commit()
+        assert torch.equal(logits[0], logits[1])
+    assert "hc_add_expand_kernel" in calls and "hc_mixes_kernel" in calls
+
+
 def test_hc_empty_input(device) -> None:
     h = torch.empty(0, HC, 8, device=device)
     assert hc_expand(torch.empty(0, 8, device=device), h, torch.empty(0, HC, device=device),
@@ -115,6 +186,7 @@ def test_hc_empty_input(device) -> None:
 def test_hc_v41_shapes(n) -> None:
     check_mixes(n, HIDDEN, "cuda")
     check_collapse_expand(n, HIDDEN, "cuda")
+    check_add_expand(n, HIDDEN, "cuda")
 
 
 @pytest.mark.gpu
