@@ -71,6 +71,48 @@ def test_fusion_skips_a_shared_intermediate() -> None:
     assert [n.op for n in graph.nodes] == ["hc_collapse", "rms_norm"]
 
 
+def _update_graph(weights_late: bool = False):
+    """Streams updated by a sub-layer's two summed outputs, read by hc_mean, then by the next mixes (whose projection is
+    a param, or with `weights_late` a value made after the update) and the next collapse."""
+    b = GraphBuilder()
+    h = b.input("h", (num_tokens, 4, 16), "float32")
+    a, c = b.input("a", (num_tokens, 16), "float32"), b.input("c", (num_tokens, 16), "float32")
+    post, comb = b.input("post", (num_tokens, 4), "float32"), b.input("comb", (num_tokens, 4, 4), "float32")
+    new = b.hc_expand(b.add(a, c), h, post, comb)
+    b.output("mean", b.hc_mean(new))
+    fn = b.param("fn", (24, 64), "float32")
+    if weights_late:
+        fn = b.add(fn, fn)
+    pre, post2, comb2 = b.hc_mixes(new, fn, b.param("scale", (3,), "float32"), b.param("base", (24,), "float32"),
+                                   iters=20, eps=1e-6, norm_eps=1e-20)
+    b.output("x", b.hc_collapse(new, pre))
+    b.output("post", post2)
+    b.output("comb", comb2)
+    return b.graph
+
+
+def test_an_update_and_the_mixes_of_its_streams_fuse_in_the_updates_place() -> None:
+    """The add joins the update, and the mixes join it where the update was, before hc_mean (which reads the
+    streams): the fused node makes the streams and the mixes; every output keeps its bits."""
+    torch.manual_seed(0)
+    inputs = {"h": torch.randn(3, 4, 16), "a": torch.randn(3, 16), "c": torch.randn(3, 16), "post": torch.rand(3, 4),
+              "comb": torch.rand(3, 4, 4)}
+    params = {"fn": torch.randn(24, 64) * 0.1, "scale": torch.rand(3) + 0.5, "base": torch.randn(24)}
+    ctx = ForwardContext([SequenceState()], [3])
+    plain = interpret(verify(infer_shapes(_update_graph())), inputs, params, ctx)
+    graph = run_passes(_update_graph())
+    assert [n.op for n in graph.nodes] == ["add_hc_expand_mixes", "hc_mean", "hc_collapse"]
+    assert all(v.producer is graph.nodes[0] for v in graph.nodes[0].outputs)
+    fused = interpret(graph, inputs, params, ctx)
+    for name in ("mean", "x", "post", "comb"):
+        torch.testing.assert_close(fused[name], plain[name], rtol=0, atol=0)
+
+
+def test_an_update_stays_apart_from_mixes_whose_weights_come_after_it() -> None:
+    graph = run_passes(_update_graph(weights_late=True))
+    assert [n.op for n in graph.nodes] == ["add_hc_expand", "hc_mean", "add", "hc_mixes", "hc_collapse"]
+
+
 def test_debug_ir_prints_every_pass() -> None:
     code = ("from dsl.passes import run_passes; import tests.test_dsl as t; run_passes(t._streams_graph())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

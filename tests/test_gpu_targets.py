@@ -62,9 +62,9 @@ def test_compile_saves_an_artifact_without_a_gpu(target, arch, tmp_path) -> None
         assert f".target sm_{arch}a" in (out / "kernels" / f"{file_id}.ptx").read_text()
     assert {k.split("(")[0] for k in plan["kernels"]} >= {"gumbel_argmax_kernel", "argmax_partials_kernel"}  # sampling
     templates = {n["template"] for n in plan["nodes"] if n["template"]}
-    assert templates == {"linear", "rms_norm", "hc_mixes", "hc_collapse_rms_norm", "hc_expand", "hc_add_expand", "rope",
-                         "rope_round", "moe_experts", "swiglu", "moe_gate", "sparse_attention", "index_scores",
-                         "compress_pool", "topk_select", "candidate_blocks"}
+    assert templates == {"linear", "rms_norm", "hc_mixes", "hc_collapse_rms_norm", "hc_update_mixes", "hc_add_expand",
+                         "rope", "rope_round", "moe_experts", "swiglu", "moe_gate", "sparse_attention",
+                         "index_scores", "compress_pool", "topk_select", "candidate_blocks"}
     kernel_nodes = [n for n in plan["nodes"] if n["template"]]
     assert all(n["invariant"]["config"] is not None for n in kernel_nodes)
     assert all(n["invariant"]["config"]["split_kv"] == 1 for n in kernel_nodes if n["template"] == "sparse_attention")

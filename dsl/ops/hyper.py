@@ -134,6 +134,48 @@ def add_hc_expand(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, post: torch
     return hc_expand(add(a, b), h, post, comb)
 
 
+def _expand_mixes_type(*inputs: TensorType, **attrs) -> tuple[TensorType, ...]:
+    h = inputs[-6]  # the streams: before post, comb, fn, scale, base
+    return (TensorType(h.shape), *_mixes_type(h))
+
+
+@op("hc_expand_mixes", _expand_mixes_type, num_outputs=4)
+def hc_expand_mixes(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor,
+                    scale: torch.Tensor, base: torch.Tensor, *, iters: int, eps: float,
+                    norm_eps: float) -> tuple[torch.Tensor, ...]:
+    """`hc_expand`, then `hc_mixes` of the new streams: the new streams and their pre, post and comb (made by the
+    fusion pass where the next mixes read the streams an update makes)."""
+    streams = hc_expand(y, h, post, comb)
+    return (streams, *hc_mixes(streams, fn, scale, base, iters=iters, eps=eps, norm_eps=norm_eps))
+
+
+@op("add_hc_expand_mixes", _expand_mixes_type, num_outputs=4)
+def add_hc_expand_mixes(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                        fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, iters: int, eps: float,
+                        norm_eps: float) -> tuple[torch.Tensor, ...]:
+    """`add_hc_expand`, then `hc_mixes` of the new streams (as `hc_expand_mixes`)."""
+    streams = add_hc_expand(a, b, h, post, comb)
+    return (streams, *hc_mixes(streams, fn, scale, base, iters=iters, eps=eps, norm_eps=norm_eps))
+
+
+@invariant("hc_expand_mixes")
+def invariant_hc_expand_mixes(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                              fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, iters: int, eps: float,
+                              norm_eps: float) -> tuple[torch.Tensor, ...]:
+    """The update (invariant as it is), then `invariant_hc_mixes`."""
+    streams = hc_expand(y, h, post, comb)
+    return (streams, *invariant_hc_mixes(streams, fn, scale, base, iters=iters, eps=eps, norm_eps=norm_eps))
+
+
+@invariant("add_hc_expand_mixes")
+def invariant_add_hc_expand_mixes(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, post: torch.Tensor,
+                                  comb: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *,
+                                  iters: int, eps: float, norm_eps: float) -> tuple[torch.Tensor, ...]:
+    """The add and the update (invariant as they are), then `invariant_hc_mixes`."""
+    streams = add_hc_expand(a, b, h, post, comb)
+    return (streams, *invariant_hc_mixes(streams, fn, scale, base, iters=iters, eps=eps, norm_eps=norm_eps))
+
+
 @op("hc_collapse_rms_norm", lambda h, pre, w, **a: (TensorType((h.shape[0], h.shape[2])),))
 def hc_collapse_rms_norm(h: torch.Tensor, pre: torch.Tensor, w: torch.Tensor, *, eps: float) -> torch.Tensor:
     """hc_collapse followed by rms_norm, one pass over the streams (made by the fusion pass)."""

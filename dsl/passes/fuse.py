@@ -45,6 +45,37 @@ def _readers(graph: Graph) -> dict[Value, list[Node]]:
     return readers
 
 
+# A stream update whose new streams the next mixes read: the fused op makes the streams and projects them in one pass,
+# and gives them to their other readers too (`_updates_into_mixes`).
+INTO_MIXES = {"hc_expand": "hc_expand_mixes", "add_hc_expand": "add_hc_expand_mixes"}
+
+
+def _updates_into_mixes(graph: Graph) -> Graph:
+    """Each `INTO_MIXES` update whose streams an `hc_mixes` reads first becomes, with that mixes, one node in the
+    update's place with four outputs (the streams, pre, post, comb): where the mixes' other inputs (its weights) are
+    defined before the update, so the fused node reads only what is defined before it."""
+    readers = _readers(graph)
+    order = {id(node): i for i, node in enumerate(graph.nodes)}
+    absorbed: set[Node] = set()
+    for node in graph.nodes:
+        fused_op = INTO_MIXES.get(node.op)
+        if fused_op is None:
+            continue
+        streams = node.outputs[0]
+        mixes = [u for u in readers.get(streams, []) if u.op == "hc_mixes" and u.inputs[0] is streams]
+        if len(mixes) != 1 or any(v is None or (v.producer is not None and order[id(v.producer)] > order[id(node)])
+                                  for v in mixes[0].inputs[1:]):
+            continue
+        mix = mixes[0]
+        node.op, node.inputs, node.attrs = fused_op, node.inputs + mix.inputs[1:], node.attrs | mix.attrs
+        node.outputs = [streams, *mix.outputs]
+        for v in mix.outputs:
+            v.producer = node
+        absorbed.add(mix)
+    graph.nodes = [n for n in graph.nodes if n not in absorbed]
+    return graph
+
+
 def fuse(graph: Graph) -> Graph:
     for first_op, second_op, fused_op in RULES:
         readers = _readers(graph)
@@ -63,4 +94,4 @@ def fuse(graph: Graph) -> Graph:
             second.op, second.inputs, second.attrs = fused_op, inputs, node.attrs | second.attrs
             absorbed.add(node)
         graph.nodes = [n for n in graph.nodes if n not in absorbed]
-    return graph
+    return _updates_into_mixes(graph)

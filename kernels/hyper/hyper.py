@@ -8,7 +8,9 @@ decode tokens that is too little work for one program per token, so K is split i
 products and sums of squares to a workspace) and a second kernel sums them in order, scales by the row's
 rsqrt, and runs the sigmoids, the row softmax and Sinkhorn on a 4 x 4 tile in registers. One token (a batch-1 decode
 step) runs both in one launch, `hc_mixes_kernel`: the last program of the split to finish (a ticket,
-kernels/tickets.py) runs the second kernel's work, with its bits.
+kernels/tickets.py) runs the second kernel's work, with its bits. Where the mixes read the streams a stream update
+has just made, the update runs inside their first launch (`hc_update_mixes`): each program makes its tile of the new
+streams, stores it and projects it, so the update has no launch of its own.
 """
 
 from __future__ import annotations
@@ -22,10 +24,37 @@ from kernels.tickets import last_arrival
 
 
 @triton.jit
-def _partial(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, pid_m, split, KTOT: tl.constexpr, NOUT: tl.constexpr,
-             K_PER_SPLIT: tl.constexpr, block_O: tl.constexpr, block_M: tl.constexpr, block_K: tl.constexpr):
-    """Row tile `pid_m`'s products with the projection and sums of squares over K range `split`, stored to the
-    workspace (ws [split, M, block_O], ss [split, M])."""
+def _streams_tile(h_ptr, a_ptr, b_ptr, post_ptr, comb_ptr, new_ptr, offs_m, ks, mask, UPDATE: tl.constexpr,
+                  ROUND_BF16: tl.constexpr, HC: tl.constexpr, D: tl.constexpr, KTOT: tl.constexpr):
+    """The flattened streams' tile [block_M, block_K] at rows `offs_m`, columns `ks` (k * D + d): read from h
+    (UPDATE 0), or made by the update before the mixes from the old streams h, its post and comb and the sub-layer's
+    output y (UPDATE 1: y = a; 2: y = a + b as `hc_add_expand_kernel` sums them), as `_expand` makes them, and
+    stored to new_ptr."""
+    rows = offs_m[:, None].to(tl.int64)
+    if UPDATE == 0:
+        x = tl.load(h_ptr + rows * KTOT + ks[None, :], mask=mask, other=0.0)
+    else:
+        k, d = (ks // D)[None, :], (ks % D)[None, :]
+        y = tl.load(a_ptr + rows * D + d, mask=mask, other=0.0).to(tl.float32)
+        if UPDATE == 2:
+            y = y + tl.load(b_ptr + rows * D + d, mask=mask, other=0.0).to(tl.float32)
+            if ROUND_BF16:
+                y = y.to(tl.bfloat16).to(tl.float32)
+        x = tl.load(post_ptr + rows * HC + k, mask=mask, other=0.0) * y
+        for j in tl.static_range(HC):
+            hj = tl.load(h_ptr + (rows * HC + j) * D + d, mask=mask, other=0.0)
+            x = tl.fma(tl.load(comb_ptr + (rows * HC + j) * HC + k, mask=mask, other=0.0), hj, x)
+        tl.store(new_ptr + rows * KTOT + ks[None, :], x, mask=mask)
+    return x
+
+
+@triton.jit
+def _partial(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, pid_m, split, a_ptr, b_ptr, post_ptr, comb_ptr, new_ptr,
+             UPDATE: tl.constexpr, ROUND_BF16: tl.constexpr, HC: tl.constexpr, D: tl.constexpr, KTOT: tl.constexpr,
+             NOUT: tl.constexpr, K_PER_SPLIT: tl.constexpr, block_O: tl.constexpr, block_M: tl.constexpr,
+             block_K: tl.constexpr):
+    """Row tile `pid_m`'s products with the projection and sums of squares over K range `split` of the streams
+    (`_streams_tile`), stored to the workspace (ws [split, M, block_O], ss [split, M])."""
     offs_m = pid_m * block_M + tl.arange(0, block_M)
     offs_o = tl.arange(0, block_O)
     offs_k = tl.arange(0, block_K)
@@ -35,8 +64,8 @@ def _partial(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, pid_m, split, KTOT: tl.constexpr,
     for k0 in range(0, K_PER_SPLIT, block_K):
         ks = split * K_PER_SPLIT + k0 + offs_k
         mask_k = ks < KTOT
-        x = tl.load(h_ptr + offs_m[:, None].to(tl.int64) * KTOT + ks[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0)  # [block_M, block_K]
+        x = _streams_tile(h_ptr, a_ptr, b_ptr, post_ptr, comb_ptr, new_ptr, offs_m, ks,
+                          mask_m[:, None] & mask_k[None, :], UPDATE, ROUND_BF16, HC, D, KTOT)  # [block_M, block_K]
         f = tl.load(fn_ptr + offs_o[:, None] * KTOT + ks[None, :], mask=(offs_o[:, None] < NOUT) & mask_k[None, :],
                     other=0.0)  # [block_O, block_K], rows of fn read along K
         # three tf32 products (hi*hi + hi*lo + lo*hi) on the tensor cores: fp32 accuracy, which Sinkhorn needs
@@ -81,13 +110,25 @@ def _finish(ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, ro
     tl.store(comb_ptr + row * HC * HC + jk, c)
 
 
+@triton.jit
+def _finish_tile(ws_ptr, ss_ptr, count_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, pid_m, M,
+                 HC: tl.constexpr, KTOT: tl.constexpr, SPLIT_K: tl.constexpr, ITERS: tl.constexpr, EPS: tl.constexpr,
+                 NORM_EPS: tl.constexpr, block_O: tl.constexpr, block_M: tl.constexpr):
+    """In the last of row tile `pid_m`'s SPLIT_K programs to take a ticket: `_finish` for each of the tile's rows."""
+    if last_arrival(count_ptr, pid_m, SPLIT_K):
+        for row in range(pid_m * block_M, tl.minimum(pid_m * block_M + block_M, M)):
+            _finish(ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, row, M, HC, KTOT, SPLIT_K, ITERS,
+                    EPS, NORM_EPS, block_O)
+        tl.atomic_xchg(count_ptr + pid_m, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+
+
 @triton.jit(do_not_specialize=["M"])
 def hc_mixes_partial_kernel(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, KTOT: tl.constexpr, NOUT: tl.constexpr,
                             K_PER_SPLIT: tl.constexpr, block_O: tl.constexpr, block_M: tl.constexpr,
                             block_K: tl.constexpr):
     pdl_prologue()
-    _partial(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, tl.program_id(0), tl.program_id(1), KTOT, NOUT, K_PER_SPLIT, block_O,
-             block_M, block_K)
+    _partial(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, tl.program_id(0), tl.program_id(1), h_ptr, h_ptr, h_ptr, h_ptr, h_ptr,
+             0, False, 1, KTOT, KTOT, NOUT, K_PER_SPLIT, block_O, block_M, block_K)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -108,13 +149,38 @@ def hc_mixes_kernel(h_ptr, fn_ptr, ws_ptr, ss_ptr, count_ptr, scale_ptr, base_pt
     programs to take a ticket (kernels/tickets.py) finishes the tile's rows one after another; their bits."""
     pdl_prologue()
     pid_m = tl.program_id(0)
-    _partial(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, pid_m, tl.program_id(1), KTOT, NOUT, K_PER_SPLIT, block_O, block_M,
-             block_K)
-    if last_arrival(count_ptr, pid_m, SPLIT_K):
-        for row in range(pid_m * block_M, tl.minimum(pid_m * block_M + block_M, M)):
-            _finish(ws_ptr, ss_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, row, M, HC, KTOT, SPLIT_K, ITERS,
-                    EPS, NORM_EPS, block_O)
-        tl.atomic_xchg(count_ptr + pid_m, 0, sem="relaxed", scope="gpu")  # zero again for the next launch
+    _partial(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, pid_m, tl.program_id(1), h_ptr, h_ptr, h_ptr, h_ptr, h_ptr, 0, False,
+             1, KTOT, KTOT, NOUT, K_PER_SPLIT, block_O, block_M, block_K)
+    _finish_tile(ws_ptr, ss_ptr, count_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, pid_m, M, HC, KTOT,
+                 SPLIT_K, ITERS, EPS, NORM_EPS, block_O, block_M)
+
+
+@triton.jit(do_not_specialize=["M"])
+def hc_update_mixes_partial_kernel(a_ptr, b_ptr, h_ptr, upd_post_ptr, upd_comb_ptr, new_ptr, fn_ptr, ws_ptr, ss_ptr,
+                                   M, UPDATE: tl.constexpr, ROUND_BF16: tl.constexpr, HC: tl.constexpr,
+                                   D: tl.constexpr, NOUT: tl.constexpr, K_PER_SPLIT: tl.constexpr,
+                                   block_O: tl.constexpr, block_M: tl.constexpr, block_K: tl.constexpr):
+    """`hc_mixes_partial_kernel` over the streams the update before the mixes makes (`_streams_tile`, UPDATE 1 or 2),
+    which it stores: the stream update's launch and the partial one in one."""
+    pdl_prologue()
+    _partial(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, tl.program_id(0), tl.program_id(1), a_ptr, b_ptr, upd_post_ptr,
+             upd_comb_ptr, new_ptr, UPDATE, ROUND_BF16, HC, D, HC * D, NOUT, K_PER_SPLIT, block_O, block_M, block_K)
+
+
+@triton.jit(do_not_specialize=["M"])
+def hc_update_mixes_kernel(a_ptr, b_ptr, h_ptr, upd_post_ptr, upd_comb_ptr, new_ptr, fn_ptr, ws_ptr, ss_ptr,
+                           count_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, M, UPDATE: tl.constexpr,
+                           ROUND_BF16: tl.constexpr, HC: tl.constexpr, D: tl.constexpr, NOUT: tl.constexpr,
+                           SPLIT_K: tl.constexpr, K_PER_SPLIT: tl.constexpr, ITERS: tl.constexpr, EPS: tl.constexpr,
+                           NORM_EPS: tl.constexpr, block_O: tl.constexpr, block_M: tl.constexpr,
+                           block_K: tl.constexpr):
+    """`hc_update_mixes_partial_kernel` with the finish in the split's last program, as `hc_mixes_kernel`."""
+    pdl_prologue()
+    pid_m = tl.program_id(0)
+    _partial(h_ptr, fn_ptr, ws_ptr, ss_ptr, M, pid_m, tl.program_id(1), a_ptr, b_ptr, upd_post_ptr, upd_comb_ptr,
+             new_ptr, UPDATE, ROUND_BF16, HC, D, HC * D, NOUT, K_PER_SPLIT, block_O, block_M, block_K)
+    _finish_tile(ws_ptr, ss_ptr, count_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, pid_m, M, HC, HC * D,
+                 SPLIT_K, ITERS, EPS, NORM_EPS, block_O, block_M)
 
 
 @triton.jit
@@ -134,12 +200,13 @@ def hc_collapse_rms_norm_kernel(h_ptr, pre_ptr, w_ptr, out_ptr, HC: tl.constexpr
 
 @triton.jit
 def _expand(y, h_ptr, post_ptr, comb_ptr, out_ptr, row, offs, mask, HC: tl.constexpr, D: tl.constexpr):
-    """Row `row`'s new streams over columns `offs` from its sub-layer output y [block_D] (fp32)."""
+    """Row `row`'s new streams over columns `offs` from its sub-layer output y [block_D] (fp32): post * y, then each
+    old stream's share added by a fused multiply-add, in stream order (`_streams_tile` makes the same bits)."""
     ks = tl.arange(0, HC)
     acc = tl.load(post_ptr + row * HC + ks)[:, None] * y[None, :]  # [HC, block_D]
     for j in tl.static_range(HC):
         hj = tl.load(h_ptr + (row * HC + j) * D + offs, mask=mask, other=0.0)
-        acc += tl.load(comb_ptr + row * HC * HC + j * HC + ks)[:, None] * hj[None, :]
+        acc = tl.fma(tl.load(comb_ptr + row * HC * HC + j * HC + ks)[:, None], hj[None, :], acc)
     tl.store(out_ptr + (row * HC + ks[:, None]) * D + offs[None, :], acc, mask=mask[None, :])
 
 
@@ -205,11 +272,34 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     fn [(2 + hc) * hc, hc * D], scale [3], base [(2 + hc) * hc], all fp32 and contiguous.
     """
     _check_streams(h, "hc_mixes")
+    return _mixes(h, fn, scale, base, None, iters=iters, eps=eps, norm_eps=norm_eps, config=config, what="hc_mixes")
+
+
+def hc_update_mixes(a: torch.Tensor, b: torch.Tensor | None, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                    fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, *, iters: int, eps: float,
+                    norm_eps: float, config: dict | None = None) -> tuple[torch.Tensor, ...]:
+    """The stream update, then the mixes of the streams it makes, the update inside the mixes' first launch (no
+    launch of its own): `hc_expand(a, h, post, comb)` (b None) or `hc_add_expand(a, b, h, post, comb)`, then
+    `hc_mixes` of the result, with the bits of those launches. Returns the new streams fp32 [N, hc, D] and their
+    pre, post and comb."""
+    _check_expand(a, h, post, comb, "hc_update_mixes", "a")
+    if b is not None:
+        _check_expand(b, h, post, comb, "hc_update_mixes", "b")
+    new = torch.empty_like(h)
+    return (new, *_mixes(h, fn, scale, base, (a, b, post, comb, new), iters=iters, eps=eps, norm_eps=norm_eps,
+                         config=config, what="hc_update_mixes"))
+
+
+def _mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, update: tuple | None, *,
+           iters: int, eps: float, norm_eps: float, config: dict | None,
+           what: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The mixes' launches over streams h, or (`update`: a, b or None, the update's post and comb, the new streams'
+    tensor) over the streams the update makes from h."""
     n, hc, d = h.shape
     nout, ktot = (2 + hc) * hc, hc * d
     for t, shape in ((fn, (nout, ktot)), (scale, (3,)), (base, (nout,))):
         if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
-            raise ValueError(f"hc_mixes needs contiguous float32 {list(shape)}, got {t.dtype} {list(t.shape)}")
+            raise ValueError(f"{what} needs contiguous float32 {list(shape)}, got {t.dtype} {list(t.shape)}")
     config = config or mixes_config(max(n, 1), ktot)
     pre = torch.empty(n, hc, dtype=torch.float32, device=h.device)
     post = torch.empty(n, hc, dtype=torch.float32, device=h.device)
@@ -221,17 +311,26 @@ def hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     ws = torch.empty(split, n, block_o, dtype=torch.float32, device=h.device)
     ss = torch.empty(split, n, dtype=torch.float32, device=h.device)
     tiles = triton.cdiv(n, config["block_M"])
-    partial = dict(KTOT=ktot, NOUT=nout, K_PER_SPLIT=k_per_split, block_O=block_o, block_M=config["block_M"],
-                   block_K=block_k)
-    finish = dict(HC=hc, KTOT=ktot, SPLIT_K=split, ITERS=iters, EPS=eps, NORM_EPS=norm_eps, block_O=block_o)
+    tiling = dict(NOUT=nout, K_PER_SPLIT=k_per_split, block_O=block_o, block_M=config["block_M"], block_K=block_k)
+    sinkhorn = dict(SPLIT_K=split, ITERS=iters, EPS=eps, NORM_EPS=norm_eps)
+    if update is None:
+        streams, shape, one = (h,), dict(KTOT=ktot), dict(HC=hc)
+        partial_kernel, one_kernel = hc_mixes_partial_kernel, hc_mixes_kernel
+    else:
+        a, b, upd_post, upd_comb, new = update
+        streams, one = (a, a if b is None else b, h, upd_post, upd_comb, new), {}
+        shape = dict(UPDATE=1 if b is None else 2, ROUND_BF16=b is not None and a.dtype == b.dtype == torch.bfloat16,
+                     HC=hc, D=d)
+        partial_kernel, one_kernel = hc_update_mixes_partial_kernel, hc_update_mixes_kernel
     if one_launch(n, config):
-        launch(hc_mixes_kernel, (tiles, split),
-               (h, fn, ws, ss, tickets.tile_counters(h.device, tiles), scale, base, pre, post, comb, n),
-               partial | finish, config["num_warps"], config["num_stages"])
+        launch(one_kernel, (tiles, split),
+               (*streams, fn, ws, ss, tickets.tile_counters(h.device, tiles), scale, base, pre, post, comb, n),
+               shape | tiling | sinkhorn | one, config["num_warps"], config["num_stages"])
         return pre, post, comb
-    launch(hc_mixes_partial_kernel, (tiles, split), (h, fn, ws, ss, n), partial, config["num_warps"],
+    launch(partial_kernel, (tiles, split), (*streams, fn, ws, ss, n), shape | tiling, config["num_warps"],
            config["num_stages"])
-    launch(hc_mixes_finish_kernel, (n,), (ws, ss, scale, base, pre, post, comb, n), finish, 1, 1)
+    launch(hc_mixes_finish_kernel, (n,), (ws, ss, scale, base, pre, post, comb, n),
+           dict(HC=hc, KTOT=ktot, block_O=block_o) | sinkhorn, 1, 1)
     return pre, post, comb
 
 
@@ -299,5 +398,5 @@ def hc_add_expand(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, post: torch
     return out
 
 
-__all__ = ["ONE_LAUNCH_ROWS", "hc_add_expand", "hc_collapse_rms_norm", "hc_expand", "hc_mixes", "mixes_config",
-           "one_launch"]
+__all__ = ["ONE_LAUNCH_ROWS", "hc_add_expand", "hc_collapse_rms_norm", "hc_expand", "hc_mixes", "hc_update_mixes",
+           "mixes_config", "one_launch"]

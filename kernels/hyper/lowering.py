@@ -1,6 +1,7 @@
 """The hyper-connections' lowerings: the mixes (Sinkhorn), collapse + RMSNorm (TileLang's kernel, collapse_tilelang.py,
 or Triton's, as the target's backends and this machine say; written as e4m3 rows where only fp8-activation linears
-read it, kernels/norm/e4m3.py), and the stream update, alone or over the sum of a sub-layer's two outputs."""
+read it, kernels/norm/e4m3.py), and the stream update, alone or over the sum of a sub-layer's two outputs, or made
+inside the next mixes' first launch."""
 
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from kernels.lowering import (
     traced_counts,
 )
 
-STREAMS_INPUT = {"hc_expand": 1, "add_hc_expand": 2}  # where an op's streams [N, hc, D] come in (else first)
+# where an op's streams [N, hc, D] come in (else first)
+STREAMS_INPUT = {"hc_expand": 1, "add_hc_expand": 2, "hc_expand_mixes": 1, "add_hc_expand_mixes": 2}
 DECODE_TOKENS = 64  # buckets up to here are decode buckets (`hyper.mixes_config`); the smallest serves one token
 
 
@@ -85,6 +87,48 @@ class HcMixes(_Streams):
                               config=call.config)
 
 
+@dataclass(frozen=True)
+class UpdateStatic(StreamsStatic):
+    """Streams [N, hc, d] updated from one sub-layer output, or (`add`) from the sum of two."""
+
+    add: bool
+
+
+class HcUpdateMixes(HcMixes):
+    """`hc_expand_mixes` and `add_hc_expand_mixes`: the stream update made inside the next mixes' first launch
+    (`hyper.hc_update_mixes`); the mixes' configs."""
+
+    template, ops, static_type = "hc_update_mixes", ("hc_expand_mixes", "add_hc_expand_mixes"), UpdateStatic
+
+    def static(self, node: Node, params: Params) -> UpdateStatic | None:
+        planes = token_planes(node.inputs[STREAMS_INPUT[node.op]].type)
+        return None if planes is None else UpdateStatic(*planes, add=node.op == "add_hc_expand_mixes")
+
+    def formats(self, static: UpdateStatic) -> dict[int, str]:
+        first = 5 if static.add else 4  # fn, scale and base follow y (or a and b), h, post and comb
+        return {first: "fp32", first + 1: "fp32", first + 2: "fp32"}
+
+    def run(self, call: Call) -> tuple[torch.Tensor, ...]:
+        args = [t.contiguous() for t in call.args]
+        if not call.static.add:
+            args.insert(1, None)
+        return self._update(call, *args)
+
+    def trace(self, call: Call) -> None:
+        st = call.static
+        nout = (2 + st.hc) * st.hc
+        one = call.tokens <= DECODE_TOKENS and hyper.one_launch(1, call.config)
+        for m in traced_counts(call.tokens, one):
+            self._update(call, meta(m, st.d), meta(m, st.d) if st.add else None, meta(m, st.hc, st.d),
+                         meta(m, st.hc), meta(m, st.hc, st.hc), meta(nout, st.hc * st.d), meta(3), meta(nout))
+
+    @staticmethod
+    def _update(call: Call, a, b, h, post, comb, fn, scale, base) -> tuple[torch.Tensor, ...]:
+        at = call.attrs
+        return hyper.hc_update_mixes(a, b, h, post, comb, fn, scale, base, iters=at["iters"], eps=at["eps"],
+                                     norm_eps=at["norm_eps"], config=call.config)
+
+
 class HcCollapseRmsNorm(_Streams):
     template, ops = "hc_collapse_rms_norm", ("hc_collapse_rms_norm",)
     sources, backends, writes_e4m3 = (hyper, collapse_tilelang), (TILELANG, TRITON), True
@@ -140,8 +184,9 @@ class HcAddExpand(_Streams):
         hyper.hc_add_expand(meta(m, st.d), meta(m, st.d), meta(m, st.hc, st.d), meta(m, st.hc), meta(m, st.hc, st.hc))
 
 
-HC_MIXES, HC_COLLAPSE_RMS_NORM = HcMixes(), HcCollapseRmsNorm()
+HC_MIXES, HC_UPDATE_MIXES, HC_COLLAPSE_RMS_NORM = HcMixes(), HcUpdateMixes(), HcCollapseRmsNorm()
 HC_EXPAND, HC_ADD_EXPAND = HcExpand(), HcAddExpand()
-LOWERINGS = (HC_MIXES, HC_COLLAPSE_RMS_NORM, HC_EXPAND, HC_ADD_EXPAND)
+LOWERINGS = (HC_MIXES, HC_UPDATE_MIXES, HC_COLLAPSE_RMS_NORM, HC_EXPAND, HC_ADD_EXPAND)
 
-__all__ = ["HC_ADD_EXPAND", "HC_COLLAPSE_RMS_NORM", "HC_EXPAND", "HC_MIXES", "LOWERINGS", "StreamsStatic"]
+__all__ = ["HC_ADD_EXPAND", "HC_COLLAPSE_RMS_NORM", "HC_EXPAND", "HC_MIXES", "HC_UPDATE_MIXES", "LOWERINGS",
+           "StreamsStatic", "UpdateStatic"]

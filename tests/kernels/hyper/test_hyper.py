@@ -10,7 +10,7 @@ import torch
 import kernels.hyper.hyper as hyper
 from dsl.ops import hyper as ref
 from kernels import tickets
-from kernels.hyper.hyper import hc_add_expand, hc_collapse_rms_norm, hc_expand, hc_mixes
+from kernels.hyper.hyper import hc_add_expand, hc_collapse_rms_norm, hc_expand, hc_mixes, hc_update_mixes
 from kernels.launch import jit_launch, use_launcher
 from tests.conftest import fixture_dir
 from tests.kernels.cases import HIDDEN, gen, rel_l2
@@ -133,6 +133,57 @@ def test_hc_add_expand_names_a_bad_operand(device) -> None:
         hc_add_expand(gen(2, 8, device=device), gen(2, 9, device=device), h, post, comb)
 
 
+def update_mixes_both_ways(n: int, d: int, add: bool, dtypes: tuple[torch.dtype, torch.dtype], device: str,
+                           config: dict | None, monkeypatch) -> list[torch.Tensor]:
+    """`hc_update_mixes` against the stream update's own launch and `hc_mixes` of its streams: the same bits, as one
+    launch and as two (`hyper.ONE_LAUNCH_ROWS` past n, then 0), the counters left at zero."""
+    h, fn, scale, base = mix_inputs(n, d, device)
+    post = gen(n, HC, device=device, seed=5)
+    comb = gen(n, HC, HC, device=device, seed=6).softmax(-1)
+    a = gen(n, d, device=device, seed=7).to(dtypes[0])
+    b = gen(n, d, device=device, seed=8).to(dtypes[1]) if add else None
+    streams = hc_add_expand(a, b, h, post, comb) if add else hc_expand(a, h, post, comb)
+    kw = dict(iters=ITERS, eps=EPS, norm_eps=NORM_EPS, config=config)
+    want = [streams, *hc_mixes(streams, fn, scale, base, **kw)]
+    for rows, kernels in ((n, ["hc_update_mixes_kernel"]), (0, ["hc_update_mixes_partial_kernel",
+                                                               "hc_mixes_finish_kernel"])):
+        monkeypatch.setattr(hyper, "ONE_LAUNCH_ROWS", rows)
+        calls = []
+        with use_launcher(lambda c: (calls.append(c.name), jit_launch(c))):
+            got = hc_update_mixes(a, b, h, post, comb, fn, scale, base, **kw)
+        assert calls == kernels
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w), (rows, add, dtypes)
+    assert not tickets.tile_counters(h.device, 1).any()
+    return want
+
+
+@pytest.mark.parametrize("add", [False, True])
+@pytest.mark.parametrize("n,d,config", [
+    (1, 64, None),
+    (3, 40, dict(block_M=16, block_K=64, split_k=2, num_warps=4, num_stages=2)),  # tiles across two streams
+    (18, 48, dict(block_M=16, block_K=32, split_k=3, num_warps=4, num_stages=2)),
+])
+def test_hc_update_mixes_is_the_update_and_the_mixes_bitwise(n, d, config, add, device, monkeypatch) -> None:
+    update_mixes_both_ways(n, d, add, (torch.float32, torch.float32), device, config, monkeypatch)
+
+
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16)])
+def test_hc_update_mixes_sums_bf16_outputs_as_torch(dtypes, device, monkeypatch) -> None:
+    update_mixes_both_ways(2, 40, True, dtypes, device, None, monkeypatch)
+
+
+def test_hc_update_mixes_names_a_bad_operand(device) -> None:
+    h, fn, scale, base = mix_inputs(2, 8, device)
+    post, comb = gen(2, HC, device=device), gen(2, HC, HC, device=device)
+    with pytest.raises(ValueError, match="hc_update_mixes's a must be contiguous float32/bfloat16 \\[2, 8\\]"):
+        hc_update_mixes(gen(2, 9, device=device), None, h, post, comb, fn, scale, base, iters=ITERS, eps=EPS,
+                        norm_eps=NORM_EPS)
+    with pytest.raises(ValueError, match="hc_update_mixes needs contiguous float32 \\[24, 32\\]"):
+        hc_update_mixes(gen(2, 8, device=device), None, h, post, comb, fn[:, :16], scale, base, iters=ITERS,
+                        eps=EPS, norm_eps=NORM_EPS)
+
+
 def planned(fused: bool, ops: tuple[str, ...]):
     """v41-tiny's (graph, plan, params) for sm90, fused by the pass pipeline or not, with kernels for `ops` alone
     (every other node runs its reference)."""
@@ -150,17 +201,18 @@ def planned(fused: bool, ops: tuple[str, ...]):
 
 
 def test_fused_graph_updates_the_streams_as_the_unfused_one_bitwise() -> None:
-    """v41-tiny through the executor: the fused graph (each MoE's add in `hc_add_expand_kernel`) with the mixes and
-    stream-update kernels against the unfused one with the same kernels and torch's add, over a prefill and two
-    one-token decode steps (the mixes in one launch): the same logits bit for bit."""
+    """v41-tiny through the executor: the fused graph (each MoE's add in the stream update, each update but the last
+    inside the next mixes' first launch) with the hyper-connection kernels against the unfused one with the mixes and
+    update kernels and torch's add, over a prefill and two one-token decode steps (the mixes in one launch): the same
+    logits bit for bit."""
     from dsl.context import ForwardContext, SequenceState
     from graphs.executor import Executor
 
-    ops = ("hc_mixes", "hc_expand", "add_hc_expand")
-    runs = [planned(fused, ops) for fused in (True, False)]
-    fused_ops = [n.op for n in runs[0][0].nodes]
-    assert "add_hc_expand" in fused_ops and "add" not in fused_ops
-    assert {n.op for n in runs[0][1].kernel_nodes()} == set(ops)
+    fused_ops = ("hc_mixes", "hc_expand_mixes", "add_hc_expand_mixes", "add_hc_expand")
+    runs = [planned(True, fused_ops), planned(False, ("hc_mixes", "hc_expand"))]
+    ops = [n.op for n in runs[0][0].nodes]
+    assert {op for op in ops if op.startswith(("add", "hc_expand", "hc_mixes"))} == set(fused_ops)
+    assert {n.op for n in runs[0][1].kernel_nodes()} == set(fused_ops)
     executors = [Executor(graph, plan, params, "cpu") for graph, plan, params in runs]
     states = {e: [SequenceState()] for e in executors}
     calls = []
@@ -172,7 +224,8 @@ def test_fused_graph_updates_the_streams_as_the_unfused_one_bitwise() -> None:
                 logits.append(executor.run({"input_ids": torch.tensor(ids)}, ctx)["logits"])
             ctx.commit()
         assert torch.equal(logits[0], logits[1])
-    assert "hc_add_expand_kernel" in calls and "hc_mixes_kernel" in calls
+    assert {"hc_update_mixes_kernel", "hc_update_mixes_partial_kernel", "hc_mixes_kernel",
+            "hc_add_expand_kernel"} <= set(calls)
 
 
 def test_hc_empty_input(device) -> None:
@@ -187,6 +240,19 @@ def test_hc_v41_shapes(n) -> None:
     check_mixes(n, HIDDEN, "cuda")
     check_collapse_expand(n, HIDDEN, "cuda")
     check_add_expand(n, HIDDEN, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 16, 300])
+@pytest.mark.parametrize("add", [False, True])
+def test_hc_update_mixes_v41_shapes(n, add, monkeypatch) -> None:
+    """V4.1's streams: the update inside the mixes' launch gives the bits of its own launch and the mixes' (the fused
+    multiply-adds alike in both), one launch or two; the mixes close to the reference."""
+    new, *mixes = update_mixes_both_ways(n, HIDDEN, add, (torch.float32, torch.float32), "cuda", None, monkeypatch)
+    want = ref.hc_mixes(new.cpu(), *(a.cpu() for a in mix_inputs(n, HIDDEN, "cuda")[1:]), iters=ITERS, eps=EPS,
+                        norm_eps=NORM_EPS)
+    for g, w in zip(mixes, want, strict=True):
+        assert rel_l2(g, w) < 2e-5
 
 
 @pytest.mark.gpu
