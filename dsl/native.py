@@ -90,7 +90,10 @@ def library() -> ctypes.CDLL | None:
                                ("deepinfer_fp8_encode_f32", [p, p, p, i64, i64], None),
                                ("deepinfer_fp4_encode_f32", [p, p, p, i64, i64, i32], i32),
                                ("deepinfer_decode_f32", [p, p, p, i64, i64, i32, i32], None),
-                               ("deepinfer_rope_f32", [p, p, p, i64, i64, i64, i64], None)):
+                               ("deepinfer_rope_f32", [p, p, p, i64, i64, i64, i64], None),
+                               ("deepinfer_load_rows_f32", [p, p, i64, i64, p, p, i64, p, i64, i64, p, i64, i64, i32,
+                                                            i32], i32),
+                               ("deepinfer_store_rows", [p, p, i64, p, p, i64, i64, i64, p, p, i64, p, i64, i64], i32)):
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
     return lib
 
@@ -193,3 +196,64 @@ def rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor | None:
     inner = x.numel() // (tokens * dim) if tokens * dim else 0
     lib.deepinfer_rope_f32(x.data_ptr(), rotation.data_ptr(), out.data_ptr(), tokens, inner, dim, half)
     return out
+
+
+# ---- cache rows (dsl/cache.py's load_rows and store_rows) ----------------------------------------------------------
+# A pool part is [count, per, bytes] (blocks or ring slots of `per` rows); pair m of int64 (major, minor) names row
+# minor % per of block tables[major, minor // per] (major without `tables`). None / False where the C code does not
+# apply (no library; not contiguous CPU tensors of those dtypes; a pair outside the pool, which the torch code
+# reports): the caller runs its torch code.
+
+
+def _pairs(major: torch.Tensor, minor: torch.Tensor, tables: torch.Tensor | None) -> tuple[int, int, int] | None:
+    """(tables' pointer or 0, its rows, its width) where the pairs and table are contiguous int64 CPU tensors."""
+    for t in (major, minor) if tables is None else (major, minor, tables):
+        if t.device.type != "cpu" or t.dtype != torch.int64 or not t.is_contiguous():
+            return None
+    if major.dim() != 1 or minor.shape != major.shape:
+        return None
+    if tables is None:
+        return 0, 0, 0
+    return (tables.data_ptr(), tables.shape[0], tables.shape[1]) if tables.dim() == 2 else None
+
+
+def _byte_parts(parts: list[torch.Tensor]) -> bool:
+    return (len(parts) == 2 and all(p.device.type == "cpu" and p.element_size() == 1 and p.is_contiguous()
+                                    and p.dim() == 3 for p in parts) and parts[0].shape[:2] == parts[1].shape[:2])
+
+
+def load_rows(parts: list[torch.Tensor], major: torch.Tensor, minor: torch.Tensor, tables: torch.Tensor | None,
+              kind: str, block: int, e4m3_scale: bool) -> torch.Tensor | None:
+    """float32 entries [M, D] stored as fp8 / fp4 codes and scales (`parts`) at the pairs, decoded as `decode` does."""
+    lib = library()
+    if lib is None or kind not in ("fp8", "fp4") or not _byte_parts(parts) or major.shape[0] == 0:
+        return None
+    if (table := _pairs(major, minor, tables)) is None:
+        return None
+    codes, scales = parts
+    dim = codes.shape[2] * (2 if kind == "fp4" else 1)
+    if block < 1 or dim % block or scales.shape[2] * block != dim:
+        return None
+    out = torch.empty(major.shape[0], dim, dtype=torch.float32)
+    if lib.deepinfer_load_rows_f32(codes.data_ptr(), scales.data_ptr(), codes.shape[0], codes.shape[1],
+                                   major.data_ptr(), minor.data_ptr(), major.shape[0], *table, out.data_ptr(), dim,
+                                   block, int(kind == "fp4"), int(e4m3_scale)):
+        return None
+    return out
+
+
+def store_rows(parts: list[torch.Tensor], encoded: list[torch.Tensor], major: torch.Tensor, minor: torch.Tensor,
+               tables: torch.Tensor | None) -> bool:
+    """Store encoded rows (codes and scales [M, ...], as `encode` makes them) in `parts` at the pairs, as
+    `part[block, row] = encoded` does; False, storing nothing, where the C code does not apply."""
+    lib = library()
+    if lib is None or not _byte_parts(parts) or len(encoded) != 2 or (table := _pairs(major, minor, tables)) is None:
+        return False
+    n = major.shape[0]
+    for part, rows in zip(parts, encoded, strict=True):
+        if (rows.device.type != "cpu" or rows.dtype != part.dtype or not rows.is_contiguous()
+                or tuple(rows.shape) != (n, part.shape[2])):
+            return False
+    return lib.deepinfer_store_rows(encoded[0].data_ptr(), parts[0].data_ptr(), parts[0].shape[2],
+                                    encoded[1].data_ptr(), parts[1].data_ptr(), parts[1].shape[2], parts[0].shape[0],
+                                    parts[0].shape[1], major.data_ptr(), minor.data_ptr(), n, *table) == 0
