@@ -9,6 +9,7 @@ from dsl.context import cast
 from dsl.ops.dense import invariant_linear, weight_values
 from dsl.ops.invariant import MIN_COLS, pad_rows, padded, silu
 from dsl.ops.registry import invariant, op
+from dsl.scalar import f32
 from dsl.tensor import TensorType
 
 
@@ -106,12 +107,12 @@ def invariant_moe_gate(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, *, 
     logits = torch.nn.functional.linear(pad_rows(cast(x, torch.float32)), cast(w, torch.float32))
     if temp != 1.0:
         logits = logits / temp
-    scores = torch.where(logits > 20.0, logits, torch.log1p(torch.exp(logits))).sqrt()  # [N', E]
+    scores = torch.where(logits > f32(20.0), logits, torch.log1p(torch.exp(logits))).sqrt()  # [N', E]
     experts = (scores + cast(bias, torch.float32)).topk(topk, dim=-1)[1]
     weights = scores.gather(1, experts)
     if normalize and topk > 1:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return (weights * scaling)[: x.shape[0]], experts[: x.shape[0]]
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + f32(1e-20))
+    return (weights * f32(scaling))[: x.shape[0]], experts[: x.shape[0]]
 
 
 def invariant_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float,
