@@ -311,3 +311,33 @@ int deepinfer_store_rows(const uint8_t *src0, uint8_t *dst0, int64_t bytes0, con
     }
     return 0;
 }
+
+/* ---- sums written out as elementwise ops ------------------------------------------------------------------------
+ * y [n, d] = x[which[0]] + x[which[1]] + ... added one after the other from +0 (torch's `y = zeros; y += x[j]` for
+ * each j in turn), x a strided [k, n, d] (strides in elements). */
+void deepinfer_add_slices_f32(const float *x, int64_t stride_k, int64_t stride_n, int64_t stride_d, int64_t n,
+                              int64_t d, const int64_t *which, int64_t count, float *y) {
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t c = 0; c < d; c++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < count; i++) acc = acc + x[which[i] * stride_k + t * stride_n + c * stride_d];
+            y[t * d + c] = acc;
+        }
+}
+
+/* out [r, width] = s[r, 0] * w[r, 0] + s[r, 1] * w[r, 1] + ... over `heads`, each product rounded, added from the
+ * first head on (torch's `out = s[:, 0] * w[:, :1]` then `out = out + s[:, h] * w[:, h:h+1]`); s [r, heads, width]
+ * and w [r, heads] contiguous. */
+void deepinfer_weighted_heads_f32(const float *s, const float *w, float *out, int64_t rows, int64_t heads,
+                                  int64_t width) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *sr = s + r * heads * width, *wr = w + r * heads;
+        float *o = out + r * width;
+        for (int64_t c = 0; c < width; c++) o[c] = sr[c] * wr[0];
+        for (int64_t h = 1; h < heads; h++) {
+            float wh = wr[h];
+            const float *sh = sr + h * width;
+            for (int64_t c = 0; c < width; c++) o[c] = o[c] + sh[c] * wh;
+        }
+    }
+}

@@ -93,7 +93,9 @@ def library() -> ctypes.CDLL | None:
                                ("deepinfer_rope_f32", [p, p, p, i64, i64, i64, i64], None),
                                ("deepinfer_load_rows_f32", [p, p, i64, i64, p, p, i64, p, i64, i64, p, i64, i64, i32,
                                                             i32], i32),
-                               ("deepinfer_store_rows", [p, p, i64, p, p, i64, i64, i64, p, p, i64, p, i64, i64], i32)):
+                               ("deepinfer_store_rows", [p, p, i64, p, p, i64, i64, i64, p, p, i64, p, i64, i64], i32),
+                               ("deepinfer_add_slices_f32", [p, i64, i64, i64, i64, i64, p, i64, p], None),
+                               ("deepinfer_weighted_heads_f32", [p, p, p, i64, i64, i64], None)):
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
     return lib
 
@@ -257,3 +259,36 @@ def store_rows(parts: list[torch.Tensor], encoded: list[torch.Tensor], major: to
     return lib.deepinfer_store_rows(encoded[0].data_ptr(), parts[0].data_ptr(), parts[0].shape[2],
                                     encoded[1].data_ptr(), parts[1].data_ptr(), parts[1].shape[2], parts[0].shape[0],
                                     parts[0].shape[1], major.data_ptr(), minor.data_ptr(), n, *table) == 0
+
+
+# ---- sums of elementwise ops, added in torch's order (the MoE's expert outputs, the indexer's heads) ---------------
+
+
+def add_slices(x: torch.Tensor, which: list[int]) -> torch.Tensor | None:
+    """float32 [n, d]: +0 plus x[which[0]], plus x[which[1]], ... one after the other, as `y += x[j]` adds them in
+    torch; x a float32 CPU tensor [k, n, d] of any strides. None where the C code does not apply."""
+    lib = library()
+    if lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 3:
+        return None
+    if any(not 0 <= j < x.shape[0] for j in which):
+        return None
+    _, n, d = x.shape
+    y = torch.empty(n, d, dtype=torch.float32)
+    index = (ctypes.c_int64 * len(which))(*which)
+    lib.deepinfer_add_slices_f32(x.data_ptr(), *x.stride(), n, d, index, len(which), y.data_ptr())
+    return y
+
+
+def weighted_heads(s: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """float32 [..., width]: s[..., 0, :] * w[..., :1], plus s[..., h, :] * w[..., h:h+1] for each later head h in
+    turn, as torch adds them one at a time; s [..., heads, width], w [..., heads] contiguous float32 CPU tensors. None
+    where the C code does not apply."""
+    lib = library()
+    if (lib is None or s.device.type != "cpu" or w.device.type != "cpu" or s.dtype != torch.float32
+            or w.dtype != torch.float32 or not s.is_contiguous() or not w.is_contiguous() or s.dim() < 2
+            or tuple(w.shape) != tuple(s.shape[:-1]) or s.shape[-2] < 1):
+        return None
+    out = torch.empty(*s.shape[:-2], s.shape[-1], dtype=torch.float32)
+    lib.deepinfer_weighted_heads_f32(s.data_ptr(), w.data_ptr(), out.data_ptr(), w.numel() // w.shape[-1],
+                                     s.shape[-2], s.shape[-1])
+    return out
