@@ -1,7 +1,8 @@
 """The cpu target's C loops (dsl/native.c), compiled once per machine with the system's C compiler, run by ctypes.
 
 A loop of many tiny steps (Sinkhorn's, 20 iterations over a 4 x 4 matrix per token, 16 times a decode step of
-v41-tiny; the fp8 and fp4 roundings and cache codes and rope's rotation, each several torch calls on a row or two)
+v41-tiny; the fp8 and fp4 roundings and cache codes, the caches' row reads and writes, rope's rotation and the sums
+written as elementwise adds, each several torch calls on a row or two)
 costs microseconds per torch or numpy call; in C the whole loop takes about as long as one such call. The C code
 gives the same bits as the torch code it stands for (tests/test_hyper_sinkhorn.py, tests/test_native_rounding.py,
 tests/test_native_rope.py), so the cpu target still matches the reference exactly, with or without it.
