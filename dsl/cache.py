@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dsl import native
 from dsl.cache_format import EntryFormat
 from dsl.graph import Graph
 from dsl.transfer import to_device
@@ -112,14 +113,21 @@ def store_rows(fmt: EntryFormat, parts: list[torch.Tensor], values: torch.Tensor
         values, major, minor = values[keep], major[keep], minor[keep]
     if not values.shape[0]:
         return
+    encoded = fmt.encode(values)
+    if native.store_rows(parts, encoded, major, minor, tables):  # fp8 / fp4 pools on the CPU, the same bytes in C
+        return
     blocks, rows = _pool_rows(parts, major, minor, tables)
-    for part, encoded in zip(parts, fmt.encode(values), strict=True):
-        part[blocks, rows] = encoded
+    for part, codes in zip(parts, encoded, strict=True):
+        part[blocks, rows] = codes
 
 
 def load_rows(fmt: EntryFormat, parts: list[torch.Tensor], major: torch.Tensor, minor: torch.Tensor,
               tables: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 values [M, D] of the rows `store_rows` puts at (major, minor) pairs [M]."""
+    """fp32 values [M, D] of the rows `store_rows` puts at (major, minor) pairs [M]: fp8 / fp4 pools on the CPU
+    gathered and decoded in C (dsl/native.c), as `fmt.decode` decodes them."""
+    if fmt.kind != "fp32" and (fast := native.load_rows(parts, major, minor, tables, fmt.kind, fmt.block,
+                                                        fmt.e4m3_scale)) is not None:
+        return fast
     blocks, rows = _pool_rows(parts, major, minor, tables)
     return _decode(fmt, [p[blocks, rows] for p in parts])
 

@@ -7,6 +7,7 @@ per forward). `interpret` builds one and runs it once; the cpu target's runtime 
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -28,12 +29,19 @@ class Program:
             slots.setdefault(value, len(slots))
         self.inputs = [(name, slots[v]) for name, v in graph.inputs.items()]
         self.params = [(name, slots[v]) for name, v in graph.params.items()]
-        # per node: implementation, input slots (None: no input), attributes, whether it takes / sets the context,
-        # its output's slot (an int) or its outputs' (a list)
-        self.steps: list[tuple[Callable, list[int | None], dict, bool, bool, int | list[int]]] = []
+        # The params' slots, where they are consecutive (each its own Value): bound in one slice assignment.
+        first = self.params[0][1] if self.params else 0
+        consecutive = [s for _, s in self.params] == list(range(first, first + len(self.params)))
+        self._param_slots = slice(first, first + len(self.params)) if consecutive else None
+        self._param_values = _getter([name for name, _ in self.params])
+        none = len(slots)  # a slot that always holds None: a node's missing input
+        slots[None] = none
+        # per node: implementation, what reads its inputs from the slots (a tuple), attributes, whether it takes /
+        # sets the context, its output's slot (an int) or its outputs' (a list)
+        self.steps: list[tuple[Callable, Callable[[list], tuple], dict, bool, bool, int | list[int]]] = []
         for node in graph.nodes:
             opdef = OPS[node.op]
-            inputs = [None if v is None else slots[v] for v in node.inputs]
+            inputs = _getter([slots[v] for v in node.inputs])
             outputs = [slots.setdefault(v, len(slots)) for v in node.outputs]
             single = opdef.num_outputs == 1 and not opdef.sets_context
             self.steps.append((kernels.get(node.op, opdef.reference), inputs, node.attrs, opdef.uses_context,
@@ -47,11 +55,13 @@ class Program:
         env: list = [None] * self.size
         for name, slot in self.inputs:
             env[slot] = inputs[name]
-        for name, slot in self.params:
-            env[slot] = params[name]
+        if self._param_slots is not None:
+            env[self._param_slots] = self._param_values(params)
+        else:
+            for name, slot in self.params:
+                env[slot] = params[name]
         for fn, ins, attrs, uses_context, sets_context, out in self.steps:
-            args = [None if i is None else env[i] for i in ins]
-            result = fn(*args, **attrs, ctx=ctx) if uses_context else fn(*args, **attrs)
+            result = fn(*ins(env), **attrs, ctx=ctx) if uses_context else fn(*ins(env), **attrs)
             if sets_context:
                 ctx = result
                 if ctx.num_tokens == 0:  # every later node runs over no row: nothing to compute, nothing to store
@@ -63,6 +73,17 @@ class Program:
                 for slot, r in zip(out, result, strict=True):
                     env[slot] = r
         return {name: env[s] for name, s, _ in self.outputs}
+
+
+def _getter(keys: list) -> Callable[[Any], tuple]:
+    """What reads `keys` of a list or dict as a tuple, in one call (`operator.itemgetter`, which returns a lone item
+    bare)."""
+    if len(keys) > 1:
+        return operator.itemgetter(*keys)
+    if keys:
+        key = keys[0]
+        return lambda env: (env[key],)
+    return lambda env: ()
 
 
 def interpret(graph: Graph, inputs: dict[str, Any], params: dict[str, Any], ctx: ForwardContext,

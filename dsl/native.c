@@ -253,3 +253,91 @@ void deepinfer_rope_f32(const float *x, const float *rot, float *out, int64_t to
         }
     }
 }
+
+/* ---- cache rows: dsl/cache.py's load_rows and store_rows ----------------------------------------------------------
+ * A pool holds `count` blocks (or ring slots) of `per` rows. Pair m names block tables[major[m]][minor[m] / per] (with
+ * `tables` [tmajor, twidth]; without it, block major[m]) and row minor[m] % per. Returns the flat row, or -1 where an
+ * index lies outside its tensor (or is negative, which torch's indexing would wrap): the caller then runs torch. */
+static int64_t pool_row(const int64_t *major, const int64_t *minor, int64_t m, const int64_t *tables, int64_t tmajor,
+                        int64_t twidth, int64_t count, int64_t per) {
+    int64_t a = major[m], b = minor[m], block;
+    if (a < 0 || b < 0) return -1;
+    if (tables) {
+        if (a >= tmajor || b / per >= twidth) return -1;
+        block = tables[a * twidth + b / per];
+    } else {
+        block = a;
+    }
+    if (block < 0 || block >= count) return -1;
+    return block * per + b % per;
+}
+
+/* 0 where every pair lies inside the pool, else -1. */
+static int pairs_inside(const int64_t *major, const int64_t *minor, int64_t n, const int64_t *tables, int64_t tmajor,
+                        int64_t twidth, int64_t count, int64_t per) {
+    for (int64_t m = 0; m < n; m++)
+        if (pool_row(major, minor, m, tables, tmajor, twidth, count, per) < 0) return -1;
+    return 0;
+}
+
+/* load_rows: the `n` entries at the pairs, decoded as deepinfer_decode_f32 decodes them, into out [n, dim]. `codes`
+ * holds dim (fp8) or dim / 2 (fp4) bytes a row and `scales` dim / block. Returns 0, or -1 (out untouched) where a pair
+ * lies outside the pool. */
+int deepinfer_load_rows_f32(const uint8_t *codes, const uint8_t *scales, int64_t count, int64_t per,
+                            const int64_t *major, const int64_t *minor, int64_t n, const int64_t *tables,
+                            int64_t tmajor, int64_t twidth, float *out, int64_t dim, int64_t block, int fp4,
+                            int e4m3_scale) {
+    int64_t code_bytes = fp4 ? dim / 2 : dim, nscales = dim / block;
+    if (pairs_inside(major, minor, n, tables, tmajor, twidth, count, per)) return -1;
+    for (int64_t m = 0; m < n; m++) {
+        int64_t row = pool_row(major, minor, m, tables, tmajor, twidth, count, per);
+        deepinfer_decode_f32(codes + row * code_bytes, scales + row * nscales, out + m * dim, nscales, block, fp4,
+                             e4m3_scale);
+    }
+    return 0;
+}
+
+/* store_rows: row m of each source (`bytes0` and `bytes1` a row: codes, then scales) copied to the pool rows of pair
+ * m, pair after pair (a pair given twice keeps its last row; the caller's pairs given twice carry equal values).
+ * Returns 0, or -1 (nothing stored) where a pair lies outside the pool. */
+int deepinfer_store_rows(const uint8_t *src0, uint8_t *dst0, int64_t bytes0, const uint8_t *src1, uint8_t *dst1,
+                         int64_t bytes1, int64_t count, int64_t per, const int64_t *major, const int64_t *minor,
+                         int64_t n, const int64_t *tables, int64_t tmajor, int64_t twidth) {
+    if (pairs_inside(major, minor, n, tables, tmajor, twidth, count, per)) return -1;
+    for (int64_t m = 0; m < n; m++) {
+        int64_t row = pool_row(major, minor, m, tables, tmajor, twidth, count, per);
+        memcpy(dst0 + row * bytes0, src0 + m * bytes0, (size_t)bytes0);
+        memcpy(dst1 + row * bytes1, src1 + m * bytes1, (size_t)bytes1);
+    }
+    return 0;
+}
+
+/* ---- sums written out as elementwise ops ------------------------------------------------------------------------
+ * y [n, d] = x[which[0]] + x[which[1]] + ... added one after the other from +0 (torch's `y = zeros; y += x[j]` for
+ * each j in turn), x a strided [k, n, d] (strides in elements). */
+void deepinfer_add_slices_f32(const float *x, int64_t stride_k, int64_t stride_n, int64_t stride_d, int64_t n,
+                              int64_t d, const int64_t *which, int64_t count, float *y) {
+    for (int64_t t = 0; t < n; t++)
+        for (int64_t c = 0; c < d; c++) {
+            float acc = 0.0f;
+            for (int64_t i = 0; i < count; i++) acc = acc + x[which[i] * stride_k + t * stride_n + c * stride_d];
+            y[t * d + c] = acc;
+        }
+}
+
+/* out [r, width] = s[r, 0] * w[r, 0] + s[r, 1] * w[r, 1] + ... over `heads`, each product rounded, added from the
+ * first head on (torch's `out = s[:, 0] * w[:, :1]` then `out = out + s[:, h] * w[:, h:h+1]`); s [r, heads, width]
+ * and w [r, heads] contiguous. */
+void deepinfer_weighted_heads_f32(const float *s, const float *w, float *out, int64_t rows, int64_t heads,
+                                  int64_t width) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *sr = s + r * heads * width, *wr = w + r * heads;
+        float *o = out + r * width;
+        for (int64_t c = 0; c < width; c++) o[c] = sr[c] * wr[0];
+        for (int64_t h = 1; h < heads; h++) {
+            float wh = wr[h];
+            const float *sh = sr + h * width;
+            for (int64_t c = 0; c < width; c++) o[c] = o[c] + sh[c] * wh;
+        }
+    }
+}

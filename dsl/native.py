@@ -1,7 +1,8 @@
 """The cpu target's C loops (dsl/native.c), compiled once per machine with the system's C compiler, run by ctypes.
 
 A loop of many tiny steps (Sinkhorn's, 20 iterations over a 4 x 4 matrix per token, 16 times a decode step of
-v41-tiny; the fp8 and fp4 roundings and cache codes and rope's rotation, each several torch calls on a row or two)
+v41-tiny; the fp8 and fp4 roundings and cache codes, the caches' row reads and writes, rope's rotation and the sums
+written as elementwise adds, each several torch calls on a row or two)
 costs microseconds per torch or numpy call; in C the whole loop takes about as long as one such call. The C code
 gives the same bits as the torch code it stands for (tests/test_hyper_sinkhorn.py, tests/test_native_rounding.py,
 tests/test_native_rope.py), so the cpu target still matches the reference exactly, with or without it.
@@ -90,7 +91,12 @@ def library() -> ctypes.CDLL | None:
                                ("deepinfer_fp8_encode_f32", [p, p, p, i64, i64], None),
                                ("deepinfer_fp4_encode_f32", [p, p, p, i64, i64, i32], i32),
                                ("deepinfer_decode_f32", [p, p, p, i64, i64, i32, i32], None),
-                               ("deepinfer_rope_f32", [p, p, p, i64, i64, i64, i64], None)):
+                               ("deepinfer_rope_f32", [p, p, p, i64, i64, i64, i64], None),
+                               ("deepinfer_load_rows_f32", [p, p, i64, i64, p, p, i64, p, i64, i64, p, i64, i64, i32,
+                                                            i32], i32),
+                               ("deepinfer_store_rows", [p, p, i64, p, p, i64, i64, i64, p, p, i64, p, i64, i64], i32),
+                               ("deepinfer_add_slices_f32", [p, i64, i64, i64, i64, i64, p, i64, p], None),
+                               ("deepinfer_weighted_heads_f32", [p, p, p, i64, i64, i64], None)):
         getattr(lib, name).argtypes, getattr(lib, name).restype = args, result
     return lib
 
@@ -192,4 +198,98 @@ def rope(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor | None:
     out = torch.empty_like(x)
     inner = x.numel() // (tokens * dim) if tokens * dim else 0
     lib.deepinfer_rope_f32(x.data_ptr(), rotation.data_ptr(), out.data_ptr(), tokens, inner, dim, half)
+    return out
+
+
+# ---- cache rows (dsl/cache.py's load_rows and store_rows) ----------------------------------------------------------
+# A pool part is [count, per, bytes] (blocks or ring slots of `per` rows); pair m of int64 (major, minor) names row
+# minor % per of block tables[major, minor // per] (major without `tables`). None / False where the C code does not
+# apply (no library; not contiguous CPU tensors of those dtypes; a pair outside the pool, which the torch code
+# reports): the caller runs its torch code.
+
+
+def _pairs(major: torch.Tensor, minor: torch.Tensor, tables: torch.Tensor | None) -> tuple[int, int, int] | None:
+    """(tables' pointer or 0, its rows, its width) where the pairs and table are contiguous int64 CPU tensors."""
+    for t in (major, minor) if tables is None else (major, minor, tables):
+        if t.device.type != "cpu" or t.dtype != torch.int64 or not t.is_contiguous():
+            return None
+    if major.dim() != 1 or minor.shape != major.shape:
+        return None
+    if tables is None:
+        return 0, 0, 0
+    return (tables.data_ptr(), tables.shape[0], tables.shape[1]) if tables.dim() == 2 else None
+
+
+def _byte_parts(parts: list[torch.Tensor]) -> bool:
+    return (len(parts) == 2 and all(p.device.type == "cpu" and p.element_size() == 1 and p.is_contiguous()
+                                    and p.dim() == 3 for p in parts) and parts[0].shape[:2] == parts[1].shape[:2])
+
+
+def load_rows(parts: list[torch.Tensor], major: torch.Tensor, minor: torch.Tensor, tables: torch.Tensor | None,
+              kind: str, block: int, e4m3_scale: bool) -> torch.Tensor | None:
+    """float32 entries [M, D] stored as fp8 / fp4 codes and scales (`parts`) at the pairs, decoded as `decode` does."""
+    lib = library()
+    if lib is None or kind not in ("fp8", "fp4") or not _byte_parts(parts) or major.shape[0] == 0:
+        return None
+    if (table := _pairs(major, minor, tables)) is None:
+        return None
+    codes, scales = parts
+    dim = codes.shape[2] * (2 if kind == "fp4" else 1)
+    if block < 1 or dim % block or scales.shape[2] * block != dim:
+        return None
+    out = torch.empty(major.shape[0], dim, dtype=torch.float32)
+    if lib.deepinfer_load_rows_f32(codes.data_ptr(), scales.data_ptr(), codes.shape[0], codes.shape[1],
+                                   major.data_ptr(), minor.data_ptr(), major.shape[0], *table, out.data_ptr(), dim,
+                                   block, int(kind == "fp4"), int(e4m3_scale)):
+        return None
+    return out
+
+
+def store_rows(parts: list[torch.Tensor], encoded: list[torch.Tensor], major: torch.Tensor, minor: torch.Tensor,
+               tables: torch.Tensor | None) -> bool:
+    """Store encoded rows (codes and scales [M, ...], as `encode` makes them) in `parts` at the pairs, as
+    `part[block, row] = encoded` does; False, storing nothing, where the C code does not apply."""
+    lib = library()
+    if lib is None or not _byte_parts(parts) or len(encoded) != 2 or (table := _pairs(major, minor, tables)) is None:
+        return False
+    n = major.shape[0]
+    for part, rows in zip(parts, encoded, strict=True):
+        if (rows.device.type != "cpu" or rows.dtype != part.dtype or not rows.is_contiguous()
+                or tuple(rows.shape) != (n, part.shape[2])):
+            return False
+    return lib.deepinfer_store_rows(encoded[0].data_ptr(), parts[0].data_ptr(), parts[0].shape[2],
+                                    encoded[1].data_ptr(), parts[1].data_ptr(), parts[1].shape[2], parts[0].shape[0],
+                                    parts[0].shape[1], major.data_ptr(), minor.data_ptr(), n, *table) == 0
+
+
+# ---- sums of elementwise ops, added in torch's order (the MoE's expert outputs, the indexer's heads) ---------------
+
+
+def add_slices(x: torch.Tensor, which: list[int]) -> torch.Tensor | None:
+    """float32 [n, d]: +0 plus x[which[0]], plus x[which[1]], ... one after the other, as `y += x[j]` adds them in
+    torch; x a float32 CPU tensor [k, n, d] of any strides. None where the C code does not apply."""
+    lib = library()
+    if lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 3:
+        return None
+    if any(not 0 <= j < x.shape[0] for j in which):
+        return None
+    _, n, d = x.shape
+    y = torch.empty(n, d, dtype=torch.float32)
+    index = (ctypes.c_int64 * len(which))(*which)
+    lib.deepinfer_add_slices_f32(x.data_ptr(), *x.stride(), n, d, index, len(which), y.data_ptr())
+    return y
+
+
+def weighted_heads(s: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """float32 [..., width]: s[..., 0, :] * w[..., :1], plus s[..., h, :] * w[..., h:h+1] for each later head h in
+    turn, as torch adds them one at a time; s [..., heads, width], w [..., heads] contiguous float32 CPU tensors. None
+    where the C code does not apply."""
+    lib = library()
+    if (lib is None or s.device.type != "cpu" or w.device.type != "cpu" or s.dtype != torch.float32
+            or w.dtype != torch.float32 or not s.is_contiguous() or not w.is_contiguous() or s.dim() < 2
+            or tuple(w.shape) != tuple(s.shape[:-1]) or s.shape[-2] < 1):
+        return None
+    out = torch.empty(*s.shape[:-2], s.shape[-1], dtype=torch.float32)
+    lib.deepinfer_weighted_heads_f32(s.data_ptr(), w.data_ptr(), out.data_ptr(), w.numel() // w.shape[-1],
+                                     s.shape[-2], s.shape[-1])
     return out

@@ -28,9 +28,7 @@ def _cache_type(x: TensorType, **attrs) -> tuple[TensorType]:
 def _window_view(kv: torch.Tensor, layer: int, window: int, ctx: ForwardContext, lazy: bool = False) -> CacheView:
     """Per chunk: the last `window - 1` entries the window of `layer` holds before it (none before the chunk's
     `visible_from`), then the chunk's kv [N, D]. With `lazy`, a paged view gathers them when first read."""
-    kept = ctx.window_kept(window)
-    lengths = [k + n for k, n in zip(kept, ctx.lengths, strict=True)]
-    first = [s - k for s, k in zip(ctx.starts, kept, strict=True)]
+    kept, lengths, first = ctx.memo(("window lists", window), lambda: _window_lists_host(ctx, window))
     batch = ctx.paged
     if batch is None:
         keys = []
@@ -50,6 +48,16 @@ def _window_view(kv: torch.Tensor, layer: int, window: int, ctx: ForwardContext,
         return CacheView(values=gather(), lengths=lengths, first=first, length=length, offset=offset, first_t=first_t)
     return CacheView(lengths=lengths, first=first, length=length, offset=offset, first_t=first_t,
                      ring=PagedWindow(batch.cache, layer, window, batch.slots, ctx), make=gather)
+
+
+def _window_lists_host(ctx: ForwardContext, window: int) -> tuple[list[int], list[int], list[int]]:
+    """Per chunk: how many kept entries a window of `window` shows it, its view's length and its view's first
+    position. Set by the forward's layout alone: made once per forward and window, read (never written) by every
+    layer's view."""
+    kept = ctx.window_kept(window)
+    lengths = [k + n for k, n in zip(kept, ctx.lengths, strict=True)]
+    first = [s - k for s, k in zip(ctx.starts, kept, strict=True)]
+    return kept, lengths, first
 
 
 @functools.cache

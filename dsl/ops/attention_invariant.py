@@ -16,6 +16,7 @@ from dsl.context import cast
 from dsl.ops.cache_view import CacheView
 from dsl.ops.invariant import softmax
 from dsl.ops.registry import invariant
+from dsl.scalar import f32
 
 ATTENTION_ROWS = 1024  # queries whose keys are gathered at once: bounded memory
 
@@ -101,7 +102,7 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, sink: torch
             scale: float) -> torch.Tensor:
     """Attention of queries q [T, H, D] each over its own keys [T, S, D] (mask [T, S]) with the sink logit per head
     in the denominator: fp32 [T, H, D]."""
-    logits = torch.bmm(cast(q, torch.float32), keys.transpose(1, 2)) * scale  # [T, H, S]
+    logits = torch.bmm(cast(q, torch.float32), keys.transpose(1, 2)) * f32(scale)  # [T, H, S]
     logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
     full = torch.cat([logits, cast(sink, torch.float32).view(1, -1, 1).expand(q.shape[0], -1, 1)], dim=-1)
     probs = softmax(full, dim=-1)[..., :-1]

@@ -13,6 +13,7 @@ import torch
 
 from dsl.context import ForwardContext, PagedBatch, cast, segments, take_rows
 from dsl.ops.invariant import padded
+from dsl.ops.invariant import softmax as invariant_softmax
 from dsl.ops.registry import invariant, op
 from dsl.ops.static_entries import StaticEntries, completes
 from dsl.ragged import Ragged
@@ -24,9 +25,9 @@ def _entries_type(kv: TensorType, *rest, **attrs) -> tuple[TensorType]:
     return (TensorType((num_entries, kv.shape[-1]), "entries"),)
 
 
-def _pool(groups: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+def _pool(groups: torch.Tensor, gates: torch.Tensor, softmax: Callable = torch.softmax) -> torch.Tensor:
     """Entries [G, D] of groups [G, ratio, D], weighted by the softmax over each group of gates [G, ratio, D]."""
-    return (groups * gates.softmax(dim=1)).sum(dim=1)
+    return (groups * softmax(gates, dim=1)).sum(dim=1)
 
 
 def pool_rows(kv: torch.Tensor, gate: torch.Tensor, kept_kv: torch.Tensor, kept_gate: torch.Tensor,
@@ -49,16 +50,26 @@ def compress_pool(kv: torch.Tensor, gate: torch.Tensor | None = None, *, layer: 
     return pool_entries(kv, gate, layer=layer, ratio=ratio, ctx=ctx)
 
 
-# Batch-invariant on any device: the softmax over a group and its weighted sum in a fixed order (on a GPU torch's
-# reductions split a row's sum by the tensor's size).
-invariant("compress_pool", anywhere=True)(padded(compress_pool, pad=False))
+_padded_pool = padded(compress_pool, pad=False)
+
+
+@invariant("compress_pool", anywhere=True)
+def invariant_compress_pool(kv: torch.Tensor, gate: torch.Tensor | None = None, *, layer: int, ratio: int,
+                            ctx) -> Ragged:
+    """Batch-invariant on any device: the softmax over a group and its weighted sum in a fixed order (on a GPU torch's
+    reductions split a row's sum by the tensor's size), under InvariantElementwise. On the CPU outside a static step
+    the mode changes only the pooling's softmax (the CPU's sums are torch's own), which is called directly instead:
+    the mode's dispatch is not paid by every torch call of the op."""
+    if isinstance(ctx, StaticStep) or kv.device.type != "cpu":
+        return _padded_pool(kv, gate, layer=layer, ratio=ratio, ctx=ctx)
+    return pool_entries(kv, gate, layer=layer, ratio=ratio, ctx=ctx, softmax=invariant_softmax)
 
 
 def pool_entries(kv: torch.Tensor, gate: torch.Tensor | None, *, layer: int, ratio: int, ctx,
-                 pool_groups: Callable | None = None) -> Ragged:
+                 pool_groups: Callable | None = None, softmax: Callable = torch.softmax) -> Ragged:
     """`compress_pool`, the completed groups pooled by `pool_groups(kv, gate, kept_kv, kept_gate, source)` where
-    given (kernels/compressor/pool.py), else by torch (`pool_rows`); a paged batch on the CPU, which pools chunk
-    by chunk, keeps torch."""
+    given (kernels/compressor/pool.py), else by torch (`pool_rows`, `_pool` with `softmax`); a paged batch on the
+    CPU, which pools chunk by chunk, keeps torch."""
     if isinstance(ctx, StaticStep):
         return static_pool(kv, gate, layer=layer, ratio=ratio, step=ctx, pool_groups=pool_groups)
     first = [s // ratio for s in ctx.starts]
@@ -67,7 +78,8 @@ def pool_entries(kv: torch.Tensor, gate: torch.Tensor | None, *, layer: int, rat
         return Ragged(cast(kv, torch.float32), counts, first)
     if ctx.paged is not None:
         kv, gate = cast(kv, torch.float32), cast(gate, torch.float32)
-        return Ragged(_pool_batch(kv, gate, layer, ratio, ctx, ctx.paged, sum(counts), pool_groups), counts, first)
+        return Ragged(_pool_batch(kv, gate, layer, ratio, ctx, ctx.paged, sum(counts), pool_groups, softmax), counts,
+                      first)
     values = []
     for c in ctx.chunks:
         storage, pending = c.state.storage, c.start_pos % ratio
@@ -84,7 +96,7 @@ def pool_entries(kv: torch.Tensor, gate: torch.Tensor | None, *, layer: int, rat
                                       torch.arange(usable, device=ckv.device).reshape(-1, ratio)))
             continue
         values.append(_pool(ckv[:usable].reshape(-1, ratio, ckv.shape[-1]),
-                            cgate[:usable].reshape(-1, ratio, ckv.shape[-1])))
+                            cgate[:usable].reshape(-1, ratio, ckv.shape[-1]), softmax))
     return Ragged(torch.cat(values) if values else kv.new_zeros(0, kv.shape[-1], dtype=torch.float32), counts, first)
 
 
@@ -120,9 +132,11 @@ def static_pool(kv: torch.Tensor, gate: torch.Tensor | None, *, layer: int, rati
 
 
 def _pool_batch(kv: torch.Tensor, gate: torch.Tensor, layer: int, ratio: int, ctx: ForwardContext,
-                batch: PagedBatch, total: int, pool_groups: Callable | None = None) -> torch.Tensor:
+                batch: PagedBatch, total: int, pool_groups: Callable | None = None,
+                softmax: Callable = torch.softmax) -> torch.Tensor:
     """`compress_pool` of every chunk at once: read the partial groups, store the chunks' rows, pool the `total`
-    completed groups (with `pool_groups` where given). kv, gate [N, D] fp32 -> [total, D]."""
+    completed groups (with `pool_groups` where given, else chunk by chunk with `softmax` on the CPU). kv, gate [N, D]
+    fp32 -> [total, D]."""
     cache = batch.cache
     ring = cache.partials[layer].shape[2]
     slots, positions, source = ctx.memo(("pool", ratio), lambda: _pool_layout(ctx, batch, ratio, total))
@@ -141,7 +155,7 @@ def _pool_batch(kv: torch.Tensor, gate: torch.Tensor, layer: int, ratio: int, ct
     for s, length in zip(ctx.starts, ctx.lengths, strict=True):
         end = begin + (s % ratio + length) // ratio
         if end > begin:
-            pooled[begin:end] = _pool(groups[begin:end], gates[begin:end])
+            pooled[begin:end] = _pool(groups[begin:end], gates[begin:end], softmax)
         begin = end
     return pooled
 

@@ -9,6 +9,7 @@ from dsl.context import cast
 from dsl.ops.invariant import MIN_COLS, pad_rows
 from dsl.ops.registry import invariant, op, same_as_first
 from dsl.ragged import Ragged, ragged_map
+from dsl.scalar import f32
 from dsl.tensor import TensorType
 
 
@@ -85,7 +86,7 @@ def _norm_type(x: TensorType, w: TensorType | None = None, **attrs) -> tuple[Ten
 def rms_norm(x: torch.Tensor, w: torch.Tensor | None = None, *, eps: float) -> torch.Tensor:
     """w * x * rsqrt(mean(x^2) + eps) over the last dim, in fp32; no weight when `w` is None."""
     x = cast(x, torch.float32)
-    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
+    y = x * torch.rsqrt(x.square().mean(-1, keepdim=True) + f32(eps))
     return y if w is None else cast(w, torch.float32) * y
 
 

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
 from dsl import native
 from dsl.context import cast
+from dsl.derived import derived
 from dsl.ops.dense import add, invariant_linear
 from dsl.ops.invariant import sigmoid
 from dsl.ops.registry import invariant, op
+from dsl.scalar import f32, operand
 from dsl.tensor import TensorType
 
 
@@ -47,18 +47,19 @@ def invariant_hc_mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, b
     sigmoid rounds an element alike whatever the tensor's size."""
     hc = h.shape[1]
     flat = cast(h.reshape(h.shape[0], -1), torch.float32)  # [N, hc * D]
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True).add_(f32(norm_eps)))
     m = invariant_linear(flat, cast(fn, torch.float32))  # [N, (2 + hc) * hc]
-    z = m * cast(scale, torch.float32)[_scale_columns(hc, scale.device)] + cast(base, torch.float32)
+    z = m * derived(scale, ("hc columns", hc), lambda: _column_scales(scale, hc)) + cast(base, torch.float32)
     gates = sigmoid(z[:, : 2 * hc])
-    pre, post = gates[:, :hc] + eps, 2 * gates[:, hc:]
+    pre, post = gates[:, :hc] + f32(eps), gates[:, hc:] * f32(2.0)
     return pre, post, doubly_stochastic(z[:, 2 * hc :].reshape(-1, hc, hc), iters, eps)
 
 
-@functools.cache
-def _scale_columns(hc: int, device: torch.device) -> torch.Tensor:
-    """Which of the three scales multiplies each column of the mixes: pre's hc, post's hc, comb's hc * hc."""
-    return torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=device)
+def _column_scales(scale: torch.Tensor, hc: int) -> torch.Tensor:
+    """fp32 [(2 + hc) * hc]: the scale of each column of the mixes, pre's hc (scale[0]), post's hc (scale[1]), comb's
+    hc * hc (scale[2])."""
+    columns = torch.tensor([0] * hc + [1] * hc + [2] * hc * hc, device=scale.device)
+    return cast(scale, torch.float32)[columns]
 
 
 NUMPY_SINKHORN_ROWS = 32  # without the C loop: up to this many tokens numpy's per-call cost wins, above torch's
@@ -67,7 +68,7 @@ NUMPY_SINKHORN_ROWS = 32  # without the C loop: up to this many tokens numpy's p
 def doubly_stochastic(logits: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """comb [N, hc, hc] from its logits: softmax over the last dim, plus eps, then `sinkhorn` (in place on that sum,
     a fresh tensor, where the loop runs in C or numpy)."""
-    return sinkhorn(torch.softmax(logits, dim=-1) + eps, iters, eps)
+    return sinkhorn(torch.softmax(logits, dim=-1) + operand(eps, logits), iters, eps)
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -180,4 +181,4 @@ def invariant_add_hc_expand_mixes(a: torch.Tensor, b: torch.Tensor, h: torch.Ten
 def hc_collapse_rms_norm(h: torch.Tensor, pre: torch.Tensor, w: torch.Tensor, *, eps: float) -> torch.Tensor:
     """hc_collapse followed by rms_norm, one pass over the streams (made by the fusion pass)."""
     x = hc_collapse(h, pre)
-    return cast(w, torch.float32) * (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps))
+    return cast(w, torch.float32) * (x * torch.rsqrt(x.square().mean(-1, keepdim=True) + f32(eps)))

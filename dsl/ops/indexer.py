@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from dsl import native
 from dsl.context import cast
 from dsl.ops.cache_view import CacheView
 from dsl.ops.invariant import MIN_COLS, padded_rows
 from dsl.ops.registry import invariant, op
 from dsl.ops.static_entries import StaticCompressed, visible_counts
+from dsl.scalar import f32
 from dsl.step import StaticStep
 from dsl.tensor import TensorType, context
 from dsl.transfer import to_device
@@ -172,11 +174,12 @@ def invariant_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: CacheVi
     qb = torch.where(real[..., None, None], cast(q, torch.float32)[rows], 0.0)  # [B, T, H, d]
     b = rows.shape[0]
     s = torch.bmm(qb.reshape(b, tokens * heads, dim), k.transpose(1, 2)).view(b, tokens, heads, columns)
-    s = s[..., :width].relu_() * dim**-0.5  # [B, T, H, width]
-    w = cast(weights, torch.float32)[rows] * heads**-0.5  # [B, T, H]
-    scores = s[:, :, 0] * w[..., :1]
-    for h in range(1, heads):
-        scores = scores + s[:, :, h] * w[..., h : h + 1]
+    s = s[..., :width].relu_() * f32(dim**-0.5)  # [B, T, H, width]
+    w = cast(weights, torch.float32)[rows] * f32(heads**-0.5)  # [B, T, H]
+    if (scores := native.weighted_heads(s, w)) is None:  # the same products and adds in C, else in torch
+        scores = s[:, :, 0] * w[..., :1]
+        for h in range(1, heads):
+            scores = scores + s[:, :, h] * w[..., h : h + 1]
     scores = mask_incomplete(scores.reshape(b * tokens, width), ctx.positions[rows].reshape(-1), ratio)
     return scores[written]
 

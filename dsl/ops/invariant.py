@@ -29,6 +29,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from dsl.ragged import Ragged
+from dsl.scalar import operand
 
 ROW_QUANTUM, FREE_ROWS = 4, 12
 MIN_COLS = 16
@@ -56,11 +57,19 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
-    return 1 / (1 + torch.exp(-x))
+    """1 / (1 + exp(-x)): 1 / t is torch's reciprocal of t times 1, which is exact."""
+    return torch.reciprocal(_one_plus(torch.exp(-x)))
 
 
 def silu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
-    return x / (1 + torch.exp(-x))
+    return x / _one_plus(torch.exp(-x))
+
+
+def _one_plus(t: torch.Tensor) -> torch.Tensor:
+    """1 + t for a fresh result t: in place unless autograd needs t (exp's backward reads its output), with 1 as a
+    float32 tensor where t is float32 (dsl/scalar.py)."""
+    one = operand(1.0, t)
+    return t + one if t.requires_grad else t.add_(one)
 
 
 def _softplus(x: torch.Tensor, beta: float = 1.0, threshold: float = 20.0) -> torch.Tensor:

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from dsl import native
 from dsl.context import cast
 from dsl.ops.dense import invariant_linear, weight_values
 from dsl.ops.invariant import MIN_COLS, pad_rows, padded, silu
 from dsl.ops.registry import invariant, op
+from dsl.scalar import f32
 from dsl.tensor import TensorType
 
 
@@ -106,12 +108,12 @@ def invariant_moe_gate(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, *, 
     logits = torch.nn.functional.linear(pad_rows(cast(x, torch.float32)), cast(w, torch.float32))
     if temp != 1.0:
         logits = logits / temp
-    scores = torch.where(logits > 20.0, logits, torch.log1p(torch.exp(logits))).sqrt()  # [N', E]
+    scores = torch.where(logits > f32(20.0), logits, torch.log1p(torch.exp(logits))).sqrt()  # [N', E]
     experts = (scores + cast(bias, torch.float32)).topk(topk, dim=-1)[1]
     weights = scores.gather(1, experts)
     if normalize and topk > 1:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return (weights * scaling)[: x.shape[0]], experts[: x.shape[0]]
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + f32(1e-20))
+    return (weights * f32(scaling))[: x.shape[0]], experts[: x.shape[0]]
 
 
 def invariant_expert(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor, limit: float,
@@ -166,7 +168,7 @@ def _stacked_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tens
     expert was not chosen for has weight 0 there: its column of that expert's output is zero, and adding it leaves
     the token's sum as it was (no sum is -0, the accumulator starting at +0)."""
     n, dim = x.shape
-    used = torch.unique(experts).tolist()  # ascending
+    used = sorted(set(experts.reshape(-1).tolist()))  # ascending
     columns = _columns(x)  # [D, P]
     dense = torch.zeros(columns.shape[1], w1.shape[0], device=x.device)
     dense[:n].scatter_(1, experts, cast(weights, torch.float32))  # [P, E]: each token's weight for each expert
@@ -178,6 +180,8 @@ def _stacked_experts(x: torch.Tensor, weights: torch.Tensor, experts: torch.Tens
     inner = _inner(w1.reshape(k * inner_dim, dim), w3.reshape(k * inner_dim, dim), columns, limit)  # [k * I, P]
     inner = dense.t()[:, None, :] * inner.view(k, inner_dim, -1)  # the routing weight times the activations
     out = torch.bmm(w2, inner).transpose(1, 2)[:, :n]  # [k, N, D]
+    if (y := native.add_slices(out, used)) is not None:  # the same adds in C
+        return y
     y = torch.zeros(n, dim, device=x.device)
     for j in used:
         y += out[j]
