@@ -294,6 +294,25 @@ def launch_keys(graph, node, chosen, m: int) -> frozenset[str]:
     return frozenset(found)
 
 
+def test_a_buckets_trace_adds_one_tokens_launches_only_outside_exact_counts() -> None:
+    """Under a decode bucket's config a trace also runs one token where one token launches other kernels (the one-row
+    projections, the unrouted experts, the one-launch mixes), so the ahead-of-time builder builds them; inside
+    `exact_counts()` it runs the bucket's count alone, what a step of that many tokens launches."""
+    from kernels.lowering import exact_counts
+
+    graph, plan = planned("smooth")
+    added = set()
+    for node in plan.kernel_nodes():
+        chosen = node.at(16, plan.buckets)
+        traced = launch_keys(graph, node, chosen, 16)
+        with exact_counts():
+            alone, one = launch_keys(graph, node, chosen, 16), launch_keys(graph, node, chosen, 1)
+        assert alone <= traced <= alone | one, node.op
+        if traced != alone:
+            added.add(node.op)
+    assert {"linear", "moe_experts", "moe_gate", "hc_mixes", "hc_expand_mixes"} <= added
+
+
 @pytest.mark.parametrize("model_name", ["smooth", "v41"])
 def test_invariant_configs_launch_the_same_kernels_for_every_token_count(model_name) -> None:
     """Whatever the token count, a node's invariant config launches the same variants (so no tile or split is
