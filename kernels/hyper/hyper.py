@@ -282,9 +282,7 @@ def hc_update_mixes(a: torch.Tensor, b: torch.Tensor | None, h: torch.Tensor, po
     launch of its own): `hc_expand(a, h, post, comb)` (b None) or `hc_add_expand(a, b, h, post, comb)`, then
     `hc_mixes` of the result, with the bits of those launches. Returns the new streams fp32 [N, hc, D] and their
     pre, post and comb."""
-    _check_expand(a, h, post, comb, "hc_update_mixes", "a")
-    if b is not None:
-        _check_expand(b, h, post, comb, "hc_update_mixes", "b")
+    _check_expand({"a": a} if b is None else {"a": a, "b": b}, h, post, comb, "hc_update_mixes")
     new = torch.empty_like(h)
     return (new, *_mixes(h, fn, scale, base, (a, b, post, comb, new), iters=iters, eps=eps, norm_eps=norm_eps,
                          config=config, what="hc_update_mixes"))
@@ -319,8 +317,7 @@ def _mixes(h: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
     else:
         a, b, upd_post, upd_comb, new = update
         streams, one = (a, a if b is None else b, h, upd_post, upd_comb, new), {}
-        shape = dict(UPDATE=1 if b is None else 2, ROUND_BF16=b is not None and a.dtype == b.dtype == torch.bfloat16,
-                     HC=hc, D=d)
+        shape = dict(UPDATE=1 if b is None else 2, ROUND_BF16=_bf16_sum(a, b), HC=hc, D=d)
         partial_kernel, one_kernel = hc_update_mixes_partial_kernel, hc_update_mixes_kernel
     if one_launch(n, config):
         launch(one_kernel, (tiles, split),
@@ -353,16 +350,23 @@ def hc_collapse_rms_norm(h: torch.Tensor, pre: torch.Tensor, w: torch.Tensor | N
     return out
 
 
-def _check_expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, what: str,
-                  y_name: str) -> None:
+def _check_expand(outputs: dict[str, torch.Tensor], h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                  what: str) -> None:
+    """The stream update's operands: the sub-layer's outputs (by name), the streams, post and comb."""
     _check_streams(h, what)
     n, hc, d = h.shape
-    if tuple(y.shape) != (n, d) or not y.is_contiguous() or y.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"{what}'s {y_name} must be contiguous float32/bfloat16 [{n}, {d}], got {y.dtype} "
-                         f"{list(y.shape)}")
+    for name, y in outputs.items():
+        if tuple(y.shape) != (n, d) or not y.is_contiguous() or y.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"{what}'s {name} must be contiguous float32/bfloat16 [{n}, {d}], got {y.dtype} "
+                             f"{list(y.shape)}")
     for t, shape in ((post, (n, hc)), (comb, (n, hc, hc))):
         if tuple(t.shape) != shape or t.dtype != torch.float32 or not t.is_contiguous():
             raise ValueError(f"{what} needs contiguous float32 {list(shape)}, got {t.dtype} {list(t.shape)}")
+
+
+def _bf16_sum(a: torch.Tensor, b: torch.Tensor | None) -> bool:
+    """Whether torch's a + b is bf16 (both are), so a fused sum rounds to bf16 as it does (`ROUND_BF16`)."""
+    return b is not None and a.dtype == b.dtype == torch.bfloat16
 
 
 def _expand_grid(h: torch.Tensor) -> tuple[tuple[int, int], int]:
@@ -374,7 +378,7 @@ def _expand_grid(h: torch.Tensor) -> tuple[tuple[int, int], int]:
 def hc_expand(y: torch.Tensor, h: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """New streams out[:, k] = post[:, k] * y + sum_j comb[:, j, k] * h[:, j]: y [N, D] fp32/bf16,
     h [N, hc, D] fp32, post [N, hc], comb [N, hc, hc] fp32, all contiguous. Returns fp32 [N, hc, D]."""
-    _check_expand(y, h, post, comb, "hc_expand", "y")
+    _check_expand({"y": y}, h, post, comb, "hc_expand")
     out = torch.empty_like(h)
     if h.shape[0] == 0:
         return out
@@ -387,14 +391,13 @@ def hc_add_expand(a: torch.Tensor, b: torch.Tensor, h: torch.Tensor, post: torch
                   comb: torch.Tensor) -> torch.Tensor:
     """`hc_expand(a + b, h, post, comb)` in one launch, the sum made as torch makes it (fp32, or bf16 where a and b
     both are): the bits of torch's add and `hc_expand`. a, b [N, D] fp32/bf16; the rest as `hc_expand`."""
-    _check_expand(a, h, post, comb, "hc_add_expand", "a")
-    _check_expand(b, h, post, comb, "hc_add_expand", "b")
+    _check_expand({"a": a, "b": b}, h, post, comb, "hc_add_expand")
     out = torch.empty_like(h)
     if h.shape[0] == 0:
         return out
     grid, block_d = _expand_grid(h)
     launch(hc_add_expand_kernel, grid, (a, b, h, post, comb, out),
-           dict(HC=h.shape[1], D=h.shape[2], ROUND_BF16=a.dtype == b.dtype == torch.bfloat16, block_D=block_d), 4, 1)
+           dict(HC=h.shape[1], D=h.shape[2], ROUND_BF16=_bf16_sum(a, b), block_D=block_d), 4, 1)
     return out
 
 
