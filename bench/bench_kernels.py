@@ -36,6 +36,7 @@ from bench_rows import FP8_TFLOPS, LINEARS, ROWS, cycler, record  # noqa: E402
 import kernels.attention.sparse_attention as attention  # noqa: E402
 import kernels.engram.gate as engram  # noqa: E402
 import kernels.hyper.hyper as hyper  # noqa: E402
+import kernels.hyper.mixes as mixes  # noqa: E402
 import kernels.indexer.index_scores as indexer  # noqa: E402
 import kernels.linear.linear as linear  # noqa: E402
 import kernels.moe.experts as moe  # noqa: E402
@@ -150,7 +151,7 @@ def bench_norms(tokens: list[int]) -> None:
         kw = dict(iters=20, eps=1e-6, norm_eps=1e-20)
         cfg = tuned("hc_mixes", {"hc": hc, "d": d}, m)
         record("hc_mixes (sinkhorn)", f"{m}x{hc}x{d}",
-               time_us(lambda: hyper.hc_mixes(h, fn, sc, base, **kw, config=cfg)),
+               time_us(lambda: mixes.hc_mixes(h, fn, sc, base, **kw, config=cfg)),
                nbytes=m * hc * d * 4 + fn.numel() * 4, base="torch eager (dsl ref)",
                base_us=time_us(lambda: hyper_ref.hc_mixes(h, fn, sc, base, **kw)))
 

@@ -7,7 +7,7 @@ fixed order, so the same bits whichever program finishes last, and sets the coun
 (`tile_counters`) are one zeroed int32 buffer a device, shared by every launch that uses them: the launches of a
 stream run one after another, and each leaves every counter at zero. Users: the one-row linear kernels' K splits
 (kernels/linear/gemv.py), one token's routed experts summed over its slots (kernels/moe/experts.py), one token's gate
-(kernels/moe/gate.py) and hyper-connection mixes (kernels/hyper/hyper.py).
+(kernels/moe/gate.py) and hyper-connection mixes (kernels/hyper/mixes.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """The hyper-connections family.
 
-    hyper.py               the mixes (Sinkhorn), collapse + RMSNorm, the stream update, in Triton
+    mixes.py               the mixes (Sinkhorn), and the stream update made inside their first launch, in Triton
+    hyper.py               collapse + RMSNorm, the stream update, in Triton
     collapse_tilelang.py   collapse + RMSNorm in TileLang
 """

@@ -11,6 +11,7 @@ import torch
 
 import kernels.hyper.collapse_tilelang as collapse_tilelang
 import kernels.hyper.hyper as hyper
+import kernels.hyper.mixes as mixes
 import kernels.norm.e4m3 as e4m3
 from dsl.graph import Node
 from kernels.lowering import (
@@ -29,7 +30,7 @@ from kernels.lowering import (
 
 # where an op's streams [N, hc, D] come in (else first)
 STREAMS_INPUT = {"hc_expand": 1, "add_hc_expand": 2, "hc_expand_mixes": 1, "add_hc_expand_mixes": 2}
-DECODE_TOKENS = 64  # buckets up to here are decode buckets (`hyper.mixes_config`); the smallest serves one token
+DECODE_TOKENS = 64  # buckets up to here are decode buckets (`mixes.mixes_config`); the smallest serves one token
 
 
 @dataclass(frozen=True)
@@ -54,14 +55,14 @@ class _Streams(Lowering):
 
 
 class HcMixes(_Streams):
-    template, ops = "hc_mixes", ("hc_mixes",)
+    template, ops, sources = "hc_mixes", ("hc_mixes",), (mixes,)
 
     def formats(self, static: StreamsStatic) -> dict[int, str]:
         return {1: "fp32", 2: "fp32", 3: "fp32"}
 
     def default_config(self, static: StreamsStatic, tokens: int, variant: Variant = PLAIN,
                        gemms: tuple[str, ...] = ()) -> dict:
-        return hyper.mixes_config(tokens, static.hc * static.d)
+        return mixes.mixes_config(tokens, static.hc * static.d)
 
     def invariant(self, config: dict) -> dict:
         """One token in two launches too (`one_launch` False), the kernels of every other count."""
@@ -73,17 +74,17 @@ class HcMixes(_Streams):
 
     def trace(self, call: Call) -> None:
         """The bucket's launches, and under a decode bucket's config one token's too where its mixes run as one
-        launch (`hyper.one_launch`), another kernel."""
+        launch (`mixes.one_launch`), another kernel."""
         hc, d = call.static.hc, call.static.d
         nout = (2 + hc) * hc
-        one = call.tokens <= DECODE_TOKENS and hyper.one_launch(1, call.config)
+        one = call.tokens <= DECODE_TOKENS and mixes.one_launch(1, call.config)
         for m in traced_counts(call.tokens, one):
             self._mixes(call, meta(m, hc, d), meta(nout, hc * d), meta(3), meta(nout))
 
     @staticmethod
     def _mixes(call: Call, h, fn, scale, base) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         a = call.attrs
-        return hyper.hc_mixes(h, fn, scale, base, iters=a["iters"], eps=a["eps"], norm_eps=a["norm_eps"],
+        return mixes.hc_mixes(h, fn, scale, base, iters=a["iters"], eps=a["eps"], norm_eps=a["norm_eps"],
                               config=call.config)
 
 
@@ -96,7 +97,7 @@ class UpdateStatic(StreamsStatic):
 
 class HcUpdateMixes(HcMixes):
     """`hc_expand_mixes` and `add_hc_expand_mixes`: the stream update made inside the next mixes' first launch
-    (`hyper.hc_update_mixes`); the mixes' configs."""
+    (`mixes.hc_update_mixes`); the mixes' configs."""
 
     template, ops, static_type = "hc_update_mixes", ("hc_expand_mixes", "add_hc_expand_mixes"), UpdateStatic
 
@@ -117,7 +118,7 @@ class HcUpdateMixes(HcMixes):
     def trace(self, call: Call) -> None:
         st = call.static
         nout = (2 + st.hc) * st.hc
-        one = call.tokens <= DECODE_TOKENS and hyper.one_launch(1, call.config)
+        one = call.tokens <= DECODE_TOKENS and mixes.one_launch(1, call.config)
         for m in traced_counts(call.tokens, one):
             self._update(call, meta(m, st.d), meta(m, st.d) if st.add else None, meta(m, st.hc, st.d),
                          meta(m, st.hc), meta(m, st.hc, st.hc), meta(nout, st.hc * st.d), meta(3), meta(nout))
@@ -125,7 +126,7 @@ class HcUpdateMixes(HcMixes):
     @staticmethod
     def _update(call: Call, a, b, h, post, comb, fn, scale, base) -> tuple[torch.Tensor, ...]:
         at = call.attrs
-        return hyper.hc_update_mixes(a, b, h, post, comb, fn, scale, base, iters=at["iters"], eps=at["eps"],
+        return mixes.hc_update_mixes(a, b, h, post, comb, fn, scale, base, iters=at["iters"], eps=at["eps"],
                                      norm_eps=at["norm_eps"], config=call.config)
 
 

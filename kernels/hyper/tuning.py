@@ -7,7 +7,7 @@ import itertools
 
 import torch
 
-import kernels.hyper.hyper as hyper
+import kernels.hyper.mixes as mixes
 from dsl.ops import hyper as reference
 from kernels.hyper.lowering import HC_MIXES, StreamsStatic
 from kernels.tuning import Job, Tuning
@@ -30,7 +30,7 @@ def mixes_job(st: StreamsStatic, m: int, fields: dict) -> Job:
     args = (torch.randn(m, hc, d, device="cuda"), torch.randn((2 + hc) * hc, hc * d, device="cuda") * (hc * d) ** -0.5,
             torch.rand(3, device="cuda") + 0.5, torch.randn((2 + hc) * hc, device="cuda"))
     ref = torch.cat([t.reshape(m, -1) for t in reference.hc_mixes(*args, iters=20, eps=1e-6, norm_eps=1e-20)], 1)
-    return (lambda c: torch.cat([t.reshape(m, -1) for t in hyper.hc_mixes(*args, iters=20, eps=1e-6, norm_eps=1e-20,
+    return (lambda c: torch.cat([t.reshape(m, -1) for t in mixes.hc_mixes(*args, iters=20, eps=1e-6, norm_eps=1e-20,
                                                                           config=c)], 1)), ref, 1e-4
 
 

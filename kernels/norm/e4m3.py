@@ -36,7 +36,7 @@ def rms_norm_e4m3_kernel(x_ptr, w_ptr, q_ptr, s_ptr, D: tl.constexpr, EPS: tl.co
 def hc_collapse_rms_norm_e4m3_kernel(h_ptr, pre_ptr, w_ptr, q_ptr, s_ptr, HC: tl.constexpr, D: tl.constexpr,
                                      EPS: tl.constexpr, ROW: tl.constexpr, block_D: tl.constexpr):
     """sum_k pre[r, k] * h[r, k] normed, as e4m3 rows of ROW bytes (as above). The sum is hyper.py's
-    `hc_collapse_rms_norm_kernel`'s, written out here: hyper.py's source keys its tuned hc_mixes configs."""
+    `hc_collapse_rms_norm_kernel`'s, written out here: hyper.py's kernels key the collapse's tuned configs."""
     pdl_prologue()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, block_D)

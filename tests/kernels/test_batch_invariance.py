@@ -17,7 +17,7 @@ from dsl.ops import hyper as hyper_ref
 from dsl.quant import quantize_fp8_block
 from graphs.plan import INVARIANT_TOKENS
 from kernels.attention.sparse_attention import sparse_attention
-from kernels.hyper.hyper import hc_mixes
+from kernels.hyper.mixes import hc_mixes
 from kernels.linear.linear import linear
 from kernels.lowering import PLAIN
 from kernels.moe.experts import moe_experts

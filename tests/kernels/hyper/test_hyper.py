@@ -7,10 +7,11 @@ import itertools
 import pytest
 import torch
 
-import kernels.hyper.hyper as hyper
+import kernels.hyper.mixes as mixes
 from dsl.ops import hyper as ref
 from kernels import tickets
-from kernels.hyper.hyper import hc_add_expand, hc_collapse_rms_norm, hc_expand, hc_mixes, hc_update_mixes
+from kernels.hyper.hyper import hc_add_expand, hc_collapse_rms_norm, hc_expand
+from kernels.hyper.mixes import hc_mixes, hc_update_mixes
 from kernels.launch import jit_launch, use_launcher
 from tests.conftest import fixture_dir
 from tests.kernels.cases import HIDDEN, gen, rel_l2
@@ -45,12 +46,12 @@ def test_hc_mixes_matches_reference(n, d, config, device) -> None:
 
 
 def mixes_both_ways(n: int, d: int, device: str, config: dict | None, monkeypatch) -> list[torch.Tensor]:
-    """The mixes as one launch and as two (`hyper.ONE_LAUNCH_ROWS` set past n, then below it): the same bits, the
+    """The mixes as one launch and as two (`mixes.ONE_LAUNCH_ROWS` set past n, then below it): the same bits, the
     kernels named, and the tile counters left at zero."""
     args = mix_inputs(n, d, device)
     outs = {}
     for rows, kernels in ((n, ["hc_mixes_kernel"]), (0, ["hc_mixes_partial_kernel", "hc_mixes_finish_kernel"])):
-        monkeypatch.setattr(hyper, "ONE_LAUNCH_ROWS", rows)
+        monkeypatch.setattr(mixes, "ONE_LAUNCH_ROWS", rows)
         calls = []
         with use_launcher(lambda c: (calls.append(c.name), jit_launch(c))):
             outs[rows] = hc_mixes(*args, iters=ITERS, eps=EPS, norm_eps=NORM_EPS, config=config)
@@ -73,7 +74,7 @@ def test_hc_mixes_one_launch_is_the_two_launches_bits(n, d, config, device, monk
 
 def test_one_token_mixes_run_as_one_launch_outside_invariant_configs(device) -> None:
     """One token: one launch; two tokens, or one under a batch-invariant config (`one_launch` False): two."""
-    invariant = dict(hyper.mixes_config(1, HC * 64), one_launch=False)
+    invariant = dict(mixes.mixes_config(1, HC * 64), one_launch=False)
     calls = []
     with use_launcher(lambda c: (calls.append(c.name), jit_launch(c))):
         hc_mixes(*mix_inputs(1, 64, device), iters=ITERS, eps=EPS, norm_eps=NORM_EPS)
@@ -136,7 +137,7 @@ def test_hc_add_expand_names_a_bad_operand(device) -> None:
 def update_mixes_both_ways(n: int, d: int, add: bool, dtypes: tuple[torch.dtype, torch.dtype], device: str,
                            config: dict | None, monkeypatch) -> list[torch.Tensor]:
     """`hc_update_mixes` against the stream update's own launch and `hc_mixes` of its streams: the same bits, as one
-    launch and as two (`hyper.ONE_LAUNCH_ROWS` past n, then 0), the counters left at zero."""
+    launch and as two (`mixes.ONE_LAUNCH_ROWS` past n, then 0), the counters left at zero."""
     h, fn, scale, base = mix_inputs(n, d, device)
     post = gen(n, HC, device=device, seed=5)
     comb = gen(n, HC, HC, device=device, seed=6).softmax(-1)
@@ -147,7 +148,7 @@ def update_mixes_both_ways(n: int, d: int, add: bool, dtypes: tuple[torch.dtype,
     want = [streams, *hc_mixes(streams, fn, scale, base, **kw)]
     for rows, kernels in ((n, ["hc_update_mixes_kernel"]), (0, ["hc_update_mixes_partial_kernel",
                                                                "hc_mixes_finish_kernel"])):
-        monkeypatch.setattr(hyper, "ONE_LAUNCH_ROWS", rows)
+        monkeypatch.setattr(mixes, "ONE_LAUNCH_ROWS", rows)
         calls = []
         with use_launcher(lambda c: (calls.append(c.name), jit_launch(c))):
             got = hc_update_mixes(a, b, h, post, comb, fn, scale, base, **kw)
